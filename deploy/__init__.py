@@ -1,0 +1,1 @@
+"""Ways to run the three services: local processes (deploy.local)."""

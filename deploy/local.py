@@ -1,0 +1,119 @@
+"""Run draft, target and orchestrator as three local processes on free loopback ports.
+
+Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
+port and writes {"address": ...} to F once it serves. Children log to files in a temporary
+folder, shown when one fails to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec import models
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
+    draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    host: str = "127.0.0.1"
+    port: int = 0  # orchestrator port; 0 picks a free one
+    start_timeout: float = 300.0
+
+
+@dataclass
+class LocalPipeline:
+    """Three child processes; use as a context manager, or call stop()."""
+
+    config: PipelineConfig
+    log: callable = print
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-")))
+    procs: dict = field(default_factory=dict)
+    addresses: dict = field(default_factory=dict)
+
+    def start(self) -> LocalPipeline:
+        cfg = self.config
+        if models.ALIASES & {cfg.target.model, cfg.draft.model}:
+            models.ensure_default_converted()  # once, here, so its progress bar is seen
+        t0 = time.perf_counter()
+        try:
+            self._spawn("draft", "draft-service", _model_args(cfg.draft), 0)
+            self._spawn("target", "target-service", _model_args(cfg.target), 0)
+            for name in ("draft", "target"):
+                self._wait(name)
+            self._spawn(
+                "orchestrator",
+                "orchestrator",
+                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]],
+                cfg.port,
+            )
+            self._wait("orchestrator")
+        except BaseException:
+            self.stop()
+            raise
+        self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.addresses["orchestrator"]
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items())
+
+    def _spawn(self, name: str, command: str, args: list[str], port: int) -> None:
+        ready = self.workdir / f"{name}.ready"
+        logfile = open(self.workdir / f"{name}.log", "wb")
+        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", self.config.host]
+        cmd += ["--port", str(port), "--ready-file", str(ready), *args]
+        self.log(f"specdec: starting {name} service")
+        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def _wait(self, name: str) -> None:
+        ready = self.workdir / f"{name}.ready"
+        deadline = time.monotonic() + self.config.start_timeout
+        proc = self.procs[name]
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the {name} service exited with code {proc.returncode} while starting:\n" + self.tail(name)
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {name} service did not start in time:\n" + self.tail(name))
+            time.sleep(0.1)
+        self.addresses[name] = json.loads(ready.read_text())["address"]
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _model_args(spec: models.ModelSpec) -> list[str]:
+    return ["--model", spec.model, "--device", spec.device, "--dtype", spec.dtype]

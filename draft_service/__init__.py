@@ -1,0 +1,1 @@
+"""The draft service: a small model that proposes k tokens per round over gRPC."""

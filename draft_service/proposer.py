@@ -1,0 +1,55 @@
+"""Proposing: k autoregressive draft steps with the request's sampling transform.
+
+Randomness comes in as uniforms (one per token) so the service is deterministic and a
+seeded request reproducible. In sampling mode the k distributions stay in the session
+for ProposalRow: the rule needs one of them only when it rejects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec import rule
+from specdec.engine import Session, SessionEngine
+from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from specdec.sampling import SamplingParams, probs_from_logits
+
+
+def propose(
+    engine: SessionEngine,
+    session: Session,
+    k: int,
+    params: SamplingParams,
+    uniforms: list[float],
+) -> tuple[list[int], list[float]]:
+    """Propose k tokens after the committed sequence: (token ids, draft probs of them)."""
+    if k < 1:
+        raise InvalidArgument(f"k must be >= 1, got {k}")
+    if not params.greedy and len(uniforms) != k:
+        raise InvalidArgument(f"uniforms: sampling needs k={k} uniforms, got {len(uniforms)}")
+    drafts: list[int] = []
+    token_probs: list[float] = []
+    rows = []
+    for i in range(k):
+        logits = engine.forward(session, drafts, 1)[0]
+        if params.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            row = probs_from_logits(logits[None], params)[0]
+            token = rule.sample(row.cpu().numpy(), uniforms[i])
+            token_probs.append(float(row[token]))
+            rows.append(row)
+        drafts.append(token)
+    session.proposal_rows = torch.stack(rows) if rows else None
+    return drafts, token_probs
+
+
+def proposal_row(session: Session, position: int) -> np.ndarray:
+    """The draft distribution at a position of the last (sampling-mode) proposal."""
+    rows = session.proposal_rows
+    if rows is None:
+        raise FailedPrecondition("the session has no sampling-mode proposal to read")
+    if not 0 <= position < rows.shape[0]:
+        raise OutOfRange(f"position {position} is outside 0..{rows.shape[0] - 1}")
+    return rows[position].float().cpu().numpy()

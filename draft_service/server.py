@@ -1,0 +1,41 @@
+"""The draft service's servicer: translate protos, delegate to the engine and proposer."""
+
+from __future__ import annotations
+
+from draft_service.proposer import proposal_row, propose
+from specdec import wire
+from specdec.engine import SessionEngine
+from specdec.sampling import SamplingParams
+from specdec.service import SessionServicer, add_health, make_server
+from specdec.v1 import model_pb2, model_pb2_grpc
+
+SERVICE_NAME = "specdec.v1.DraftService"
+
+
+class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
+    def Propose(self, request, context):
+        ref = request.session
+        with self.engine.session(ref.session_id, ref.expected_length) as session:
+            self.engine.commit(session, list(request.append_tokens))
+            tokens, probs = propose(
+                self.engine,
+                session,
+                request.k,
+                SamplingParams.from_proto(request.sampling),
+                list(request.uniforms),
+            )
+            return model_pb2.ProposeResponse(token_ids=tokens, token_probs=probs, length=len(session.tokens))
+
+    def ProposalRow(self, request, context):
+        ref = request.session
+        with self.engine.session(ref.session_id, ref.expected_length) as session:
+            return wire.encode_row(proposal_row(session, request.position))
+
+
+def serve(backend, host: str = "127.0.0.1", port: int = 0):
+    """Start a draft service on host:port; returns (server, bound port)."""
+    server, bound = make_server(host, port)
+    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft")), server)
+    add_health(server, SERVICE_NAME)
+    server.start()
+    return server, bound

@@ -1,0 +1,221 @@
+"""The speculative decoding loop across the draft and target services, token ids only.
+
+One round: DraftService.Propose (k tokens) then TargetService.Score (k + 1 positions in one
+forward), then the pure rule (specdec.rule) decides what is committed. The commit rides on
+each service's next request (`append_tokens`), so a round is two RPCs; a third, ProposalRow,
+happens only in sampling mode on a rejection, to fetch the one draft row the residual needs.
+
+All randomness is drawn here from one seeded generator, a fixed number of draws per round,
+so a seed reproduces a generation whatever the services' hardware.
+
+The loop knows nothing of text: the caller (orchestrator.generation) detokenises and
+handles stop strings, and may stop consuming at any round; the sessions are closed then.
+`draft` and `target` are anything with the stubs' methods (gRPC stubs, or in-process
+adapters in tests).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec import rule, wire
+from specdec.errors import SpecdecError
+from specdec.v1 import model_pb2
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    sampling: model_pb2.SamplingParams
+    max_new_tokens: int
+    lookahead: int = 4
+    speculate: bool = True
+    seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature == 0.0
+
+
+@dataclass
+class LoopStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+
+@dataclass
+class Round:
+    """What one round committed (after stop handling) and how."""
+
+    token_ids: list[int]
+    proposed: int
+    accepted: int
+    finish_reason: str = ""  # "", "length" or "stop"
+
+
+@dataclass
+class _Side:
+    """The orchestrator's view of one service's session."""
+
+    stub: object
+    length: int = 0  # committed length the service has applied
+    pending: list[int] = field(default_factory=list)  # committed here, not yet sent
+
+    def ref(self, session_id: str) -> model_pb2.SessionRef:
+        return model_pb2.SessionRef(session_id=session_id, expected_length=self.length)
+
+
+class SpeculativeLoop:
+    def __init__(self, draft, target, prompt: list[int], config: LoopConfig, timeout=None):
+        self.config = config
+        self.prompt = list(prompt)
+        self.session_id = uuid.uuid4().hex
+        self.stats = LoopStats()
+        # The caller's deadline bounds the whole generation; each RPC gets what is left of it.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.draft = _Side(draft) if config.speculate else None
+        self.target = _Side(target)
+        self.generated: list[int] = []
+        self.rng = np.random.default_rng(config.seed)
+
+    def _timeout(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def rounds(self) -> Iterator[Round]:
+        """Open both sessions, yield each round's commit, close the sessions however it ends."""
+        sides = [s for s in (self.draft, self.target) if s is not None]
+        opened = []
+        try:
+            for side in sides:
+                side.stub.OpenSession(
+                    model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
+                    timeout=self._timeout(),
+                )
+                opened.append(side)
+                side.length = len(self.prompt)
+            while True:
+                step = self._round()
+                yield step
+                if step.finish_reason:
+                    return
+        finally:
+            for side in opened:
+                try:
+                    side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
+                except Exception:  # noqa: BLE001 - best effort; the service may be gone
+                    pass
+
+    # -- one round -------------------------------------------------------------------------
+    def _round(self) -> Round:
+        cfg = self.config
+        remaining = cfg.max_new_tokens - len(self.generated)
+        # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
+        # the bonus position, and with one token left plain target decoding is cheapest.
+        k = min(cfg.lookahead, remaining - 1) if self.draft is not None else 0
+        # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
+        if cfg.greedy:
+            draft_u = accept_u = []
+            final_u = 0.0
+        else:
+            draws = self.rng.random(2 * cfg.lookahead + 1)
+            draft_u, accept_u, final_u = draws[:k], draws[cfg.lookahead : cfg.lookahead + k], draws[-1]
+
+        drafts: list[int] = []
+        draft_probs: list[float] = []
+        if k > 0:
+            t0 = time.perf_counter()
+            proposal = self.draft.stub.Propose(
+                model_pb2.ProposeRequest(
+                    session=self.draft.ref(self.session_id),
+                    append_tokens=self.draft.pending,
+                    k=k,
+                    sampling=cfg.sampling,
+                    uniforms=draft_u,
+                ),
+                timeout=self._timeout(),
+            )
+            self.stats.draft_seconds += time.perf_counter() - t0
+            self.draft.length, self.draft.pending = proposal.length, []
+            drafts, draft_probs = list(proposal.token_ids), list(proposal.token_probs)
+
+        t0 = time.perf_counter()
+        scores = self.target.stub.Score(
+            model_pb2.ScoreRequest(
+                session=self.target.ref(self.session_id),
+                append_tokens=self.target.pending,
+                draft_token_ids=drafts,
+                sampling=cfg.sampling,
+                draft_token_probs=draft_probs,
+                accept_uniforms=accept_u,
+            ),
+            timeout=self._timeout(),
+        )
+        self.stats.target_seconds += time.perf_counter() - t0
+        self.target.length, self.target.pending = scores.length, []
+
+        if cfg.greedy:
+            accepted = rule.greedy_accepted_length(drafts, scores.argmax_token_ids)
+            last = scores.argmax_token_ids[accepted]
+        else:
+            accepted = rule.accepted_length(draft_probs, scores.draft_token_target_probs, accept_u)
+            if accepted != scores.row_position:
+                raise SpecdecError(f"target returned row {scores.row_position}, the rule needs {accepted}")
+            target_row = wire.decode_row(scores.row)
+            if accepted == k:  # every draft passed: the bonus token
+                last = rule.sample(target_row, final_u)
+            else:  # first rejection: the recovered token, from the residual
+                last = rule.sample(rule.residual(target_row, self._draft_row(accepted)), final_u)
+        committed = drafts[:accepted] + [last]
+        return self._commit(committed, proposed=k, accepted=accepted)
+
+    def _draft_row(self, position: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        row = self.draft.stub.ProposalRow(
+            model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=position),
+            timeout=self._timeout(),
+        )
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return wire.decode_row(row)
+
+    def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
+        cfg = self.config
+        stops = cfg.stop_token_ids
+        finish = ""
+        for i, token in enumerate(committed):
+            if token in stops:  # the stop token ends generation and is not emitted
+                committed, finish = committed[:i], "stop"
+                break
+        room = cfg.max_new_tokens - len(self.generated)
+        if not finish and len(committed) >= room:
+            committed, finish = committed[:room], "length"
+        self.generated.extend(committed)
+        for side in (self.draft, self.target):
+            if side is not None:
+                side.pending.extend(committed)
+        s = self.stats
+        s.rounds += 1
+        s.draft_tokens += proposed
+        s.accepted_tokens += accepted
+        s.generated_tokens = len(self.generated)
+        return Round(committed, proposed, accepted, finish)
+
+    def flush(self) -> None:
+        """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
+        for side in (self.draft, self.target):
+            if side is not None and side.pending:
+                side.stub.Append(
+                    model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),
+                    timeout=self._timeout(),
+                )
+                side.length += len(side.pending)
+                side.pending = []

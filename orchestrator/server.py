@@ -1,0 +1,99 @@
+"""The orchestrator's servicer and startup: connect to both services, check they are a pair,
+serve the client API (Generate, GenerateStream)."""
+
+from __future__ import annotations
+
+import grpc
+
+from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
+from specdec.errors import FailedPrecondition
+from specdec.service import CHANNEL_OPTIONS, add_health, deadline_seconds, make_server
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+
+SERVICE_NAME = "specdec.v1.Orchestrator"
+
+
+def connect(draft_address: str | None, target_address: str, wait_seconds: float = 60.0) -> ModelPair:
+    """Stubs for both services, after checking they can speculate together.
+
+    A draft and target must share a vocabulary (same size, same token -> id map); a
+    mismatched pair is refused with a message that names both models. With no draft
+    address the orchestrator serves target-only decoding.
+    """
+    target = model_pb2_grpc.TargetServiceStub(_channel(target_address, wait_seconds))
+    target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
+    draft = None
+    max_context = target_info.max_context
+    if draft_address:
+        draft = model_pb2_grpc.DraftServiceStub(_channel(draft_address, wait_seconds))
+        draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
+        check_pair(draft_info, target_info)
+        max_context = min(max_context, draft_info.max_context)
+    tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
+    return ModelPair(
+        draft=draft,
+        target=target,
+        tokenizer=tokenizer,
+        max_context=max_context,
+        vocab_size=target_info.vocab_size,
+        eos_token_ids=frozenset(target_info.eos_token_ids),
+    )
+
+
+def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
+    if draft.vocab_size != target.vocab_size or draft.tokenizer_digest != target.tokenizer_digest:
+        raise FailedPrecondition(
+            f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, tokenizer "
+            f"{draft.tokenizer_digest[:12]}) and target model {target.model_name!r} (vocab "
+            f"{target.vocab_size}, tokenizer {target.tokenizer_digest[:12]}) do not share a "
+            "vocabulary; speculative decoding needs the same tokenizer on both sides"
+        )
+
+
+def _channel(address: str, wait_seconds: float) -> grpc.Channel:
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=wait_seconds)
+    except grpc.FutureTimeoutError:
+        raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s") from None
+    return channel
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, pair: ModelPair):
+        self.pair = pair
+
+    def _chunks(self, request, context):
+        if request.speculation.disabled or self.pair.draft is None:
+            request.speculation.disabled = True
+        return generate(self.pair, request, timeout=deadline_seconds(context))
+
+    def Generate(self, request, context):
+        ids, text = [], []
+        last = None
+        for chunk in self._chunks(request, context):
+            ids += chunk.token_ids
+            text.append(chunk.text)
+            last = chunk
+        return orchestrator_pb2.GenerateResponse(
+            token_ids=ids, text="".join(text), finish_reason=last.finish_reason, stats=last.stats
+        )
+
+    def GenerateStream(self, request, context):
+        for chunk in self._chunks(request, context):
+            yield _chunk_proto(chunk)
+
+
+def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
+    return orchestrator_pb2.GenerateChunk(
+        token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason, stats=chunk.stats
+    )
+
+
+def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0):
+    """Start the orchestrator on host:port; returns (server, bound port)."""
+    server, bound = make_server(host, port)
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server)
+    add_health(server, SERVICE_NAME)
+    server.start()
+    return server, bound

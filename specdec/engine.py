@@ -1,0 +1,137 @@
+"""Per-session KV caches over a backend: open, commit, feed, roll back, close.
+
+A session holds its committed tokens and a cache of keys/values for a prefix of
+(committed tokens + a speculative tail). Invariants, restored after every change:
+- `cached` (the tokens whose keys/values the cache holds) agrees with the committed tokens
+  wherever both are defined;
+- between requests the cache holds at most len(tokens) - 1 committed tokens: the last
+  committed token is fed again with the next block, as in seed 003.
+Rollback and discarding a rejected speculative tail are truncations (O(1) per layer):
+no copies, no re-prefill.
+
+The engine knows nothing of RPC or of the accept/resample rule; draft_service and
+target_service build propose and score on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+
+
+@dataclass
+class Session:
+    tokens: list[int]
+    cache: Any
+    cached: list[int] = field(default_factory=list)
+    # Draft only: the distributions of the last proposal, [k, vocab], for ProposalRow.
+    proposal_rows: torch.Tensor | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionEngine:
+    def __init__(self, backend, role: str):
+        self.backend = backend
+        self.role = role
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def open(self, session_id: str, prompt: list[int]) -> int:
+        if not session_id:
+            raise InvalidArgument("session_id must not be empty")
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        self.check_tokens(prompt, "prompt_token_ids")
+        self.check_room(len(prompt))
+        session = Session(tokens=list(prompt), cache=self.backend.new_cache())
+        with self._lock:
+            if session_id in self._sessions:
+                raise AlreadyExists(f"session {session_id!r} is already open")
+            self._sessions[session_id] = session
+        with session.lock:
+            if len(prompt) > 1:  # prefill all but the last token, which the next block feeds
+                self.backend.forward(session.cache, prompt[:-1], 1)
+                session.cached = list(prompt[:-1])
+        return len(prompt)
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise NotFound(f"no open session {session_id!r}")
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    @contextmanager
+    def session(self, session_id: str, expected_length: int | None = None) -> Iterator[Session]:
+        """The session, locked; checks the caller's view of its committed length."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no open session {session_id!r}")
+        with session.lock:
+            if expected_length is not None and expected_length != len(session.tokens):
+                raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
+            yield session
+
+    # -- changes -----------------------------------------------------------------------
+    def commit(self, session: Session, token_ids: list[int]) -> None:
+        """Append committed tokens; keep whatever cached speculative tail they match."""
+        if not token_ids:
+            return
+        self.check_tokens(token_ids, "append_tokens")
+        self.check_room(len(session.tokens) + len(token_ids))
+        start = len(session.tokens)
+        session.tokens.extend(token_ids)
+        keep = len(session.cached)
+        for i in range(start, min(len(session.cached), len(session.tokens))):
+            if session.cached[i] != session.tokens[i]:
+                keep = i
+                break
+        self._truncate_cache(session, keep)
+
+    def rollback(self, session: Session, to_length: int) -> None:
+        if not 1 <= to_length <= len(session.tokens):
+            raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)}")
+        del session.tokens[to_length:]
+        self._truncate_cache(session, len(session.cached))
+
+    def forward(self, session: Session, speculative: list[int], n_logits: int) -> torch.Tensor:
+        """Feed what the cache lacks of (tokens + speculative); logits of the last n_logits.
+
+        Afterwards the cache holds tokens + speculative (a speculative tail that a later
+        commit keeps where it matches and truncates where it does not).
+        """
+        sequence = session.tokens + speculative
+        self.check_room(len(sequence))
+        pending = sequence[len(session.cached) :]
+        assert len(pending) >= n_logits, (len(pending), n_logits)
+        logits = self.backend.forward(session.cache, pending, n_logits)
+        session.cached = sequence
+        return logits
+
+    def _truncate_cache(self, session: Session, keep: int) -> None:
+        keep = min(keep, len(session.tokens) - 1)
+        if keep < len(session.cached):
+            self.backend.crop(session.cache, keep)
+            del session.cached[keep:]
+
+    # -- checks ------------------------------------------------------------------------
+    def check_tokens(self, token_ids: list[int], field_name: str) -> None:
+        vocab = self.backend.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"{field_name}: token id {bad[0]} is outside 0..{vocab - 1}")
+
+    def check_room(self, length: int) -> None:
+        if length > self.backend.max_context:
+            raise OutOfRange(f"sequence of {length} tokens exceeds the model context of {self.backend.max_context}")

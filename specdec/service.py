@@ -1,0 +1,151 @@
+"""gRPC plumbing shared by the three services: errors -> status codes, health, serving.
+
+Also the session RPCs both model services expose (open, append, rollback, get, close,
+describe, tokenizer), so each service's servicer adds only its one verb.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specdec.engine import SessionEngine
+from specdec.errors import SpecdecError
+from specdec.v1 import model_pb2
+
+log = logging.getLogger("specdec")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """SpecdecError -> its status code; anything else -> INTERNAL, logged with its traceback."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                try:
+                    return inner(request, context)
+                except Exception as err:  # noqa: BLE001 - the last line of defence
+                    _abort(context, method, err)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            def stream(request, context):
+                try:
+                    yield from inner_stream(request, context)
+                except Exception as err:  # noqa: BLE001
+                    _abort(context, method, err)
+
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+def _abort(context, method: str, err: Exception):
+    if isinstance(err, SpecdecError):
+        context.abort(err.code, err.message)
+    if isinstance(err, grpc.RpcError) and isinstance(err, grpc.Call):
+        if context.code() is not None:  # already aborted: let gRPC finish it
+            raise err
+        # A call to another service failed: pass its status on, naming where it came from.
+        context.abort(err.code(), f"{method}: downstream {err.code().name}: {err.details()}")
+    log.exception("%s failed", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}")
+
+
+def deadline_seconds(context) -> float | None:
+    """Seconds left of the caller's deadline, or None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else remaining
+
+
+def make_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A server with the error interceptor, bound to host:port (0 picks a free port)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorInterceptor()],
+        options=CHANNEL_OPTIONS,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    return server, bound
+
+
+def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *service_names):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def session_state(session) -> model_pb2.SessionState:
+    return model_pb2.SessionState(
+        length=len(session.tokens), cached_length=len(session.cached), token_ids=session.tokens
+    )
+
+
+class SessionServicer:
+    """The session RPCs of a model service, delegating to a SessionEngine."""
+
+    def __init__(self, engine: SessionEngine):
+        self.engine = engine
+
+    def OpenSession(self, request, context):
+        length = self.engine.open(request.session_id, list(request.prompt_token_ids))
+        return model_pb2.OpenSessionResponse(length=length)
+
+    def Append(self, request, context):
+        ref = request.session
+        with self.engine.session(ref.session_id, ref.expected_length) as session:
+            self.engine.commit(session, list(request.token_ids))
+            return session_state(session)
+
+    def Rollback(self, request, context):
+        with self.engine.session(request.session_id) as session:
+            self.engine.rollback(session, request.to_length)
+            return session_state(session)
+
+    def GetSession(self, request, context):
+        with self.engine.session(request.session_id) as session:
+            return session_state(session)
+
+    def CloseSession(self, request, context):
+        self.engine.close(request.session_id)
+        return model_pb2.Empty()
+
+    def Describe(self, request, context):
+        backend = self.engine.backend
+        return model_pb2.ModelInfo(
+            model_name=backend.name,
+            vocab_size=backend.vocab_size,
+            tokenizer_digest=backend.tokenizer_digest(),
+            max_context=backend.max_context,
+            dtype=str(backend.dtype),
+            device=str(backend.device),
+            eos_token_ids=backend.eos_token_ids,
+            role=self.engine.role,
+            open_sessions=self.engine.open_sessions,
+        )
+
+    def GetTokenizer(self, request, context):
+        files = self.engine.backend.tokenizer_files()
+        return model_pb2.GetTokenizerResponse(
+            files=[model_pb2.TokenizerFile(name=n, content=c) for n, c in sorted(files.items())]
+        )

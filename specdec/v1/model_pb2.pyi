@@ -1,0 +1,197 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class ProbRow(_message.Message):
+    __slots__ = ("vocab_size", "indices", "values")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    indices: bytes
+    values: bytes
+    def __init__(self, vocab_size: _Optional[int] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("session_id", "expected_length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    expected_length: int
+    def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    sampling: SamplingParams
+    uniforms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("token_ids", "token_probs", "length")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_probs: _containers.RepeatedScalarFieldContainer[float]
+    length: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ProposalRowRequest(_message.Message):
+    __slots__ = ("session", "position")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    position: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
+    accept_uniforms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length")
+    ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ROW_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_target_probs: _containers.RepeatedScalarFieldContainer[float]
+    row_position: int
+    row: ProbRow
+    length: int
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AppendRequest(_message.Message):
+    __slots__ = ("session", "token_ids")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("session_id", "to_length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    to_length: int
+    def __init__(self, session_id: _Optional[str] = ..., to_length: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionState(_message.Message):
+    __slots__ = ("length", "cached_length", "token_ids")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    cached_length: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, length: _Optional[int] = ..., cached_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    tokenizer_digest: str
+    max_context: int
+    dtype: str
+    device: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    role: str
+    open_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
+    def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,52 @@
+"""Scoring: [last committed token, drafts...] in one forward pass, k + 1 positions.
+
+Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the target
+probability of each draft token, and the one row the rule needs: with the caller's
+acceptance uniforms the service evaluates the same pure rule the orchestrator runs and
+returns the row at the first rejected position (or the bonus row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec import rule
+from specdec.engine import Session, SessionEngine
+from specdec.errors import InvalidArgument
+from specdec.sampling import SamplingParams, probs_from_logits
+
+
+@dataclass
+class Scores:
+    argmax: list[int]  # greedy: [k + 1]
+    draft_token_probs: list[float]  # sampling: [k] target_probs[i][x_i]
+    row_position: int  # sampling: which row `row` is
+    row: np.ndarray | None  # sampling: [vocab] float32
+
+
+def score(
+    engine: SessionEngine,
+    session: Session,
+    draft_ids: list[int],
+    params: SamplingParams,
+    draft_token_probs: list[float],
+    accept_uniforms: list[float],
+) -> Scores:
+    k = len(draft_ids)
+    engine.check_tokens(draft_ids, "draft_token_ids")
+    if not params.greedy and not (len(draft_token_probs) == len(accept_uniforms) == k):
+        raise InvalidArgument(
+            f"draft_token_probs and accept_uniforms need {k} entries each, got "
+            f"{len(draft_token_probs)} and {len(accept_uniforms)}"
+        )
+    logits = engine.forward(session, draft_ids, k + 1)  # [k + 1, vocab]
+    if params.greedy:
+        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None)
+    probs = probs_from_logits(logits, params)
+    rows = torch.arange(k, device=probs.device)
+    at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
+    n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
+    return Scores([], at, n, probs[n].cpu().numpy())

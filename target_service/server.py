@@ -1,0 +1,43 @@
+"""The target service's servicer: translate protos, delegate to the engine and scorer."""
+
+from __future__ import annotations
+
+from specdec import wire
+from specdec.engine import SessionEngine
+from specdec.sampling import SamplingParams
+from specdec.service import SessionServicer, add_health, make_server
+from specdec.v1 import model_pb2, model_pb2_grpc
+from target_service.scorer import score
+
+SERVICE_NAME = "specdec.v1.TargetService"
+
+
+class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
+    def Score(self, request, context):
+        ref = request.session
+        with self.engine.session(ref.session_id, ref.expected_length) as session:
+            self.engine.commit(session, list(request.append_tokens))
+            scores = score(
+                self.engine,
+                session,
+                list(request.draft_token_ids),
+                SamplingParams.from_proto(request.sampling),
+                list(request.draft_token_probs),
+                list(request.accept_uniforms),
+            )
+            return model_pb2.ScoreResponse(
+                argmax_token_ids=scores.argmax,
+                draft_token_target_probs=scores.draft_token_probs,
+                row_position=scores.row_position,
+                row=wire.encode_row(scores.row) if scores.row is not None else None,
+                length=len(session.tokens),
+            )
+
+
+def serve(backend, host: str = "127.0.0.1", port: int = 0):
+    """Start a target service on host:port; returns (server, bound port)."""
+    server, bound = make_server(host, port)
+    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(SessionEngine(backend, "target")), server)
+    add_health(server, SERVICE_NAME)
+    server.start()
+    return server, bound

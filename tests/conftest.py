@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random Llama models with a character tokenizer (no weights needed),
+stand-in backends with fixed Markov distributions, and services on loopback."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from specdec.backend import HFBackend
+from specdec.models import ModelSpec
+
+CHARS = string.ascii_lowercase + string.digits + " .,!?\n"
+SPECIALS = ["<unk>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tokenizer(extra_tokens: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    for i in range(extra_tokens):
+        vocab[f"<x{i}>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2) -> str:
+    """A randomly initialised Llama with a character tokenizer, saved to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer(extra_tokens)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger logits make near-ties (which the block-vs-single-token numerics could flip) rare.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Paths of three tiny models: target, a different draft, and one with another vocab."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "target": make_tiny_model(root / "target", seed=0),
+        "draft": make_tiny_model(root / "draft", seed=1, layers=1),
+        "other_vocab": make_tiny_model(root / "other", seed=2, extra_tokens=5),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_backends(tiny_models):
+    return {
+        "target": HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32")),
+        "draft": HFBackend(ModelSpec(tiny_models["draft"], "cpu", "float32")),
+    }

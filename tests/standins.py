@@ -1,0 +1,57 @@
+"""In-process stand-ins for models, with fixed distributions: token t is followed by a
+distribution that depends only on t (a Markov chain), so the exact output law is known.
+
+They implement the backend interface of specdec.backend and are hosted by the real
+SessionEngine and servicers; only the neural network is replaced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class MarkovBackend:
+    """logits of the next token = log(probs[last token])."""
+
+    def __init__(self, probs: np.ndarray, name: str = "markov"):
+        self.probs = np.asarray(probs, dtype=np.float64)
+        self.logits = torch.log(torch.tensor(self.probs, dtype=torch.float32))
+        self.name = name
+        self.vocab_size = self.probs.shape[0]
+        self.max_context = 1_000_000
+        self.eos_token_ids: list[int] = []
+        self.dtype, self.device = "float32", torch.device("cpu")
+
+    def new_cache(self):
+        return []  # the tokens fed so far
+
+    def forward(self, cache, token_ids, n_logits):
+        cache.extend(token_ids)
+        return self.logits[torch.tensor(token_ids[-n_logits:])]
+
+    def crop(self, cache, keep):
+        del cache[keep:]
+
+    def tokenizer_files(self):
+        return {}
+
+    def tokenizer_digest(self):
+        return f"markov-{self.vocab_size}"
+
+
+class Direct:
+    """Call a servicer in-process with the stubs' calling convention (no network)."""
+
+    def __init__(self, servicer):
+        self.servicer = servicer
+
+    def __getattr__(self, name):
+        method = getattr(self.servicer, name)
+        return lambda request, timeout=None: method(request, None)
+
+
+def random_markov(vocab: int, seed: int, alpha: float = 0.5) -> np.ndarray:
+    """[vocab, vocab] rows drawn from Dirichlet(alpha): uneven, so rule errors show."""
+    rng = np.random.default_rng(seed)
+    return rng.dirichlet(np.full(vocab, alpha), size=vocab)

@@ -1,0 +1,89 @@
+"""The whole orchestrator loop (SpeculativeLoop -> servicers -> SessionEngine) with stand-in
+models of fixed Markov distributions: its output law is the target's, after the sampling
+transform, and greedy output is the target's argmax chain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.server import DraftServicer
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from specdec.engine import SessionEngine
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.v1 import model_pb2
+from target_service.server import TargetServicer
+from tests.standins import Direct, MarkovBackend, random_markov
+from tests.stats import markov_chisquare
+
+N_TOKENS = 30_000
+
+
+def pair(target_probs, draft_probs):
+    target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
+    draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"))
+    return Direct(draft), Direct(target), draft.engine, target.engine
+
+
+def run(draft, target, sampling, k, n_tokens, seed, speculate=True):
+    config = LoopConfig(sampling=sampling, max_new_tokens=n_tokens, lookahead=k, seed=seed, speculate=speculate)
+    loop = SpeculativeLoop(draft, target, [0], config)
+    for _ in loop.rounds():
+        pass
+    return [0, *loop.generated], loop.stats
+
+
+def kernel_after_transform(probs, params: SamplingParams) -> np.ndarray:
+    logits = torch.log(torch.tensor(probs, dtype=torch.float32))
+    return probs_from_logits(logits, params).double().numpy()
+
+
+@pytest.mark.parametrize(
+    "vocab,k,sampling",
+    [
+        (8, 3, model_pb2.SamplingParams(temperature=1.0)),
+        (8, 1, model_pb2.SamplingParams(temperature=0.7, top_k=5)),
+        (50, 4, model_pb2.SamplingParams(temperature=1.3, top_p=0.9)),
+    ],
+)
+def test_loop_preserves_target_distribution(vocab, k, sampling):
+    target_probs, draft_probs = random_markov(vocab, 11), random_markov(vocab, 12)
+    draft, target, draft_engine, target_engine = pair(target_probs, draft_probs)
+    tokens, stats = run(draft, target, sampling, k, N_TOKENS, seed=5)
+    assert len(tokens) == N_TOKENS + 1
+    params = SamplingParams.from_proto(sampling)
+    assert markov_chisquare(tokens, kernel_after_transform(target_probs, params)) > 1e-3
+    assert markov_chisquare(tokens, kernel_after_transform(draft_probs, params)) < 1e-3
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # rejections happened
+    assert draft_engine.open_sessions == target_engine.open_sessions == 0
+
+
+def test_loop_sampling_is_reproducible():
+    draft, target, *_ = pair(random_markov(8, 1), random_markov(8, 2))
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    a, _ = run(draft, target, sampling, 3, 300, seed=7)
+    b, _ = run(draft, target, sampling, 3, 300, seed=7)
+    c, _ = run(draft, target, sampling, 3, 300, seed=8)
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_loop_greedy_is_target_argmax_chain(k):
+    target_probs, draft_probs = random_markov(20, 3), random_markov(20, 4)
+    draft, target, *_ = pair(target_probs, draft_probs)
+    tokens, stats = run(draft, target, model_pb2.SamplingParams(), k, 200, seed=0)
+    expected = [0]
+    while len(expected) < len(tokens):
+        expected.append(int(np.argmax(target_probs[expected[-1]])))
+    assert tokens == expected
+    assert stats.draft_tokens > 0
+
+
+def test_target_only_matches_distribution():
+    target_probs = random_markov(8, 21)
+    draft, target, *_ = pair(target_probs, random_markov(8, 22))
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    tokens, stats = run(draft, target, sampling, 4, 20_000, seed=1, speculate=False)
+    assert stats.draft_tokens == 0 and stats.rounds == 20_000
+    assert markov_chisquare(tokens, target_probs) > 1e-3
