@@ -113,6 +113,7 @@ class SessionEngine:
         """
         sequence = session.tokens + speculative
         self.check_room(len(sequence))
+        self._truncate_cache(session, len(session.cached))  # the last committed token is re-fed
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         logits = self.backend.forward(session.cache, pending, n_logits)

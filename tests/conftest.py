@@ -34,8 +34,12 @@ def make_tokenizer(extra_tokens: int = 0):
     return fast
 
 
-def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2) -> str:
-    """A randomly initialised Llama with a character tokenizer, saved to `path`."""
+def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2, like=None, noise=0.0) -> str:
+    """A randomly initialised Llama with a character tokenizer, saved to `path`.
+
+    With `like` (a model path), a copy of that model with Gaussian noise of relative size
+    `noise` on every weight: a draft that agrees with it often, but not always.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = make_tokenizer(extra_tokens)
@@ -49,13 +53,17 @@ def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2) -> 
         max_position_embeddings=512,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     # Larger logits make near-ties (which the block-vs-single-token numerics could flip) rare.
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(40.0)
+        model.lm_head.weight.mul_(30.0)
+        if like is not None:
+            model.load_state_dict(LlamaForCausalLM.from_pretrained(like).state_dict())
+            for w in model.parameters():
+                w.add_(noise * w.std() * torch.randn_like(w))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -65,9 +73,10 @@ def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2) -> 
 def tiny_models(tmp_path_factory):
     """Paths of three tiny models: target, a different draft, and one with another vocab."""
     root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_model(root / "target", seed=0)
     return {
-        "target": make_tiny_model(root / "target", seed=0),
-        "draft": make_tiny_model(root / "draft", seed=1, layers=1),
+        "target": target,
+        "draft": make_tiny_model(root / "draft", seed=1, like=target, noise=0.5),
         "other_vocab": make_tiny_model(root / "other", seed=2, extra_tokens=5),
     }
 

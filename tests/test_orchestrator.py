@@ -1,0 +1,139 @@
+"""The client API over real gRPC: orchestrator, draft and target servers on loopback,
+hosting tiny random models; and the CLI starting the three as separate processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from draft_service.server import serve as serve_draft
+from orchestrator.server import check_pair, connect
+from orchestrator.server import serve as serve_orchestrator
+from specdec.backend import HFBackend
+from specdec.errors import FailedPrecondition
+from specdec.models import ModelSpec
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from target_service.server import serve as serve_target
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_backends):
+    draft_server, draft_port = serve_draft(tiny_backends["draft"])
+    target_server, target_port = serve_target(tiny_backends["target"])
+    pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
+    orch_server, orch_port = serve_orchestrator(pair)
+    stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
+    yield stub, pair
+    for server in (orch_server, draft_server, target_server):
+        server.stop(None)
+
+
+def request(**kw):
+    kw.setdefault("prompt", "hello world")
+    kw.setdefault("max_new_tokens", 40)
+    return orchestrator_pb2.GenerateRequest(**kw)
+
+
+def test_stream_equals_unary(pipeline):
+    stub, _ = pipeline
+    for sampling in (model_pb2.SamplingParams(), model_pb2.SamplingParams(temperature=0.9, top_p=0.95)):
+        req = request(sampling=sampling, seed=3)
+        unary = stub.Generate(req)
+        chunks = list(stub.GenerateStream(req))
+        assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+        assert "".join(c.text for c in chunks) == unary.text
+        assert chunks[-1].finish_reason == unary.finish_reason == "length"
+        assert len(unary.token_ids) == 40 and len(chunks) > 2  # streamed as rounds committed
+        s = unary.stats
+        assert s.rounds == chunks[-1].stats.rounds and s.generated_tokens == 40
+        assert s.draft_tokens > 0 and 0 <= s.acceptance_rate <= 1
+        assert s.mean_accepted_length == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
+
+
+def test_inputs_agree(pipeline):
+    stub, pair = pipeline
+    text = stub.Generate(request(prompt="abc", chat_template=True))
+    ids = pair.tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    by_ids = stub.Generate(request(prompt=None, token_ids=orchestrator_pb2.TokenIds(ids=ids)))
+    msgs = orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(role="user", content="abc")])
+    by_msgs = stub.Generate(request(prompt=None, messages=msgs))
+    assert text.token_ids == by_ids.token_ids == by_msgs.token_ids
+    assert text.stats.prompt_tokens == len(ids)
+
+
+def test_speculation_off_gives_the_same_greedy_output(pipeline):
+    stub, _ = pipeline
+    on = stub.Generate(request(speculation=orchestrator_pb2.SpeculationParams(lookahead=3)))
+    off = stub.Generate(request(speculation=orchestrator_pb2.SpeculationParams(disabled=True)))
+    assert on.token_ids == off.token_ids and off.stats.draft_tokens == 0
+
+
+def test_stop_token_and_stop_string(pipeline):
+    stub, pair = pipeline
+    full = stub.Generate(request())
+    ids = list(full.token_ids)
+    stop_at = 10
+    by_token = stub.Generate(request(stop_token_ids=[ids[stop_at]]))
+    first = ids.index(ids[stop_at])
+    assert list(by_token.token_ids) == ids[:first] and by_token.finish_reason == "stop"
+    stop = full.text[12:15]
+    by_string = stub.Generate(request(stop_strings=[stop]))
+    cut = full.text.index(stop)
+    assert by_string.text == full.text[:cut] and by_string.finish_reason == "stop"
+    kept = list(by_string.token_ids)
+    assert kept == ids[: len(kept)] and stop in pair.tokenizer.decode(kept)  # through the completing token
+    assert stop not in pair.tokenizer.decode(kept[:-1])
+    streamed = list(stub.GenerateStream(request(stop_strings=[stop])))
+    assert "".join(c.text for c in streamed) == by_string.text  # nothing past it was streamed
+
+
+def test_seeded_sampling_is_reproducible(pipeline):
+    stub, _ = pipeline
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    a, b = (stub.Generate(request(sampling=sampling, seed=11)) for _ in range(2))
+    c = stub.Generate(request(sampling=sampling, seed=12))
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    assert a.stats.seed == 11
+
+
+def test_mismatched_pair_is_refused(tiny_models, tiny_backends):
+    other = HFBackend(ModelSpec(tiny_models["other_vocab"], "cpu", "float32"))
+    draft_server, draft_port = serve_draft(other)
+    target_server, target_port = serve_target(tiny_backends["target"])
+    try:
+        with pytest.raises(FailedPrecondition) as err:
+            connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
+        assert tiny_models["other_vocab"] in err.value.message and tiny_models["target"] in err.value.message
+    finally:
+        draft_server.stop(None)
+        target_server.stop(None)
+    same_size = model_pb2.ModelInfo(model_name="a", vocab_size=5, tokenizer_digest="x")
+    with pytest.raises(FailedPrecondition):
+        check_pair(same_size, model_pb2.ModelInfo(model_name="b", vocab_size=5, tokenizer_digest="y"))
+
+
+def test_cli_generate_json_starts_three_processes(tiny_models):
+    cmd = [sys.executable, "-m", "specdec.cli", "generate", "hello", "--json", "--max-tokens", "24", "--raw"]
+    cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+    assert len(result["token_ids"]) == 24 and result["finish_reason"] == "length"
+    assert set(result["stats"]) == {
+        "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
+        "mean_accepted_length", "tokens_per_second", "wall_seconds",
+    }  # fmt: skip
+    assert result["stats"]["draft_tokens"] > 0
+
+
+def test_cli_reports_errors_in_one_line(tiny_models):
+    cmd = [sys.executable, "-m", "specdec.cli", "generate", "hello", "--address", "127.0.0.1:1", "--timeout", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.startswith("specdec: error: ") and "Traceback" not in out.stderr
