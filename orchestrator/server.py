@@ -6,11 +6,14 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
+from specdec import lifecycle
 from specdec.errors import FailedPrecondition
-from specdec.service import CHANNEL_OPTIONS, add_health, deadline_seconds, make_server
+from specdec.limits import AdmissionLimits
+from specdec.service import CHANNEL_OPTIONS, deadline_seconds
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers RESOURCE_EXHAUSTED
 
 
 def connect(draft_address: str | None, target_address: str, wait_seconds: float = 60.0) -> ModelPair:
@@ -66,7 +69,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _chunks(self, request, context):
         if request.speculation.disabled or self.pair.draft is None:
             request.speculation.disabled = True
-        return generate(self.pair, request, timeout=deadline_seconds(context))
+        return generate(self.pair, request, timeout=deadline_seconds(context), active=context.is_active)
 
     def Generate(self, request, context):
         ids, text = [], []
@@ -90,10 +93,17 @@ def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     )
 
 
-def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0):
+def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0, admission: AdmissionLimits | None = None):
     """Start the orchestrator on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server)
-    add_health(server, SERVICE_NAME)
-    server.start()
-    return server, bound
+    admission = admission or AdmissionLimits()
+    return lifecycle.start(
+        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server),
+        SERVICE_NAME,
+        [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
+        host,
+        port,
+        admission=admission,
+        # Queued requests hold a thread while they wait; leave some for health checks.
+        max_workers=admission.max_concurrent + admission.max_queue + 4,
+        max_receive_bytes=MAX_REQUEST_BYTES,
+    )

@@ -7,11 +7,13 @@ describe, tokenizer), so each service's servicer adds only its one verb.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specdec import validation
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
 from specdec.v1 import model_pb2
@@ -74,12 +76,23 @@ def deadline_seconds(context) -> float | None:
     return None if remaining is None or remaining > 1e8 else remaining
 
 
-def make_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server with the error interceptor, bound to host:port (0 picks a free port)."""
+def make_server(
+    host: str,
+    port: int,
+    max_workers: int = 16,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+) -> tuple[grpc.Server, int]:
+    """A server with the error interceptor (outermost, then `interceptors`), bound to
+    host:port (0 picks a free port). A request over max_receive_bytes is refused by gRPC
+    with RESOURCE_EXHAUSTED."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
-        options=CHANNEL_OPTIONS,
+        interceptors=[ErrorInterceptor(), *interceptors],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
     )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -112,8 +125,10 @@ class SessionServicer:
         return model_pb2.OpenSessionResponse(length=length)
 
     def Append(self, request, context):
+        validation.token_ids(request.token_ids, self.engine.backend.vocab_size, "token_ids")
         ref = request.session
         with self.engine.session(ref.session_id, ref.expected_length) as session:
+            self.engine.check_room(len(session.tokens) + len(request.token_ids), "token_ids")
             self.engine.commit(session, list(request.token_ids))
             return session_state(session)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from specdec import wire
+from specdec import validation, wire
 from specdec.engine import SessionEngine
+from specdec.lifecycle import serve_model
+from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
-from specdec.service import SessionServicer, add_health, make_server
+from specdec.service import SessionServicer
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
 
@@ -14,8 +16,12 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
+        validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
         with self.engine.session(ref.session_id, ref.expected_length) as session:
+            # Checked before the commit, so a refused request changes nothing.
+            length = len(session.tokens) + len(request.append_tokens) + len(request.draft_token_ids)
+            self.engine.reserve(session, length, "append_tokens + draft_token_ids")
             self.engine.commit(session, list(request.append_tokens))
             scores = score(
                 self.engine,
@@ -34,10 +40,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             )
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0):
+def serve(backend, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits | None = None):
     """Start a target service on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
-    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(SessionEngine(backend, "target")), server)
-    add_health(server, SERVICE_NAME)
-    server.start()
-    return server, bound
+    servicer = TargetServicer(SessionEngine(backend, "target", limits))
+    return serve_model(servicer, model_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, host, port)
