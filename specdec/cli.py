@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from specdec import models
+from specdec.errors import SpecdecError
 
 EPILOG = """\
 examples:
@@ -37,6 +38,27 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -
     )
     p.add_argument(f"--{prefix}device", default="cpu", help="torch device: cpu or cuda:N (default cpu)")
     p.add_argument(f"--{prefix}dtype", default=dtype, choices=models.DTYPES, help=f"weight dtype (default {dtype})")
+
+
+def _add_reliability_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """Limits and shutdown: a model service's session caps, the orchestrator's admission."""
+    from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+
+    a, s = AdmissionLimits(), SessionLimits()
+    flags = {
+        "orchestrator": [
+            ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
+            ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
+        ],
+        "model": [
+            ("--max-sessions", int, s.max_sessions, "sessions open at once"),
+            ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
+            ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
+        ],
+    }["orchestrator" if role == "orchestrator" else "model"]
+    flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
+    for flag, kind, default, text in flags:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
 
 
 def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -87,14 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft-service", help="run the draft model service alone")
     _add_server_flags(d, 50062)
     _add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
+    _add_reliability_flags(d, "draft")
     t = sub.add_parser("target-service", help="run the target model service alone")
     _add_server_flags(t, 50061)
     _add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
+    _add_reliability_flags(t, "target")
 
     o = sub.add_parser("orchestrator", help="run the orchestrator alone, against running services")
     _add_server_flags(o, 50051)
     o.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
     o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
+    _add_reliability_flags(o, "orchestrator")
     return parser
 
 
@@ -105,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(f"specdec: error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, ConnectionError, TimeoutError, ValueError) as err:
+    except SpecdecError as err:
+        print(f"specdec: error: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, ValueError) as err:
         print(f"specdec: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -192,7 +220,9 @@ def _print_stats(s, finish: str) -> None:
 
 
 # -- services ----------------------------------------------------------------------------
-def _serve_until_signal(server, address: str, ready_file: Path | None, what: str) -> int:
+def _serve_until_signal(server, address: str, ready_file: Path | None, what: str, drain_timeout: float = 0.0) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
+    in-flight work finished within drain_timeout) and stop; exit code 0."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -202,28 +232,36 @@ def _serve_until_signal(server, address: str, ready_file: Path | None, what: str
         tmp.rename(ready_file)
     print(f"specdec: {what} serving on {address}", file=sys.stderr, flush=True)
     stop.wait()
-    server.stop(grace=5).wait()
+    print(f"specdec: {what} draining (up to {drain_timeout:g} s)", file=sys.stderr, flush=True)
+    if not server.drain(drain_timeout):
+        print(f"specdec: {what}: drain timed out; stopping with work in flight", file=sys.stderr, flush=True)
+    server.stop(grace=1).wait()
     return 0
 
 
 def _model_service(args, role: str) -> int:
     from specdec.backend import HFBackend
+    from specdec.limits import SessionLimits
 
     backend = HFBackend(models.ModelSpec(args.model, args.device, args.dtype))
     if role == "draft":
         from draft_service.server import serve
     else:
         from target_service.server import serve
-    server, port = serve(backend, args.host, args.port)
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, f"{role} service ({args.model})")
+    limits = SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)
+    server, port = serve(backend, args.host, args.port, limits)
+    what = f"{role} service ({args.model})"
+    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, args.drain_timeout)
 
 
 def cmd_orchestrator(args) -> int:
     from orchestrator.server import connect, serve
+    from specdec.limits import AdmissionLimits
 
     pair = connect(args.draft_address, args.target_address)
-    server, port = serve(pair, args.host, args.port)
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, "orchestrator")
+    server, port = serve(pair, args.host, args.port, AdmissionLimits(args.max_concurrent, args.max_queue))
+    address = f"{args.host}:{port}"
+    return _serve_until_signal(server, address, args.ready_file, "orchestrator", args.drain_timeout)
 
 
 def cmd_serve(args) -> int:
