@@ -243,12 +243,12 @@ def _model_service(args, role: str) -> int:
     from specdec.backend import HFBackend
     from specdec.limits import SessionLimits
 
+    limits = SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)  # checked before loading
     backend = HFBackend(models.ModelSpec(args.model, args.device, args.dtype))
     if role == "draft":
         from draft_service.server import serve
     else:
         from target_service.server import serve
-    limits = SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)
     server, port = serve(backend, args.host, args.port, limits)
     what = f"{role} service ({args.model})"
     return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, args.drain_timeout)
@@ -258,8 +258,9 @@ def cmd_orchestrator(args) -> int:
     from orchestrator.server import connect, serve
     from specdec.limits import AdmissionLimits
 
+    admission = AdmissionLimits(args.max_concurrent, args.max_queue)
     pair = connect(args.draft_address, args.target_address)
-    server, port = serve(pair, args.host, args.port, AdmissionLimits(args.max_concurrent, args.max_queue))
+    server, port = serve(pair, args.host, args.port, admission)
     address = f"{args.host}:{port}"
     return _serve_until_signal(server, address, args.ready_file, "orchestrator", args.drain_timeout)
 

@@ -25,11 +25,23 @@ class SessionLimits:
     max_kv_tokens: int = 65536  # tokens of keys/values held across all sessions; 0: no cap
     idle_ttl: float = 300.0  # seconds without a request before a session is closed; 0: never
 
+    def __post_init__(self):
+        _at_least(self, max_sessions=1, max_kv_tokens=0, idle_ttl=0)
+
 
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_concurrent: int = 8  # requests generating at once
     max_queue: int = 32  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
+
+    def __post_init__(self):
+        _at_least(self, max_concurrent=1, max_queue=0)
+
+
+def _at_least(config, **minimum) -> None:
+    for name, low in minimum.items():
+        if not getattr(config, name) >= low:  # NaN fails too
+            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
 
 
 DRAIN_TIMEOUT = 20.0  # seconds a draining server waits for in-flight work (CLI default)

@@ -230,7 +230,7 @@ def test_model_service_refuses_bad_input_and_changes_nothing(services, session, 
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "specdec.cli", "generate", *args]
+    cmd = [sys.executable, "-m", "specdec.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -244,7 +244,22 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_reports_bad_input_in_one_line(services, args, expected):
-    out = run_cli(*args, "--address", services.addresses["orchestrator"])
+    assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["target-service", "--max-sessions", "0"], "max_sessions must be >= 1"),
+        (["draft-service", "--session-ttl", "nan"], "idle_ttl must be >= 0"),
+        (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "max_queue must be >= 0"),
+    ],
+)
+def test_cli_refuses_bad_limits_before_starting(args, expected):
+    assert_one_line_error(run_cli(*args), expected)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, expected: str) -> None:
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"specdec: error: {expected}"), out.stderr
