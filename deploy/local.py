@@ -24,6 +24,7 @@ from specdec import models
 class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    drafter: str = "model"  # model | ngram | llamacpp (draft_service.drafters)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
@@ -45,7 +46,7 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         t0 = time.perf_counter()
         try:
-            self._spawn("draft", "draft-service", _model_args(cfg.draft), 0)
+            self._spawn("draft", "draft-service", [*_model_args(cfg.draft), "--drafter", cfg.drafter], 0)
             self._spawn("target", "target-service", _model_args(cfg.target), 0)
             for name in ("draft", "target"):
                 self._wait(name)

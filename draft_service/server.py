@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from draft_service.proposer import proposal_row, propose
+import time
+
+from draft_service.drafters import MODEL, Drafter
 from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -13,29 +15,39 @@ SERVICE_NAME = "specdec.v1.DraftService"
 
 
 class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
+    def __init__(self, engine: SessionEngine, drafter: Drafter = MODEL):
+        super().__init__(engine)
+        self.drafter = drafter
+
     def Propose(self, request, context):
         ref = request.session
+        start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
             self.engine.commit(session, list(request.append_tokens))
-            tokens, probs = propose(
+            tokens, probs = self.drafter.propose(
                 self.engine,
                 session,
                 request.k,
                 SamplingParams.from_proto(request.sampling),
                 list(request.uniforms),
             )
-            return model_pb2.ProposeResponse(token_ids=tokens, token_probs=probs, length=len(session.tokens))
+            return model_pb2.ProposeResponse(
+                token_ids=tokens,
+                token_probs=probs,
+                length=len(session.tokens),
+                compute_seconds=time.perf_counter() - start,
+            )
 
     def ProposalRow(self, request, context):
         ref = request.session
         with self.engine.session(ref.session_id, ref.expected_length) as session:
-            return wire.encode_row(proposal_row(session, request.position))
+            return wire.encode_row(self.drafter.proposal_row(session, request.position))
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0):
+def serve(backend, host: str = "127.0.0.1", port: int = 0, drafter: Drafter = MODEL):
     """Start a draft service on host:port; returns (server, bound port)."""
     server, bound = make_server(host, port)
-    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft")), server)
+    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft"), drafter), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound

@@ -114,6 +114,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
         max_new_tokens=max_new,
         lookahead=lookahead,
         speculate=not spec.disabled,
+        adaptive=spec.adaptive,
         seed=request.seed or random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
@@ -189,4 +190,8 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds,
         seed=seed,
+        round_seconds=s.round_seconds,
+        draft_compute_seconds=s.draft_compute_seconds,
+        target_compute_seconds=s.target_compute_seconds,
+        wire_bytes=s.wire_bytes,
     )

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -37,6 +38,17 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -
     )
     p.add_argument(f"--{prefix}device", default="cpu", help="torch device: cpu or cuda:N (default cpu)")
     p.add_argument(f"--{prefix}dtype", default=dtype, choices=models.DTYPES, help=f"weight dtype (default {dtype})")
+
+
+def _add_drafter_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        default="model",
+        choices=("model", "ngram", "llamacpp"),
+        help="model: a transformers draft model (default); ngram: model-free prompt lookup over the "
+        "session's tokens (the draft model only gives the tokenizer); llamacpp: a GGUF run by llama.cpp "
+        "(needs llama-cpp-python; the default alias runs the embedded Q4_1 GGUF)",
+    )
 
 
 def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -70,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0: random)")
     g.add_argument("--lookahead", type=int, default=4, help="draft tokens per round, 1..32 (default 4)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
+    g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
@@ -77,19 +90,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
     _add_model_flags(g, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(g, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    _add_drafter_flag(g)
 
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
     _add_model_flags(s, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(s, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    _add_drafter_flag(s)
 
     d = sub.add_parser("draft-service", help="run the draft model service alone")
     _add_server_flags(d, 50062)
     _add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
+    _add_drafter_flag(d)
     t = sub.add_parser("target-service", help="run the target model service alone")
     _add_server_flags(t, 50061)
     _add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmark specdec against target-only and assisted generation",
+        description="Side by side on bench/prompts.json: (a) transformers target-only generate, (b) transformers "
+        "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
+        "adaptive lookahead, per drafter. Prints a table, writes results.json and speedup.png.",
+    )
+    b.add_argument("--quick", action="store_true", help="a small run: 2 prompts, 32 tokens, greedy, k in {2, 4}")
+    b.add_argument("--drafters", default="model,ngram,llamacpp", help="comma list of model, ngram, llamacpp")
+    b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
+    b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")
+    b.add_argument("--temperatures", default="0,0.7", help="comma list (default 0,0.7)")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
+    b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
+    b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
+    _add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
+    _add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
 
     o = sub.add_parser("orchestrator", help="run the orchestrator alone, against running services")
     _add_server_flags(o, 50051)
@@ -123,19 +159,29 @@ def _request(args):
         seed=args.seed,
         max_new_tokens=args.max_tokens,
         stop_strings=args.stop,
-        speculation=orchestrator_pb2.SpeculationParams(lookahead=args.lookahead, disabled=args.no_speculation),
+        speculation=orchestrator_pb2.SpeculationParams(
+            lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
+        ),
+    )
+
+
+def _pipeline_config(args, **kw):
+    from deploy.local import PipelineConfig
+
+    return PipelineConfig(
+        target=models.ModelSpec(args.target_model, args.target_device, args.target_dtype),
+        draft=models.ModelSpec(args.draft_model, args.draft_device, args.draft_dtype),
+        drafter=args.drafter,
+        **kw,
     )
 
 
 def cmd_generate(args) -> int:
     if args.address:
         return _generate_at(args.address, args)
-    from deploy.local import LocalPipeline, PipelineConfig
+    from deploy.local import LocalPipeline
 
-    config = PipelineConfig(
-        target=models.ModelSpec(args.target_model, args.target_device, args.target_dtype),
-        draft=models.ModelSpec(args.draft_model, args.draft_device, args.draft_dtype),
-    )
+    config = _pipeline_config(args)
     log = (lambda *a: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     with LocalPipeline(config, log=log) as pipeline:
         return _generate_at(pipeline.address, args)
@@ -207,14 +253,18 @@ def _serve_until_signal(server, address: str, ready_file: Path | None, what: str
 
 
 def _model_service(args, role: str) -> int:
-    from specdec.backend import HFBackend
-
-    backend = HFBackend(models.ModelSpec(args.model, args.device, args.dtype))
+    spec = models.ModelSpec(args.model, args.device, args.dtype)
     if role == "draft":
+        from draft_service import drafters
         from draft_service.server import serve
+
+        backend, drafter = drafters.make(args.drafter, spec)
+        server, port = serve(backend, args.host, args.port, drafter)
     else:
+        from specdec.backend import HFBackend
         from target_service.server import serve
-    server, port = serve(backend, args.host, args.port)
+
+        server, port = serve(HFBackend(spec), args.host, args.port)
     return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, f"{role} service ({args.model})")
 
 
@@ -227,14 +277,9 @@ def cmd_orchestrator(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from deploy.local import LocalPipeline, PipelineConfig
+    from deploy.local import LocalPipeline
 
-    config = PipelineConfig(
-        target=models.ModelSpec(args.target_model, args.target_device, args.target_dtype),
-        draft=models.ModelSpec(args.draft_model, args.draft_device, args.draft_dtype),
-        host=args.host,
-        port=args.port,
-    )
+    config = _pipeline_config(args, host=args.host, port=args.port)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -246,12 +291,38 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from bench.run import BenchConfig, main
+
+    def floats(text):
+        return tuple(float(x) for x in text.split(",") if x)
+
+    config = BenchConfig(
+        target=models.ModelSpec(args.target_model, args.target_device, args.target_dtype),
+        draft=models.ModelSpec(args.draft_model, args.draft_device, args.draft_dtype),
+        drafters=tuple(d for d in args.drafters.split(",") if d),
+        ks=tuple(int(k) for k in floats(args.ks)),
+        adaptive=not args.no_adaptive,
+        temperatures=floats(args.temperatures),
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
+        hf_baselines=not args.no_hf,
+        out=args.out,
+    )
+    if args.quick:
+        config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
+    main(config)
+    return 0
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "serve": cmd_serve,
     "draft-service": lambda a: _model_service(a, "draft"),
     "target-service": lambda a: _model_service(a, "target"),
     "orchestrator": cmd_orchestrator,
+    "bench": cmd_bench,
 }
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -15,6 +17,7 @@ SERVICE_NAME = "specdec.v1.TargetService"
 class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
         ref = request.session
+        start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
             self.engine.commit(session, list(request.append_tokens))
             scores = score(
@@ -31,6 +34,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 row_position=scores.row_position,
                 row=wire.encode_row(scores.row) if scores.row is not None else None,
                 length=len(session.tokens),
+                compute_seconds=time.perf_counter() - start,
             )
 
 
