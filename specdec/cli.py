@@ -27,6 +27,7 @@ examples:
   specdec target-service --host 0.0.0.0 --port 50061 --tls-cert b.pem --tls-key b.key   # one service per host
   specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
   specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
+  specdec loadtest --address 127.0.0.1:50051 --requests 64 --concurrency 16 --time-limit 300
 
 TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS),
 --tls-client-ca (mTLS) and --auth-token-file (or $SPECDEC_AUTH_TOKEN); clients take
@@ -144,6 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_security_flags(o)
     _add_client_security_flags(o, "service-", "the model services")
 
+    lt = sub.add_parser(
+        "loadtest",
+        help="a bounded load test: N requests, C at a time, within a time limit",
+        description="Send --requests Generate calls, --concurrency at a time, all ending by --time-limit; "
+        "report throughput, p50/p99 latency and errors. Loopback targets only unless --allow-remote. "
+        "Without --address, starts the three local processes first (not timed).",
+    )
+    lt.add_argument("--address", help="HOST:PORT of a running orchestrator")
+    lt.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
+    lt.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
+    lt.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    lt.add_argument(
+        "--prompt", default="Explain speculative decoding in three sentences.", help="prompt of every request"
+    )
+    lt.add_argument("--max-tokens", type=int, default=64, help="tokens per request at most (default 64)")
+    lt.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    lt.add_argument("--lookahead", type=int, default=4, help="draft tokens per round (default 4)")
+    lt.add_argument("--json", action="store_true", help="print one JSON object")
+    lt.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
+    _add_model_flags(lt, models.DEFAULT_TARGET_DTYPE, "target-")
+    _add_model_flags(lt, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    _add_client_security_flags(lt)
     return parser
 
 
@@ -345,12 +368,43 @@ def _client_security(
     )
 
 
+# -- load test ---------------------------------------------------------------------------
+def cmd_loadtest(args) -> int:
+    from specdec import loadtest
+
+    config = loadtest.LoadTestConfig(args.requests, args.concurrency, args.time_limit)
+    client = _client_security(args)
+    if args.address:
+        loadtest.check_target(args.address, args.allow_remote)
+        return _loadtest_at(args.address, args, client, config)
+    with _local_pipeline(args, client) as pipeline:
+        return _loadtest_at(pipeline.address, args, client, config)
+
+
+def _loadtest_at(address: str, args, client: security.ClientSecurity, config) -> int:
+    from specdec import loadtest
+    from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
+    request = orchestrator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        chat_template=True,
+        sampling=model_pb2.SamplingParams(temperature=args.temperature),
+        max_new_tokens=args.max_tokens,
+        speculation=orchestrator_pb2.SpeculationParams(lookahead=args.lookahead),
+    )
+    report = loadtest.run(lambda timeout: len(stub.Generate(request, timeout=timeout).token_ids), config)
+    print(json.dumps(report.as_dict()) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "serve": cmd_serve,
     "draft-service": lambda a: _model_service(a, "draft"),
     "target-service": lambda a: _model_service(a, "target"),
     "orchestrator": cmd_orchestrator,
+    "loadtest": cmd_loadtest,
 }
 
 if __name__ == "__main__":

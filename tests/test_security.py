@@ -2,7 +2,7 @@
 the right credentials pass; a wrong CA, a missing or foreign client certificate, plaintext, and
 a missing or wrong token are refused on every method of all three services, unary and
 streaming, before any servicer runs. Also the loopback-only rule for plaintext, and the CLI
-(services and client) with TLS and tokens through three real processes."""
+(services, client, load test) with TLS and tokens through three real processes."""
 
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ def run_cli(*args: str, env_token: str | None = None) -> subprocess.CompletedPro
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_cli_services_and_client_with_mtls_and_token(tiny_models, pki, tmp_path):
+def test_cli_services_client_and_loadtest_with_mtls_and_token(tiny_models, pki, tmp_path):
     good = pki["good"]
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -357,3 +357,27 @@ def test_cli_services_and_client_with_mtls_and_token(tiny_models, pki, tmp_path)
             assert call(ch, SERVICES["target"].methods_by_name["Describe"]) == Code.UNAUTHENTICATED
         with security.channel(p.addresses["target"], ClientSecurity(token=TOKEN)) as ch:
             assert call(ch, SERVICES["target"].methods_by_name["Describe"]) == Code.OK
+
+        load = ["loadtest", *tls, "--max-tokens", "8", "--json"]
+        out = run_cli(*load, "--requests", "6", "--concurrency", "3", env_token=TOKEN)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert (report["completed"], report["errors"], report["not_started"]) == (6, 0, 0)
+        assert 0 < report["generated_tokens"] <= 6 * 8 and report["tokens_per_second"] > 0
+        assert 0 < report["latency_p50_seconds"] <= report["latency_p99_seconds"] <= report["wall_seconds"]
+
+        out = run_cli(*load, "--requests", "4", "--concurrency", "2", env_token=WRONG_TOKEN)
+        assert out.returncode == 1
+        report = json.loads(out.stdout)
+        assert report["errors_by_code"] == {"UNAUTHENTICATED": 4} and report["completed"] == 0
+        assert report["latency_p50_seconds"] is None
+
+        # a time limit too short for any generation cuts the run: every request is accounted for
+        out = run_cli(*load, "--requests", "8", "--concurrency", "2", "--time-limit", "0.001", env_token=TOKEN)
+        report = json.loads(out.stdout)
+        assert out.returncode == 1 and report["completed"] < 8
+        assert report["completed"] + report["errors"] + report["not_started"] == 8
+
+        out = run_cli(*load[:-1], "--auth-token-file", token_file, "--requests", "2", "--concurrency", "2")  # text
+        assert out.returncode == 0, out.stderr
+        assert "completed 2, errors 0" in out.stdout and "p50" in out.stdout and "p99" in out.stdout
