@@ -3,6 +3,10 @@
 Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
 folder, shown when one fails to start.
+
+The draft and target bind loopback only; the orchestrator binds `host` and alone faces
+clients, with TLS / mTLS when `tls` names files. An auth token reaches every child through
+its environment (never argv, which other users can read), and every service then requires it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec import models
+from specdec import models, security
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,9 @@ class PipelineConfig:
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
+    tls: security.ServerTLSFiles = security.ServerTLSFiles()  # the orchestrator's certificate files
+    auth_token: str | None = field(default=None, repr=False)  # required by all three when set
+    allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
 
 
 @dataclass
@@ -46,15 +55,18 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         t0 = time.perf_counter()
         try:
-            self._spawn("draft", "draft-service", [*_model_args(cfg.draft), "--drafter", cfg.drafter], 0)
-            self._spawn("target", "target-service", _model_args(cfg.target), 0)
+            self._spawn("draft", "draft-service", [*_model_args(cfg.draft), "--drafter", cfg.drafter], 0, LOOPBACK)
+            self._spawn("target", "target-service", _model_args(cfg.target), 0, LOOPBACK)
             for name in ("draft", "target"):
                 self._wait(name)
             self._spawn(
                 "orchestrator",
                 "orchestrator",
-                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]],
+                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]]
+                + cfg.tls.flags()
+                + (["--allow-insecure"] if cfg.allow_insecure else []),
                 cfg.port,
+                cfg.host,
             )
             self._wait("orchestrator")
         except BaseException:
@@ -70,13 +82,19 @@ class LocalPipeline:
     def describe(self) -> str:
         return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items())
 
-    def _spawn(self, name: str, command: str, args: list[str], port: int) -> None:
+    def _spawn(self, name: str, command: str, args: list[str], port: int, host: str) -> None:
         ready = self.workdir / f"{name}.ready"
         logfile = open(self.workdir / f"{name}.log", "wb")
-        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", self.config.host]
+        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", host]
         cmd += ["--port", str(port), "--ready-file", str(ready), *args]
         self.log(f"specdec: starting {name} service")
-        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=self._env())
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (security.TOKEN_ENV, security.SERVICE_TOKEN_ENV)}
+        if self.config.auth_token:
+            env[security.TOKEN_ENV] = self.config.auth_token
+        return env
 
     def _wait(self, name: str) -> None:
         ready = self.workdir / f"{name}.ready"

@@ -28,9 +28,7 @@ class LlamaCppBackend:
         try:
             import llama_cpp
         except ImportError as err:
-            raise RuntimeError(
-                "the llamacpp drafter needs llama-cpp-python: pip install 'specdec[llamacpp]'"
-            ) from err
+            raise RuntimeError("the llamacpp drafter needs llama-cpp-python: pip install 'specdec[llamacpp]'") from err
         from transformers import AutoTokenizer
 
         if spec.model in models.ALIASES:

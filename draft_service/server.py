@@ -8,6 +8,7 @@ from draft_service.drafters import MODEL, Drafter
 from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
+from specdec.security import ServerSecurity
 from specdec.service import SessionServicer, add_health, make_server
 from specdec.v1 import model_pb2, model_pb2_grpc
 
@@ -44,9 +45,15 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
             return wire.encode_row(self.drafter.proposal_row(session, request.position))
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0, drafter: Drafter = MODEL):
-    """Start a draft service on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
+def serve(
+    backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    drafter: Drafter = MODEL,
+    security: ServerSecurity | None = None,
+):
+    """Start a draft service on host:port (TLS / token auth per `security`); returns (server, bound port)."""
+    server, bound = make_server(host, port, security=security)
     model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft"), drafter), server)
     add_health(server, SERVICE_NAME)
     server.start()

@@ -7,25 +7,34 @@ import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
 from specdec.errors import FailedPrecondition
+from specdec.security import ClientSecurity, ServerSecurity
+from specdec.security import channel as secure_channel
 from specdec.service import CHANNEL_OPTIONS, add_health, deadline_seconds, make_server
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
 
 
-def connect(draft_address: str | None, target_address: str, wait_seconds: float = 60.0) -> ModelPair:
+def connect(
+    draft_address: str | None,
+    target_address: str,
+    wait_seconds: float = 60.0,
+    security: ClientSecurity | None = None,
+) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
     A draft and target must share a vocabulary (same size, same token -> id map); a
     mismatched pair is refused with a message that names both models. With no draft
-    address the orchestrator serves target-only decoding.
+    address the orchestrator serves target-only decoding. `security` sets TLS, the client
+    certificate and the bearer token for both channels.
     """
-    target = model_pb2_grpc.TargetServiceStub(_channel(target_address, wait_seconds))
+    security = security or ClientSecurity()
+    target = model_pb2_grpc.TargetServiceStub(_channel(target_address, wait_seconds, security))
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
     if draft_address:
-        draft = model_pb2_grpc.DraftServiceStub(_channel(draft_address, wait_seconds))
+        draft = model_pb2_grpc.DraftServiceStub(_channel(draft_address, wait_seconds, security))
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)
@@ -50,12 +59,13 @@ def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
         )
 
 
-def _channel(address: str, wait_seconds: float) -> grpc.Channel:
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:
+    channel = secure_channel(address, security, CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=wait_seconds)
     except grpc.FutureTimeoutError:
-        raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s") from None
+        hint = " (over TLS: check the CA, the certificates and the server name)" if security.uses_tls else ""
+        raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s{hint}") from None
     return channel
 
 
@@ -90,9 +100,9 @@ def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     )
 
 
-def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0):
-    """Start the orchestrator on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
+def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity | None = None):
+    """Start the orchestrator on host:port (TLS / token auth per `security`); returns (server, bound port)."""
+    server, bound = make_server(host, port, security=security)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server)
     add_health(server, SERVICE_NAME)
     server.start()

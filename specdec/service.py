@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
+from specdec.security import ServerSecurity, bind, server_interceptors
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -74,14 +75,18 @@ def deadline_seconds(context) -> float | None:
     return None if remaining is None or remaining > 1e8 else remaining
 
 
-def make_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server with the error interceptor, bound to host:port (0 picks a free port)."""
+def make_server(
+    host: str, port: int, max_workers: int = 16, security: ServerSecurity | None = None
+) -> tuple[grpc.Server, int]:
+    """A server with the error interceptor (and token auth, when configured), bound to
+    host:port (0 picks a free port) with TLS when configured."""
+    security = security or ServerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*server_interceptors(security), ErrorInterceptor()],
         options=CHANNEL_OPTIONS,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = bind(server, host, port, security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound

@@ -7,6 +7,7 @@ import time
 from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
+from specdec.security import ServerSecurity
 from specdec.service import SessionServicer, add_health, make_server
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
@@ -38,9 +39,9 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             )
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0):
-    """Start a target service on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
+def serve(backend, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity | None = None):
+    """Start a target service on host:port (TLS / token auth per `security`); returns (server, bound port)."""
+    server, bound = make_server(host, port, security=security)
     model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(SessionEngine(backend, "target")), server)
     add_health(server, SERVICE_NAME)
     server.start()
