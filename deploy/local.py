@@ -2,7 +2,8 @@
 
 Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
-folder, shown when one fails to start.
+folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
+telemetry) plus `PipelineConfig.env`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,9 @@ class PipelineConfig:
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
+    # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
+    metrics_port: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the children's environment
 
 
 @dataclass
@@ -38,6 +43,7 @@ class LocalPipeline:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-")))
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
+    metrics_addresses: dict = field(default_factory=dict)
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -67,15 +73,24 @@ class LocalPipeline:
         return self.addresses["orchestrator"]
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items())
+        metrics = "".join(f", {name} metrics http://{addr}/metrics" for name, addr in self.metrics_addresses.items())
+        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items()) + metrics
 
     def _spawn(self, name: str, command: str, args: list[str], port: int) -> None:
         ready = self.workdir / f"{name}.ready"
         logfile = open(self.workdir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "specdec.cli", command, "--host", self.config.host]
-        cmd += ["--port", str(port), "--ready-file", str(ready), *args]
+        cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
         self.log(f"specdec: starting {name} service")
-        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = {**os.environ, **self.config.env}
+        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
+
+    def _metrics_args(self, name: str) -> list[str]:
+        base = self.config.metrics_port
+        if base is None:
+            return []
+        offset = {"orchestrator": 0, "target": 1, "draft": 2}[name] if base else 0
+        return ["--metrics-port", str(base + offset)]
 
     def _wait(self, name: str) -> None:
         ready = self.workdir / f"{name}.ready"
@@ -89,7 +104,10 @@ class LocalPipeline:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {name} service did not start in time:\n" + self.tail(name))
             time.sleep(0.1)
-        self.addresses[name] = json.loads(ready.read_text())["address"]
+        info = json.loads(ready.read_text())
+        self.addresses[name] = info["address"]
+        if "metrics_address" in info:
+            self.metrics_addresses[name] = info["metrics_address"]
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"

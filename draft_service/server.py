@@ -7,6 +7,7 @@ from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from specdec.service import SessionServicer, add_health, make_server
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -32,10 +33,16 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
             return wire.encode_row(proposal_row(session, request.position))
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0):
-    """Start a draft service on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
-    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft")), server)
+def serve(backend, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None):
+    """Start a draft service on host:port; returns (server, bound port).
+
+    `telemetry` (specdec.telemetry.setup("draft")) adds spans and metrics; the caller shuts it down.
+    """
+    telemetry = telemetry or disabled("draft")
+    engine = SessionEngine(telemetry.backend(backend), "draft")
+    telemetry.watch(engine)
+    server, bound = make_server(host, port, interceptors=telemetry.server_interceptors())
+    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound

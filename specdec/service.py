@@ -74,11 +74,14 @@ def deadline_seconds(context) -> float | None:
     return None if remaining is None or remaining > 1e8 else remaining
 
 
-def make_server(host: str, port: int, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server with the error interceptor, bound to host:port (0 picks a free port)."""
+def make_server(host: str, port: int, max_workers: int = 16, interceptors=()) -> tuple[grpc.Server, int]:
+    """A server with the error interceptor, bound to host:port (0 picks a free port).
+
+    `interceptors` go outside the error interceptor (telemetry: so spans see the status codes).
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*interceptors, ErrorInterceptor()],
         options=CHANNEL_OPTIONS,
     )
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -6,6 +6,7 @@ from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from specdec.service import SessionServicer, add_health, make_server
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
 
@@ -34,10 +35,16 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             )
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0):
-    """Start a target service on host:port; returns (server, bound port)."""
-    server, bound = make_server(host, port)
-    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(SessionEngine(backend, "target")), server)
+def serve(backend, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None):
+    """Start a target service on host:port; returns (server, bound port).
+
+    `telemetry` (specdec.telemetry.setup("target")) adds spans and metrics; the caller shuts it down.
+    """
+    telemetry = telemetry or disabled("target")
+    engine = SessionEngine(telemetry.backend(backend), "target")
+    telemetry.watch(engine)
+    server, bound = make_server(host, port, interceptors=telemetry.server_interceptors())
+    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound
