@@ -3,7 +3,7 @@
 Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
 folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
-telemetry) plus `PipelineConfig.env`.
+telemetry).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,6 @@ class PipelineConfig:
     start_timeout: float = 300.0
     # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
     metrics_port: int | None = None
-    env: Mapping[str, str] = field(default_factory=dict)  # added to the children's environment
 
 
 @dataclass
@@ -82,8 +80,7 @@ class LocalPipeline:
         cmd = [sys.executable, "-m", "specdec.cli", command, "--host", self.config.host]
         cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
         self.log(f"specdec: starting {name} service")
-        env = {**os.environ, **self.config.env}
-        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=os.environ.copy())
 
     def _metrics_args(self, name: str) -> list[str]:
         base = self.config.metrics_port

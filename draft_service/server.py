@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from draft_service.proposer import proposal_row, propose
 from specdec import wire
-from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
-from specdec.service import SessionServicer, add_health, make_server
-from specdec.telemetry import Telemetry, disabled
+from specdec.service import SessionServicer, add_health, model_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -38,10 +37,7 @@ def serve(backend, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry 
 
     `telemetry` (specdec.telemetry.setup("draft")) adds spans and metrics; the caller shuts it down.
     """
-    telemetry = telemetry or disabled("draft")
-    engine = SessionEngine(telemetry.backend(backend), "draft")
-    telemetry.watch(engine)
-    server, bound = make_server(host, port, interceptors=telemetry.server_interceptors())
+    server, bound, engine = model_server(backend, "draft", host, port, telemetry)
     model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine), server)
     add_health(server, SERVICE_NAME)
     server.start()

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -88,6 +89,18 @@ def make_server(host: str, port: int, max_workers: int = 16, interceptors=()) ->
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound
+
+
+def model_server(backend, role: str, host: str, port: int, telemetry: Telemetry | None = None):
+    """A server and a SessionEngine for a model service, observed by `telemetry` when given.
+
+    Returns (server, bound port, engine); the caller adds its servicer and starts it.
+    """
+    telemetry = telemetry or disabled(role)
+    engine = SessionEngine(telemetry.backend(backend), role)
+    telemetry.watch(engine)
+    server, bound = make_server(host, port, interceptors=telemetry.server_interceptors())
+    return server, bound, engine
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:

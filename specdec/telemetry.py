@@ -27,6 +27,7 @@ a Telemetry that adds nothing: no interceptor, no proxy, no wrapper.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import time
@@ -135,16 +136,7 @@ def _tracer_provider(config: TelemetryConfig, resource):
 
     provider = TracerProvider(resource=resource)
     for name in config.traces:
-        if name == "console":
-            exporter = ConsoleSpanExporter()
-        elif config.traces_protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter()
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter()
+        exporter = ConsoleSpanExporter() if name == "console" else _otlp_exporter("trace", config.traces_protocol)
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
@@ -163,18 +155,16 @@ def _meter_provider(config: TelemetryConfig, resource):
             readers.append(PrometheusMetricReader(registry=registry, scope_info_enabled=False))
             server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
             continue
-        if name == "console":
-            exporter = ConsoleMetricExporter()
-        elif config.metrics_protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-            exporter = OTLPMetricExporter()
-        else:
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-            exporter = OTLPMetricExporter()
+        exporter = ConsoleMetricExporter() if name == "console" else _otlp_exporter("metric", config.metrics_protocol)
         readers.append(PeriodicExportingMetricReader(exporter))
     return MeterProvider(metric_readers=readers, resource=resource), server
+
+
+def _otlp_exporter(signal: str, protocol: str):
+    """OTLPSpanExporter / OTLPMetricExporter over gRPC or HTTP; they read OTEL_EXPORTER_OTLP_* themselves."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter")
+    return getattr(module, "OTLPSpanExporter" if signal == "trace" else "OTLPMetricExporter")()
 
 
 class Telemetry:

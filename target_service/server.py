@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from specdec import wire
-from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
-from specdec.service import SessionServicer, add_health, make_server
-from specdec.telemetry import Telemetry, disabled
+from specdec.service import SessionServicer, add_health, model_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
 
@@ -40,10 +39,7 @@ def serve(backend, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry 
 
     `telemetry` (specdec.telemetry.setup("target")) adds spans and metrics; the caller shuts it down.
     """
-    telemetry = telemetry or disabled("target")
-    engine = SessionEngine(telemetry.backend(backend), "target")
-    telemetry.watch(engine)
-    server, bound = make_server(host, port, interceptors=telemetry.server_interceptors())
+    server, bound, engine = model_server(backend, "target", host, port, telemetry)
     model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
     add_health(server, SERVICE_NAME)
     server.start()

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -24,6 +25,7 @@ from specdec.models import ModelSpec
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.otlp import OtlpReceiver
 
+ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"orchestrator": "specdec-orchestrator", "draft": "specdec-draft", "target": "specdec-target"}
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 SIDE_PROMPT = [3, 4, 5, 6, 7]
@@ -70,12 +72,14 @@ def observed(tiny_models):
             target=ModelSpec(tiny_models["target"], "cpu", "float32"),
             draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
             metrics_port=0,
-            env=env,
             start_timeout=180,
         )
         pipeline = LocalPipeline(config, log=lambda *_: None)
         try:
-            pipeline.start()
+            with pytest.MonkeyPatch.context() as mp:  # the children inherit it
+                for key, value in env.items():
+                    mp.setenv(key, value)
+                pipeline.start()
             draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(pipeline.addresses["draft"]))
             draft.OpenSession(model_pb2.OpenSessionRequest(session_id="side", prompt_token_ids=SIDE_PROMPT))
             side = scrape(pipeline.metrics_addresses["draft"])
@@ -103,8 +107,9 @@ def test_the_request_ran_many_rounds_and_services_exited_cleanly(observed):
     assert observed.exit_codes == {"draft": 0, "target": 0, "orchestrator": 0}  # SIGTERM -> flush -> exit 0
 
 
-def test_one_request_is_one_trace_with_rounds_parenting_draft_and_target_spans(observed):
-    spans, stats = observed.receiver.spans, observed.stats
+def check_one_trace(spans, stats) -> None:
+    """The Generate request is one trace: Generate -> a span per round -> the round's calls
+    (client) -> the same calls in the draft / target (server) -> forward passes."""
     (root,) = [s for s in spans if s.name == "/specdec.v1.Orchestrator/Generate"]
     assert root.service == SERVICES["orchestrator"] and root.parent_id == "" and root.kind == SERVER
     assert root.attributes["specdec.rounds"] == stats.rounds
@@ -146,7 +151,11 @@ def test_one_request_is_one_trace_with_rounds_parenting_draft_and_target_spans(o
                 assert len(forwards) == proposed and server.attributes["specdec.k"] == proposed
             elif method == "Score":
                 assert len(forwards) == 1 and forwards[0].attributes["specdec.logits"] == proposed + 1
-    assert row_fetches > 0
+    assert row_fetches > 0  # sampling rejected some drafts: the draft row was fetched
+
+
+def test_one_request_is_one_trace_with_rounds_parenting_draft_and_target_spans(observed):
+    check_one_trace(observed.receiver.spans, observed.stats)
 
 
 def test_prometheus_metrics_agree_with_the_response(observed):
@@ -251,3 +260,69 @@ def test_a_bad_otel_setting_is_one_error_line():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("specdec: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'")
+
+
+def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_path_factory):
+    """Draft and target hosted in Ray actors the way any host does it: telemetry.setup(role) in the
+    actor (OTEL_* from the runtime_env), serve(..., telemetry=...), and stop() = server stop then
+    telemetry.shutdown() before the actor goes (ray.kill would lose the unflushed spans)."""
+    ray = pytest.importorskip("ray")
+    from orchestrator.server import connect
+    from orchestrator.server import serve as serve_orchestrator
+
+    class ServiceActor:
+        def __init__(self, role: str, model: str):
+            from specdec import telemetry
+            from specdec.backend import HFBackend
+
+            if role == "draft":
+                from draft_service.server import serve
+            else:
+                from target_service.server import serve
+            self.telemetry = telemetry.setup(role)
+            self.server, self.port = serve(HFBackend(ModelSpec(model, "cpu", "float32")), telemetry=self.telemetry)
+
+        def address(self) -> str:
+            return f"127.0.0.1:{self.port}"
+
+        def stop(self) -> None:
+            self.server.stop(grace=5).wait()
+            self.telemetry.shutdown()
+
+    with OtlpReceiver() as receiver:
+        env = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "600000",
+            "OTEL_METRICS_EXPORTER": "none",
+        }
+        for key, value in env.items():  # the orchestrator, in this process
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+        # A cluster of its own ("local"), in a folder of its own: never another one on this machine.
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=100 * 1024 * 1024,
+            _temp_dir=str(tmp_path_factory.mktemp("ray")),
+            runtime_env={"env_vars": {**env, "PYTHONPATH": str(ROOT)}},
+        )
+        orchestrator = telemetry.setup("orchestrator")
+        try:
+            remote = ray.remote(ServiceActor)
+            actors = {role: remote.remote(role, tiny_models[role]) for role in ("draft", "target")}
+            addresses = {role: ray.get(a.address.remote(), timeout=300) for role, a in actors.items()}
+            pair = connect(addresses["draft"], addresses["target"], telemetry=orchestrator)
+            server, port = serve_orchestrator(pair, telemetry=orchestrator)
+            try:
+                stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+                stats = stub.Generate(REQUEST, timeout=120).stats
+            finally:
+                server.stop(None)
+            ray.get([a.stop.remote() for a in actors.values()], timeout=60)
+        finally:
+            orchestrator.shutdown()
+            ray.shutdown()
+        check_one_trace(receiver.spans, stats)
