@@ -41,6 +41,7 @@ TRACES_EXPORTERS = ("console", "otlp")
 METRICS_EXPORTERS = ("console", "otlp", "prometheus")
 PROTOCOLS = ("grpc", "http/protobuf")
 SERVER_SECONDS_KEY = "specdec-server-seconds"  # trailing metadata: the service's own time on a call
+HEALTH = "/grpc.health.v1.Health/"
 
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -153,7 +154,11 @@ def _meter_provider(config: TelemetryConfig, resource):
 
             registry = CollectorRegistry()  # one per Telemetry, not the process-wide default
             readers.append(PrometheusMetricReader(registry=registry, scope_info_enabled=False))
-            server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+            try:
+                server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+            except OSError as err:
+                where = f"{config.metrics_host}:{config.metrics_port}"
+                raise RuntimeError(f"cannot serve metrics on {where}: {err}") from None
             continue
         exporter = ConsoleMetricExporter() if name == "console" else _otlp_exporter("metric", config.metrics_protocol)
         readers.append(PeriodicExportingMetricReader(exporter))
@@ -198,9 +203,10 @@ class Telemetry:
             return []
         interceptors: list[grpc.ServerInterceptor] = [_ServerTimer(self._instruments, self._attrs)]
         if self.tracing:
-            from opentelemetry.instrumentation.grpc import server_interceptor
+            from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
-            interceptors.insert(0, server_interceptor(tracer_provider=self._tracer_provider))
+            not_health = filters.negate(filters.health_check())  # probes would bury the requests
+            interceptors.insert(0, server_interceptor(tracer_provider=self._tracer_provider, filter_=not_health))
         return interceptors
 
     def channel(self, channel: grpc.Channel) -> grpc.Channel:
@@ -423,7 +429,7 @@ class _ServerTimer(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None or handler.unary_unary is None or handler_call_details.method.startswith(HEALTH):
             return handler
         inner = handler.unary_unary
         attrs = {**self._attrs, "rpc.method": handler_call_details.method.rsplit("/", 1)[-1]}

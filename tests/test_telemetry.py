@@ -9,6 +9,7 @@ test, so what the receiver holds arrived through the shutdown flush.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -87,7 +88,10 @@ def observed(tiny_models):
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
             response = stub.Generate(REQUEST, timeout=120)
             scraped = {name: scrape(address) for name, address in pipeline.metrics_addresses.items()}
-            procs = dict(pipeline.procs)
+            # Stop them here, with time to spare on a busy machine (pipeline.stop() kills after 10 s).
+            for proc in pipeline.procs.values():
+                proc.send_signal(signal.SIGTERM)
+            exit_codes = {name: proc.wait(timeout=120) for name, proc in pipeline.procs.items()}
         finally:
             pipeline.stop()
         yield SimpleNamespace(
@@ -95,7 +99,7 @@ def observed(tiny_models):
             finish_reason=response.finish_reason,
             side=side,
             scraped=scraped,
-            exit_codes={name: p.returncode for name, p in procs.items()},
+            exit_codes=exit_codes,
             receiver=receiver,
         )
 
@@ -220,6 +224,54 @@ def test_otlp_metrics_arrive_and_agree(observed):
     ]  # fmt: skip
     assert len(scores) == 1 and scores[0].count == s.rounds
     assert number(last("draft", "specdec.forward.tokens").sum.data_points[0]) > 0
+
+
+def test_in_process_stream_and_bad_input_keep_the_metrics_straight(tiny_backends):
+    """Three Telemetry objects in one process (each its own registry and endpoint): a streamed
+    request, then a refused one. Nothing leaks, and the stream's stats agree with the metrics."""
+    from draft_service.server import serve as serve_draft
+    from orchestrator.server import connect
+    from orchestrator.server import serve as serve_orchestrator
+    from target_service.server import serve as serve_target
+
+    tels = {
+        role: telemetry.start(telemetry.TelemetryConfig(role, metrics=("prometheus",), metrics_port=0))
+        for role in SERVICES
+    }
+    servers = []
+    try:
+        servers.append(serve_draft(tiny_backends["draft"], telemetry=tels["draft"]))
+        servers.append(serve_target(tiny_backends["target"], telemetry=tels["target"]))
+        (_, draft_port), (_, target_port) = servers
+        pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}", telemetry=tels["orchestrator"])
+        servers.append(serve_orchestrator(pair, telemetry=tels["orchestrator"]))
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{servers[-1][1]}"))
+        chunks = list(stub.GenerateStream(REQUEST))
+        stats = chunks[-1].stats
+        bad = orchestrator_pb2.GenerateRequest(prompt="x", speculation=orchestrator_pb2.SpeculationParams(lookahead=99))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        orch = scrape(tels["orchestrator"].metrics_address)
+        assert metric(orch, "specdec_requests_active") == 0
+        assert metric(orch, "specdec_request_duration_seconds_count") == 1  # the refused request made no stats
+        assert metric(orch, "specdec_generated_tokens_total") == stats.generated_tokens
+        assert stats.generated_tokens == sum(len(c.token_ids) for c in chunks)
+        assert metric(orch, "specdec_round_accepted_length_count") == stats.rounds
+        for role in ("draft", "target"):
+            samples = scrape(tels[role].metrics_address)
+            assert metric(samples, "specdec_sessions_active") == 0
+            assert not any(name.startswith("specdec_round") for name, _ in samples)  # each its own registry
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+        addresses = [t.metrics_address for t in tels.values()]
+        for t in tels.values():
+            t.shutdown()
+    for address in addresses:  # the endpoints are closed
+        with pytest.raises(OSError):
+            scrape(address)
 
 
 def test_config_from_the_standard_variables():
