@@ -2,7 +2,8 @@
 
 Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
-folder, shown when one fails to start.
+folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
+telemetry).
 
 The draft and target bind loopback only; the orchestrator binds `host` and alone faces
 clients, with TLS / mTLS when `tls` names files. An auth token reaches every child through
@@ -37,6 +38,8 @@ class PipelineConfig:
     tls: security.ServerTLSFiles = security.ServerTLSFiles()  # the orchestrator's certificate files
     auth_token: str | None = field(default=None, repr=False)  # required by all three when set
     allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
+    # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class LocalPipeline:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-")))
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
+    metrics_addresses: dict = field(default_factory=dict)
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -80,13 +84,14 @@ class LocalPipeline:
         return self.addresses["orchestrator"]
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items())
+        metrics = "".join(f", {name} metrics http://{addr}/metrics" for name, addr in self.metrics_addresses.items())
+        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items()) + metrics
 
     def _spawn(self, name: str, command: str, args: list[str], port: int, host: str) -> None:
         ready = self.workdir / f"{name}.ready"
         logfile = open(self.workdir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "specdec.cli", command, "--host", host]
-        cmd += ["--port", str(port), "--ready-file", str(ready), *args]
+        cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
         self.log(f"specdec: starting {name} service")
         self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=self._env())
 
@@ -95,6 +100,13 @@ class LocalPipeline:
         if self.config.auth_token:
             env[security.TOKEN_ENV] = self.config.auth_token
         return env
+
+    def _metrics_args(self, name: str) -> list[str]:
+        base = self.config.metrics_port
+        if base is None:
+            return []
+        offset = {"orchestrator": 0, "target": 1, "draft": 2}[name] if base else 0
+        return ["--metrics-port", str(base + offset)]
 
     def _wait(self, name: str) -> None:
         ready = self.workdir / f"{name}.ready"
@@ -108,7 +120,10 @@ class LocalPipeline:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {name} service did not start in time:\n" + self.tail(name))
             time.sleep(0.1)
-        self.addresses[name] = json.loads(ready.read_text())["address"]
+        info = json.loads(ready.read_text())
+        self.addresses[name] = info["address"]
+        if "metrics_address" in info:
+            self.metrics_addresses[name] = info["metrics_address"]
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"

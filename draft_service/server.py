@@ -9,7 +9,8 @@ from specdec import wire
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
-from specdec.service import SessionServicer, add_health, make_server
+from specdec.service import SessionServicer, add_health, model_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -51,10 +52,15 @@ def serve(
     port: int = 0,
     drafter: Drafter = MODEL,
     security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
 ):
-    """Start a draft service on host:port (TLS / token auth per `security`); returns (server, bound port)."""
-    server, bound = make_server(host, port, security=security)
-    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(SessionEngine(backend, "draft"), drafter), server)
+    """Start a draft service on host:port; returns (server, bound port).
+
+    `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("draft")) adds spans
+    and metrics, and the caller shuts it down.
+    """
+    server, bound, engine = model_server(backend, "draft", host, port, telemetry, security)
+    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound

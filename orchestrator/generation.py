@@ -120,8 +120,11 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
     )
 
 
-def generate(pair: ModelPair, request, timeout=None) -> Iterator[Chunk]:
-    """Run one request; yield a chunk per round with new tokens, the last one with stats."""
+def generate(pair: ModelPair, request, timeout=None, observe=None) -> Iterator[Chunk]:
+    """Run one request; yield a chunk per round with new tokens, the last one with stats.
+
+    `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
+    """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
     config = loop_config(pair, request, len(ids))
@@ -133,7 +136,7 @@ def generate(pair: ModelPair, request, timeout=None) -> Iterator[Chunk]:
     text = ""
     pending_ids: list[int] = []
     finish = ""
-    rounds = loop.rounds()
+    rounds = loop.rounds() if observe is None else observe(loop)
     try:
         for step in rounds:
             pending_ids += step.token_ids

@@ -10,6 +10,7 @@ from specdec.errors import FailedPrecondition
 from specdec.security import ClientSecurity, ServerSecurity
 from specdec.security import channel as secure_channel
 from specdec.service import CHANNEL_OPTIONS, add_health, deadline_seconds, make_server
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
@@ -20,21 +21,23 @@ def connect(
     target_address: str,
     wait_seconds: float = 60.0,
     security: ClientSecurity | None = None,
+    telemetry: Telemetry | None = None,
 ) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
     A draft and target must share a vocabulary (same size, same token -> id map); a
     mismatched pair is refused with a message that names both models. With no draft
     address the orchestrator serves target-only decoding. `security` sets TLS, the client
-    certificate and the bearer token for both channels.
+    certificate and the bearer token for both channels; `telemetry` instruments them.
     """
     security = security or ClientSecurity()
-    target = model_pb2_grpc.TargetServiceStub(_channel(target_address, wait_seconds, security))
+    telemetry = telemetry or disabled()
+    target = model_pb2_grpc.TargetServiceStub(telemetry.channel(_channel(target_address, wait_seconds, security)))
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
     if draft_address:
-        draft = model_pb2_grpc.DraftServiceStub(_channel(draft_address, wait_seconds, security))
+        draft = model_pb2_grpc.DraftServiceStub(telemetry.channel(_channel(draft_address, wait_seconds, security)))
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)
@@ -70,13 +73,15 @@ def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grp
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pair: ModelPair):
+    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None):
         self.pair = pair
+        self.telemetry = telemetry or disabled()
 
     def _chunks(self, request, context):
         if request.speculation.disabled or self.pair.draft is None:
             request.speculation.disabled = True
-        return generate(self.pair, request, timeout=deadline_seconds(context))
+        chunks = generate(self.pair, request, timeout=deadline_seconds(context), observe=self.telemetry.rounds)
+        return self.telemetry.requests(chunks)
 
     def Generate(self, request, context):
         ids, text = [], []
@@ -100,10 +105,21 @@ def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     )
 
 
-def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity | None = None):
-    """Start the orchestrator on host:port (TLS / token auth per `security`); returns (server, bound port)."""
-    server, bound = make_server(host, port, security=security)
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server)
+def serve(
+    pair: ModelPair,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+):
+    """Start the orchestrator on host:port; returns (server, bound port).
+
+    `security` adds TLS / token auth; pass the same `telemetry`
+    (specdec.telemetry.setup("orchestrator")) as to connect().
+    """
+    telemetry = telemetry or disabled()
+    server, bound = make_server(host, port, security=security, interceptors=telemetry.server_interceptors())
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair, telemetry), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound

@@ -62,6 +62,11 @@ def _add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=port, help=f"port to bind; 0 picks a free one (default {port})")
     p.add_argument("--ready-file", type=Path, help='write {"address": ...} here once serving')
+    _add_metrics_flag(p, "serve Prometheus metrics on this port at /metrics (0 picks a free one; default: off)")
+
+
+def _add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=None, help=text + "; traces: see OTEL_* in the README")
 
 
 def _add_server_security_flags(p: argparse.ArgumentParser) -> None:
@@ -139,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
+    _add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
     _add_model_flags(s, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(s, models.DEFAULT_DRAFT_DTYPE, "draft-")
     _add_drafter_flag(s)
@@ -318,35 +324,49 @@ def _print_stats(s, finish: str) -> None:
 
 
 # -- services ----------------------------------------------------------------------------
-def _serve_until_signal(server, address: str, ready_file: Path | None, what: str) -> int:
+def _serve_until_signal(server, address: str, ready_file: Path | None, what: str, telemetry=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    ready = {"address": address}
+    if telemetry is not None and telemetry.metrics_address:
+        ready["metrics_address"] = telemetry.metrics_address
+        print(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics", file=sys.stderr, flush=True)
     if ready_file:
         tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": address}))
+        tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
     print(f"specdec: {what} serving on {address}", file=sys.stderr, flush=True)
     stop.wait()
     server.stop(grace=5).wait()
+    if telemetry is not None:
+        telemetry.shutdown()  # flushes the last spans and metrics
     return 0
+
+
+def _telemetry(args, role: str):
+    from specdec import telemetry
+
+    return telemetry.setup(role, args.metrics_port, args.host)
 
 
 def _model_service(args, role: str) -> int:
     spec = models.ModelSpec(args.model, args.device, args.dtype)
     server_security = _server_security(args)
+    telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
     if role == "draft":
         from draft_service import drafters
         from draft_service.server import serve
 
         backend, drafter = drafters.make(args.drafter, spec)
-        server, port = serve(backend, args.host, args.port, drafter, security=server_security)
+        server, port = serve(backend, args.host, args.port, drafter, security=server_security, telemetry=telemetry)
     else:
         from specdec.backend import HFBackend
         from target_service.server import serve
 
-        server, port = serve(HFBackend(spec), args.host, args.port, security=server_security)
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, f"{role} service ({args.model})")
+        server, port = serve(HFBackend(spec), args.host, args.port, security=server_security, telemetry=telemetry)
+    what = f"{role} service ({args.model})"
+    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry)
 
 
 def cmd_orchestrator(args) -> int:
@@ -354,9 +374,10 @@ def cmd_orchestrator(args) -> int:
 
     server_security = _server_security(args)
     client = _client_security(args, "service-", security.SERVICE_TOKEN_ENV, server_security.token)
-    pair = connect(args.draft_address, args.target_address, security=client)
-    server, port = serve(pair, args.host, args.port, server_security)
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, "orchestrator")
+    telemetry = _telemetry(args, "orchestrator")
+    pair = connect(args.draft_address, args.target_address, security=client, telemetry=telemetry)
+    server, port = serve(pair, args.host, args.port, server_security, telemetry=telemetry)
+    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, "orchestrator", telemetry)
 
 
 def cmd_serve(args) -> int:
@@ -370,6 +391,7 @@ def cmd_serve(args) -> int:
         tls=_tls_files(args),
         auth_token=server_security.token,
         allow_insecure=args.allow_insecure,
+        metrics_port=args.metrics_port,
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     stop = threading.Event()

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
 from specdec.security import ServerSecurity, bind, server_interceptors
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -76,20 +77,47 @@ def deadline_seconds(context) -> float | None:
 
 
 def make_server(
-    host: str, port: int, max_workers: int = 16, security: ServerSecurity | None = None
+    host: str,
+    port: int,
+    max_workers: int = 16,
+    security: ServerSecurity | None = None,
+    interceptors=(),
 ) -> tuple[grpc.Server, int]:
-    """A server with the error interceptor (and token auth, when configured), bound to
-    host:port (0 picks a free port) with TLS when configured."""
+    """A server with the error interceptor, bound to host:port (0 picks a free port), with TLS
+    and token auth when `security` asks for them.
+
+    Order, outermost first: auth (an unauthenticated call goes no further), `interceptors`
+    (telemetry: outside the error interceptor, so spans see the status codes), errors.
+    """
     security = security or ServerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*server_interceptors(security), ErrorInterceptor()],
+        interceptors=[*server_interceptors(security), *interceptors, ErrorInterceptor()],
         options=CHANNEL_OPTIONS,
     )
     bound = bind(server, host, port, security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound
+
+
+def model_server(
+    backend,
+    role: str,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
+    security: ServerSecurity | None = None,
+):
+    """A server and a SessionEngine for a model service, observed by `telemetry` when given.
+
+    Returns (server, bound port, engine); the caller adds its servicer and starts it.
+    """
+    telemetry = telemetry or disabled(role)
+    engine = SessionEngine(telemetry.backend(backend), role)
+    telemetry.watch(engine)
+    server, bound = make_server(host, port, security=security, interceptors=telemetry.server_interceptors())
+    return server, bound, engine
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:

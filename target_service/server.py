@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 from specdec import wire
-from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
-from specdec.service import SessionServicer, add_health, make_server
+from specdec.service import SessionServicer, add_health, model_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
 
@@ -39,10 +39,20 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             )
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity | None = None):
-    """Start a target service on host:port (TLS / token auth per `security`); returns (server, bound port)."""
-    server, bound = make_server(host, port, security=security)
-    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(SessionEngine(backend, "target")), server)
+def serve(
+    backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+):
+    """Start a target service on host:port; returns (server, bound port).
+
+    `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("target")) adds spans
+    and metrics, and the caller shuts it down.
+    """
+    server, bound, engine = model_server(backend, "target", host, port, telemetry, security)
+    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
     add_health(server, SERVICE_NAME)
     server.start()
     return server, bound
