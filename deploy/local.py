@@ -2,7 +2,12 @@
 
 Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
-folder, shown when one fails to start.
+folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
+telemetry).
+
+The draft and target bind loopback only; the orchestrator binds `host` and alone faces
+clients, with TLS / mTLS when `tls` names files. An auth token reaches every child through
+its environment (never argv, which other users can read), and every service then requires it.
 """
 
 from __future__ import annotations
@@ -17,16 +22,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec import models
+from specdec import models, security
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    drafter: str = "model"  # model | ngram | llamacpp (draft_service.drafters)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
+    tls: security.ServerTLSFiles = security.ServerTLSFiles()  # the orchestrator's certificate files
+    auth_token: str | None = field(default=None, repr=False)  # required by all three when set
+    allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
+    # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -38,6 +51,7 @@ class LocalPipeline:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-")))
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
+    metrics_addresses: dict = field(default_factory=dict)
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -45,15 +59,18 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         t0 = time.perf_counter()
         try:
-            self._spawn("draft", "draft-service", _model_args(cfg.draft), 0)
-            self._spawn("target", "target-service", _model_args(cfg.target), 0)
+            self._spawn("draft", "draft-service", [*_model_args(cfg.draft), "--drafter", cfg.drafter], 0, LOOPBACK)
+            self._spawn("target", "target-service", _model_args(cfg.target), 0, LOOPBACK)
             for name in ("draft", "target"):
                 self._wait(name)
             self._spawn(
                 "orchestrator",
                 "orchestrator",
-                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]],
+                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]]
+                + cfg.tls.flags()
+                + (["--allow-insecure"] if cfg.allow_insecure else []),
                 cfg.port,
+                cfg.host,
             )
             self._wait("orchestrator")
         except BaseException:
@@ -67,15 +84,29 @@ class LocalPipeline:
         return self.addresses["orchestrator"]
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items())
+        metrics = "".join(f", {name} metrics http://{addr}/metrics" for name, addr in self.metrics_addresses.items())
+        return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items()) + metrics
 
-    def _spawn(self, name: str, command: str, args: list[str], port: int) -> None:
+    def _spawn(self, name: str, command: str, args: list[str], port: int, host: str) -> None:
         ready = self.workdir / f"{name}.ready"
         logfile = open(self.workdir / f"{name}.log", "wb")
-        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", self.config.host]
-        cmd += ["--port", str(port), "--ready-file", str(ready), *args]
+        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", host]
+        cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
         self.log(f"specdec: starting {name} service")
-        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=self._env())
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (security.TOKEN_ENV, security.SERVICE_TOKEN_ENV)}
+        if self.config.auth_token:
+            env[security.TOKEN_ENV] = self.config.auth_token
+        return env
+
+    def _metrics_args(self, name: str) -> list[str]:
+        base = self.config.metrics_port
+        if base is None:
+            return []
+        offset = {"orchestrator": 0, "target": 1, "draft": 2}[name] if base else 0
+        return ["--metrics-port", str(base + offset)]
 
     def _wait(self, name: str) -> None:
         ready = self.workdir / f"{name}.ready"
@@ -89,7 +120,10 @@ class LocalPipeline:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {name} service did not start in time:\n" + self.tail(name))
             time.sleep(0.1)
-        self.addresses[name] = json.loads(ready.read_text())["address"]
+        info = json.loads(ready.read_text())
+        self.addresses[name] = info["address"]
+        if "metrics_address" in info:
+            self.metrics_addresses[name] = info["metrics_address"]
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"

@@ -108,15 +108,19 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
         max_new_tokens=max_new,
         lookahead=lookahead,
         speculate=not spec.disabled,
+        adaptive=spec.adaptive,
         seed=request.seed or random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
 
 
-def generate(pair: ModelPair, request, timeout=None, active: Callable[[], bool] = lambda: True) -> Iterator[Chunk]:
+def generate(
+    pair: ModelPair, request, timeout=None, observe=None, active: Callable[[], bool] = lambda: True
+) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
-    `active()` is asked before each round: once it is False (the client went away) the
+    `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
+    `active()` is asked after each round: once it is False (the client went away) the
     generation stops and its sessions are closed.
     """
     start = time.perf_counter()
@@ -130,7 +134,7 @@ def generate(pair: ModelPair, request, timeout=None, active: Callable[[], bool] 
     text = ""
     pending_ids: list[int] = []
     finish = ""
-    rounds = loop.rounds()
+    rounds = loop.rounds() if observe is None else observe(loop)
     try:
         for step in rounds:
             if not active():
@@ -189,4 +193,8 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds,
         seed=seed,
+        round_seconds=s.round_seconds,
+        draft_compute_seconds=s.draft_compute_seconds,
+        target_compute_seconds=s.target_compute_seconds,
+        wire_bytes=s.wire_bytes,
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orchestrator.lookahead import AdaptiveLookahead
 from specdec import rule, wire
 from specdec.errors import SpecdecError
 from specdec.v1 import model_pb2
@@ -32,8 +33,9 @@ from specdec.v1 import model_pb2
 class LoopConfig:
     sampling: model_pb2.SamplingParams
     max_new_tokens: int
-    lookahead: int = 4
+    lookahead: int = 4  # k, or the largest k when adaptive
     speculate: bool = True
+    adaptive: bool = False  # choose k per round (orchestrator.lookahead)
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
 
@@ -48,8 +50,12 @@ class LoopStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
+    draft_seconds: float = 0.0  # waiting on the draft service
+    target_seconds: float = 0.0  # waiting on the target service
+    draft_compute_seconds: float = 0.0  # of which the draft service reported computing
+    target_compute_seconds: float = 0.0  # of which the target service reported computing
+    round_seconds: float = 0.0  # in rounds, prefill excluded
+    wire_bytes: int = 0  # serialized round messages, both directions
 
 
 @dataclass
@@ -86,6 +92,7 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
+        self.policy = AdaptiveLookahead(config.lookahead) if config.adaptive else None
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -116,12 +123,21 @@ class SpeculativeLoop:
                     pass
 
     # -- one round -------------------------------------------------------------------------
+    def _call(self, method, request):
+        """One RPC with what is left of the deadline: (response, seconds), bytes counted."""
+        t0 = time.perf_counter()
+        response = method(request, timeout=self._timeout())
+        self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
+        return response, time.perf_counter() - t0
+
     def _round(self) -> Round:
+        start = time.perf_counter()
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
-        k = min(cfg.lookahead, remaining - 1) if self.draft is not None else 0
+        wanted = self.policy.next_k() if self.policy else cfg.lookahead
+        k = min(wanted, remaining - 1) if self.draft is not None else 0
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
         if cfg.greedy:
             draft_u = accept_u = []
@@ -132,9 +148,10 @@ class SpeculativeLoop:
 
         drafts: list[int] = []
         draft_probs: list[float] = []
+        draft_time = 0.0
         if k > 0:
-            t0 = time.perf_counter()
-            proposal = self.draft.stub.Propose(
+            proposal, draft_time = self._call(
+                self.draft.stub.Propose,
                 model_pb2.ProposeRequest(
                     session=self.draft.ref(self.session_id),
                     append_tokens=self.draft.pending,
@@ -142,14 +159,15 @@ class SpeculativeLoop:
                     sampling=cfg.sampling,
                     uniforms=draft_u,
                 ),
-                timeout=self._timeout(),
             )
-            self.stats.draft_seconds += time.perf_counter() - t0
+            self.stats.draft_compute_seconds += proposal.compute_seconds
             self.draft.length, self.draft.pending = proposal.length, []
             drafts, draft_probs = list(proposal.token_ids), list(proposal.token_probs)
+            # A model-free drafter may propose fewer than k (none when it finds no match).
+            k, accept_u = len(drafts), accept_u[: len(drafts)]
 
-        t0 = time.perf_counter()
-        scores = self.target.stub.Score(
+        scores, target_time = self._call(
+            self.target.stub.Score,
             model_pb2.ScoreRequest(
                 session=self.target.ref(self.session_id),
                 append_tokens=self.target.pending,
@@ -158,9 +176,8 @@ class SpeculativeLoop:
                 draft_token_probs=draft_probs,
                 accept_uniforms=accept_u,
             ),
-            timeout=self._timeout(),
         )
-        self.stats.target_seconds += time.perf_counter() - t0
+        self.stats.target_compute_seconds += scores.compute_seconds
         self.target.length, self.target.pending = scores.length, []
 
         if cfg.greedy:
@@ -174,18 +191,19 @@ class SpeculativeLoop:
             if accepted == k:  # every draft passed: the bonus token
                 last = rule.sample(target_row, final_u)
             else:  # first rejection: the recovered token, from the residual
-                last = rule.sample(rule.residual(target_row, self._draft_row(accepted)), final_u)
+                row, row_time = self._call(
+                    self.draft.stub.ProposalRow,
+                    model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=accepted),
+                )
+                draft_time += row_time
+                last = rule.sample(rule.residual(target_row, wire.decode_row(row)), final_u)
         committed = drafts[:accepted] + [last]
+        self.stats.draft_seconds += draft_time
+        self.stats.target_seconds += target_time
+        if self.policy and k > 0:
+            self.policy.update(k, accepted, draft_time, target_time)
+        self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=k, accepted=accepted)
-
-    def _draft_row(self, position: int) -> np.ndarray:
-        t0 = time.perf_counter()
-        row = self.draft.stub.ProposalRow(
-            model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=position),
-            timeout=self._timeout(),
-        )
-        self.stats.draft_seconds += time.perf_counter() - t0
-        return wire.decode_row(row)
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config

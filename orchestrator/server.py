@@ -9,26 +9,38 @@ from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits
+from specdec.security import ClientSecurity, ServerSecurity
+from specdec.security import channel as secure_channel
 from specdec.service import CHANNEL_OPTIONS, deadline_seconds
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers RESOURCE_EXHAUSTED
 
 
-def connect(draft_address: str | None, target_address: str, wait_seconds: float = 60.0) -> ModelPair:
+def connect(
+    draft_address: str | None,
+    target_address: str,
+    wait_seconds: float = 60.0,
+    security: ClientSecurity | None = None,
+    telemetry: Telemetry | None = None,
+) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
     A draft and target must share a vocabulary (same size, same token -> id map); a
     mismatched pair is refused with a message that names both models. With no draft
-    address the orchestrator serves target-only decoding.
+    address the orchestrator serves target-only decoding. `security` sets TLS, the client
+    certificate and the bearer token for both channels; `telemetry` instruments them.
     """
-    target = model_pb2_grpc.TargetServiceStub(_channel(target_address, wait_seconds))
+    security = security or ClientSecurity()
+    telemetry = telemetry or disabled()
+    target = model_pb2_grpc.TargetServiceStub(telemetry.channel(_channel(target_address, wait_seconds, security)))
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
     if draft_address:
-        draft = model_pb2_grpc.DraftServiceStub(_channel(draft_address, wait_seconds))
+        draft = model_pb2_grpc.DraftServiceStub(telemetry.channel(_channel(draft_address, wait_seconds, security)))
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)
@@ -53,23 +65,32 @@ def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
         )
 
 
-def _channel(address: str, wait_seconds: float) -> grpc.Channel:
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:
+    channel = secure_channel(address, security, CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=wait_seconds)
     except grpc.FutureTimeoutError:
-        raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s") from None
+        hint = " (over TLS: check the CA, the certificates and the server name)" if security.uses_tls else ""
+        raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s{hint}") from None
     return channel
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pair: ModelPair):
+    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None):
         self.pair = pair
+        self.telemetry = telemetry or disabled()
 
     def _chunks(self, request, context):
         if request.speculation.disabled or self.pair.draft is None:
             request.speculation.disabled = True
-        return generate(self.pair, request, timeout=deadline_seconds(context), active=context.is_active)
+        chunks = generate(
+            self.pair,
+            request,
+            timeout=deadline_seconds(context),
+            observe=self.telemetry.rounds,
+            active=context.is_active,
+        )
+        return self.telemetry.requests(chunks)
 
     def Generate(self, request, context):
         ids, text = [], []
@@ -93,16 +114,33 @@ def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     )
 
 
-def serve(pair: ModelPair, host: str = "127.0.0.1", port: int = 0, admission: AdmissionLimits | None = None):
-    """Start the orchestrator on host:port; returns (server, bound port)."""
+def serve(
+    pair: ModelPair,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+    admission: AdmissionLimits | None = None,
+):
+    """Start the orchestrator on host:port; returns (server, bound port).
+
+    `security` adds TLS / token auth; pass the same `telemetry`
+    (specdec.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
+    generations running and queued. The server drains with server.drain() (specdec.lifecycle).
+    """
+    telemetry = telemetry or disabled()
     admission = admission or AdmissionLimits()
     return lifecycle.start(
-        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair), server),
+        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
+            OrchestratorServicer(pair, telemetry), server
+        ),
         SERVICE_NAME,
         [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
         host,
         port,
         admission=admission,
+        interceptors=telemetry.server_interceptors(),
+        security=security,
         # Queued requests hold a thread while they wait; leave some for health checks.
         max_workers=admission.max_concurrent + admission.max_queue + 4,
         max_receive_bytes=MAX_REQUEST_BYTES,

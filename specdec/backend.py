@@ -53,13 +53,18 @@ class HFBackend:
             cache.crop(-drop)
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        with tempfile.TemporaryDirectory() as tmp:
-            self.tokenizer.save_pretrained(tmp)
-            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+        return tokenizer_files(self.tokenizer)
 
     @functools.cache  # noqa: B019 - one backend per process
     def tokenizer_digest(self) -> str:
         return vocab_digest(self.tokenizer)
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files save_pretrained writes for a tokenizer, by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
 def vocab_digest(tokenizer) -> str:

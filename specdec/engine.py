@@ -132,6 +132,13 @@ class SessionEngine:
     def open_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose keys and values the caches of all open sessions hold."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(len(s.cached) for s in sessions)
+
     @contextmanager
     def session(self, session_id: str, expected_length: int | None = None) -> Iterator[Session]:
         """The session, locked; checks the caller's view of its committed length."""

@@ -11,8 +11,9 @@
 - Drain: health turns NOT_SERVING, entries are refused, and the server waits until nothing
   is in flight (and, on a model service, no session is open), bounded by a timeout.
 
-This module owns no model or generation logic; the serve() functions of the three services
-assemble a server from it.
+The gate sits outside the error interceptor (inside auth and telemetry, so those see its
+refusals) and answers its own refusals. This module owns no model or generation logic; the
+serve() functions of the three services assemble a server from it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.errors import Cancelled, ResourceExhausted, Unavailable
+from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper
-from specdec.service import add_health, make_server
+from specdec.service import add_health, make_server, model_server
 
 
 class Admission:
@@ -88,13 +89,23 @@ class Gate(grpc.ServerInterceptor):
 
     @contextmanager
     def _enter(self, context):
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(self._counted())
+                if self.admission:
+                    stack.enter_context(self.admission.slot(context))
+            except SpecdecError as err:
+                context.abort(err.code, err.message)
+            yield
+
+    @contextmanager
+    def _counted(self):
         with self._cond:
             if self.draining:
                 raise Unavailable("the server is shutting down (draining); retry on another instance")
             self.in_flight += 1
         try:
-            with self.admission.slot(context) if self.admission else nullcontext():
-                yield
+            yield
         finally:
             with self._cond:
                 self.in_flight -= 1
@@ -173,31 +184,31 @@ def start(
     port: int,
     *,
     admission: AdmissionLimits | None = None,
-    busy: Callable[[], int] = lambda: 0,
-    background=(),
+    interceptors=(),
     **server_options,
 ) -> tuple[Served, int]:
-    """Build, register (register(server) adds the servicers), and start a gated server."""
+    """Build a gated server (make_server's options), register(server) its servicers, start it."""
     gate = Gate(entry_methods, Admission(admission) if admission else None)
-    server, bound = make_server(host, port, interceptors=[gate], **server_options)
+    server, bound = make_server(host, port, interceptors=[*interceptors, gate], **server_options)
     register(server)
+    return _launch(server, gate, service_name), bound
+
+
+def serve_model(
+    backend, role: str, service_name: str, add_servicer, host: str, port: int, limits, telemetry, security
+) -> tuple[Served, int]:
+    """Start a model service (add_servicer(engine, server) adds its servicer): OpenSession is
+    its entry, open sessions keep a drain waiting, idle sessions are reaped."""
+    gate = Gate([f"/{service_name}/OpenSession"])
+    server, bound, engine = model_server(backend, role, host, port, telemetry, security, limits, [gate])
+    add_servicer(engine, server)
+    reaper = Reaper(engine, engine.limits.idle_ttl)
+    return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper]), bound
+
+
+def _launch(server: grpc.Server, gate: Gate, service_name: str, busy=lambda: 0, background=()) -> Served:
     health = add_health(server, service_name)
     server.start()
     for thread in background:
         thread.start()
-    return Served(server, gate, health, busy, background), bound
-
-
-def serve_model(servicer, add_to_server, service_name: str, host: str, port: int) -> tuple[Served, int]:
-    """Start a model service: OpenSession is its entry; open sessions keep a drain waiting;
-    idle sessions are reaped."""
-    engine = servicer.engine
-    return start(
-        lambda server: add_to_server(servicer, server),
-        service_name,
-        [f"/{service_name}/OpenSession"],
-        host,
-        port,
-        busy=lambda: engine.open_sessions,
-        background=[Reaper(engine, engine.limits.idle_ttl)],
-    )
+    return Served(server, gate, health, busy, background)

@@ -7,7 +7,6 @@ describe, tokenizer), so each service's servicer adds only its one verb.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -16,6 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec import validation
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
+from specdec.limits import SessionLimits
+from specdec.security import ServerSecurity, bind, server_interceptors
+from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -80,24 +82,53 @@ def make_server(
     host: str,
     port: int,
     max_workers: int = 16,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    security: ServerSecurity | None = None,
+    interceptors=(),
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
-    """A server with the error interceptor (outermost, then `interceptors`), bound to
-    host:port (0 picks a free port). A request over max_receive_bytes is refused by gRPC
-    with RESOURCE_EXHAUSTED."""
+    """A server with the error interceptor, bound to host:port (0 picks a free port), with TLS
+    and token auth when `security` asks for them. A request over max_receive_bytes is refused
+    by gRPC with RESOURCE_EXHAUSTED.
+
+    Order, outermost first: auth (an unauthenticated call goes no further), `interceptors`
+    (telemetry: outside the error interceptor, so spans see the status codes), errors.
+    """
+    security = security or ServerSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor(), *interceptors],
+        interceptors=[*server_interceptors(security), *interceptors, ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
         ],
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = bind(server, host, port, security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound
+
+
+def model_server(
+    backend,
+    role: str,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
+    security: ServerSecurity | None = None,
+    limits: SessionLimits | None = None,
+    interceptors=(),
+):
+    """A server and a SessionEngine for a model service, observed by `telemetry` when given.
+
+    `interceptors` go inside telemetry's. Returns (server, bound port, engine); the caller
+    adds its servicer and starts it.
+    """
+    telemetry = telemetry or disabled(role)
+    engine = SessionEngine(telemetry.backend(backend), role, limits)
+    telemetry.watch(engine)
+    interceptors = [*telemetry.server_interceptors(), *interceptors]
+    server, bound = make_server(host, port, security=security, interceptors=interceptors)
+    return server, bound, engine
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:

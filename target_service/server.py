@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from specdec import validation, wire
-from specdec.engine import SessionEngine
 from specdec.lifecycle import serve_model
 from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
+from specdec.security import ServerSecurity
 from specdec.service import SessionServicer
+from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
 
@@ -18,6 +21,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
         validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
+        start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
             # Checked before the commit, so a refused request changes nothing.
             length = len(session.tokens) + len(request.append_tokens) + len(request.draft_token_ids)
@@ -37,10 +41,26 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 row_position=scores.row_position,
                 row=wire.encode_row(scores.row) if scores.row is not None else None,
                 length=len(session.tokens),
+                compute_seconds=time.perf_counter() - start,
             )
 
 
-def serve(backend, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits | None = None):
-    """Start a target service on host:port; returns (server, bound port)."""
-    servicer = TargetServicer(SessionEngine(backend, "target", limits))
-    return serve_model(servicer, model_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, host, port)
+def serve(
+    backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+    limits: SessionLimits | None = None,
+):
+    """Start a target service on host:port; returns (server, bound port).
+
+    `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("target")) adds spans
+    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens. The server
+    drains with server.drain() (specdec.lifecycle).
+    """
+
+    def add_servicer(engine, server):
+        model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
+
+    return serve_model(backend, "target", SERVICE_NAME, add_servicer, host, port, limits, telemetry, security)

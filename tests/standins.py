@@ -55,3 +55,31 @@ def random_markov(vocab: int, seed: int, alpha: float = 0.5) -> np.ndarray:
     """[vocab, vocab] rows drawn from Dirichlet(alpha): uneven, so rule errors show."""
     rng = np.random.default_rng(seed)
     return rng.dirichlet(np.full(vocab, alpha), size=vocab)
+
+
+class SupportMarkovBackend(MarkovBackend):
+    """A Markov law on a few `support` tokens of a large vocabulary, rows built on the fly.
+
+    From support[i] the next token is support[j] with probability kernel[i][j]; from any
+    other token it is support[0]. Every other token has probability zero.
+    """
+
+    def __init__(self, vocab_size: int, support: list[int], kernel: np.ndarray):
+        self.support = torch.tensor(support)
+        self.index = {t: i for i, t in enumerate(support)}
+        self.kernel_logits = torch.log(torch.tensor(kernel, dtype=torch.float32))
+        self.name = "support-markov"
+        self.vocab_size = vocab_size
+        self.max_context = 1_000_000
+        self.eos_token_ids: list[int] = []
+        self.dtype, self.device = "float32", torch.device("cpu")
+
+    def forward(self, cache, token_ids, n_logits):
+        cache.extend(token_ids)
+        rows = torch.full((n_logits, self.vocab_size), float("-inf"))
+        for r, t in enumerate(token_ids[-n_logits:]):
+            if t in self.index:
+                rows[r, self.support] = self.kernel_logits[self.index[t]]
+            else:
+                rows[r, self.support[0]] = 0.0
+        return rows

@@ -1,0 +1,1 @@
+"""specdec bench: the benchmark behind `specdec bench` (bench.run) and its prompt set."""

@@ -1,0 +1,334 @@
+"""`specdec bench`: specdec side by side with what a user would otherwise run, in one run.
+
+On a fixed prompt set (bench/prompts.json: chat, code, summarisation of a given passage,
+lists), for each temperature:
+  (a) hf-target    target-only, in-process transformers `generate`;
+  (b) hf-assisted  transformers assisted generation in-process with the same draft model
+                   (prompt lookup for the ngram drafter; none for llama.cpp);
+  (c) specdec-off  specdec through gRPC with speculation off (target service only);
+  (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round).
+Every method decodes the same prompt token ids. Reported per row: tokens/s (median over
+prompts x repeats, client wall time, prefill included), speedup over (a), the acceptance
+rate, tokens per round, the measured draft/target cost ratio c (service compute time per
+draft token / per target round), alpha (per-token acceptance under the i.i.d. model, solved
+from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))
+(Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
+and orchestrator overhead per round (round time not spent computing in a model service).
+Writes results.json and speedup.png to --out and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec import models
+
+PROMPTS = Path(__file__).with_name("prompts.json")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
+    draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    drafters: tuple[str, ...] = ("model", "ngram", "llamacpp")
+    ks: tuple[int, ...] = (2, 4, 8)
+    adaptive: bool = True
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    max_tokens: int = 128
+    repeats: int = 1
+    prompt_kinds: tuple[str, ...] = ()  # empty: all
+    max_prompts: int = 0  # 0: all
+    seed: int = 1
+    out: Path = Path("bench-results")
+    hf_baselines: bool = True
+
+
+@dataclass
+class Row:
+    method: str
+    drafter: str
+    temperature: float
+    k: str  # "2", "4", ..., "adaptive", or "-" (no speculation)
+    runs: list[dict] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        values = [r[key] for r in self.runs if r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+
+def load_prompts(config: BenchConfig) -> list[dict]:
+    prompts = json.loads(PROMPTS.read_text())
+    if config.prompt_kinds:
+        prompts = [p for p in prompts if p["kind"] in config.prompt_kinds]
+    return prompts[: config.max_prompts] if config.max_prompts else prompts
+
+
+# -- in-process transformers (a) and (b) ----------------------------------------------------
+def _hf_generate(model, ids, config: BenchConfig, temperature: float, **extra) -> dict:
+    import torch
+
+    kwargs = dict(max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens, **extra)
+    if temperature > 0:
+        kwargs |= dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs |= dict(do_sample=False)
+    torch.manual_seed(config.seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), **kwargs)
+    wall = time.perf_counter() - t0
+    n = out.shape[1] - len(ids)
+    return {"tokens": n, "wall": wall, "tokens_per_second": n / wall}
+
+
+# -- specdec through gRPC (c) and (d) -----------------------------------------------------------
+def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str) -> dict:
+    from specdec.v1 import model_pb2, orchestrator_pb2
+
+    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-")
+    if k == "adaptive":
+        spec.lookahead, spec.adaptive = max(config.ks), True
+    elif k != "-":
+        spec.lookahead = int(k)
+    request = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=ids),
+        max_new_tokens=config.max_tokens,
+        sampling=model_pb2.SamplingParams(temperature=temperature),
+        seed=config.seed,
+        speculation=spec,
+    )
+    t0 = time.perf_counter()
+    reply = stub.Generate(request)
+    wall = time.perf_counter() - t0
+    s = reply.stats
+    n = len(reply.token_ids)
+    run = {"tokens": n, "wall": wall, "tokens_per_second": n / wall, "finish": reply.finish_reason}
+    rounds = max(s.rounds, 1)
+    compute = s.draft_compute_seconds + s.target_compute_seconds
+    run |= {
+        "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
+        "tokens_per_round": s.mean_accepted_length,
+        "drafts_per_round": s.draft_tokens / rounds,
+        "bytes_per_round": s.wire_bytes / rounds,
+        "overhead_ms_per_round": 1000 * (s.round_seconds - compute) / rounds,
+        "overhead_fraction": (s.round_seconds - compute) / s.round_seconds if s.round_seconds else None,
+        "cost_ratio": (
+            (s.draft_compute_seconds / s.draft_tokens) / (s.target_compute_seconds / rounds)
+            if s.draft_tokens and s.target_compute_seconds
+            else None
+        ),
+    }
+    return run
+
+
+def alpha_from_tokens_per_round(tokens: float, k: float) -> float:
+    """Solve (1 - a^(k+1)) / (1 - a) = tokens for a in [0, 1] (bisection; increasing in a)."""
+    if k <= 0 or tokens <= 1:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(int(round(k)) + 1)) < tokens:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def theoretical_speedup(alpha: float, k: float, cost_ratio: float) -> float:
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * cost_ratio + 1)
+
+
+# -- the run --------------------------------------------------------------------------------------
+def run(config: BenchConfig, log=print) -> dict:
+    import grpc
+    from tqdm import tqdm
+
+    from deploy.local import LocalPipeline, PipelineConfig
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    prompts = load_prompts(config)
+    target_model, tokenizer = models.load(config.target)
+    prompt_ids = [_chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    draft_model = models.load(config.draft)[0] if config.hf_baselines and "model" in config.drafters else None
+
+    ks = [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
+    plan: list[tuple] = []  # (row key, where, extra)
+    for t in config.temperatures:
+        if config.hf_baselines:
+            plan.append((("hf-target", "-", t, "-"), "hf", {}))
+            if draft_model is not None:
+                plan.append((("hf-assisted", "model", t, "auto"), "hf", {"assistant_model": draft_model}))
+            if "ngram" in config.drafters:
+                plan.append((("hf-assisted", "ngram", t, "10"), "hf", {"prompt_lookup_num_tokens": 10}))
+        for i, drafter in enumerate(config.drafters):
+            if i == 0:
+                plan.append((("specdec-off", "-", t, "-"), drafter, {}))
+            plan += [(("specdec", drafter, t, k), drafter, {}) for k in ks]
+
+    rows: dict[tuple, Row] = {}
+    total = len(plan) * len(prompt_ids) * config.repeats
+    bar = tqdm(total=total, desc="bench", unit="gen", dynamic_ncols=True)
+    for where in dict.fromkeys(w for _, w, _ in plan):  # one pipeline per drafter, in plan order
+        items = [(key, extra) for key, w, extra in plan if w == where]
+        pipeline = None
+        if where != "hf":
+            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=where)
+            pipeline = LocalPipeline(cfg, log=lambda msg: bar.write(msg)).start()
+            stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
+        try:
+            for key, extra in items:
+                row = rows.setdefault(key, Row(*key))
+                method, _, temperature, k = key
+                bar.set_postfix_str(f"{method} {row.drafter} T={temperature} k={k}")
+                for rep in range(config.repeats + 1):  # the first pass warms up and is dropped
+                    for ids in prompt_ids[: 1 if rep == 0 else None]:
+                        if where == "hf":
+                            result = _hf_generate(target_model, ids, config, temperature, **extra)
+                        else:
+                            result = _specdec_generate(stub, ids, config, temperature, k)
+                        if rep > 0:
+                            row.runs.append(result)
+                            bar.update(1)
+        finally:
+            if pipeline is not None:
+                pipeline.stop()
+    bar.close()
+    return _summarise(config, rows, ks)
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    return tokenizer.encode(prompt)
+
+
+def _summarise(config: BenchConfig, rows: dict, ks: list[str]) -> dict:
+    import torch
+
+    table = []
+    baseline = {r.temperature: r.median("tokens_per_second") for r in rows.values() if r.method == "hf-target"}
+    for row in rows.values():
+        tps = row.median("tokens_per_second")
+        entry = {
+            "method": row.method,
+            "drafter": row.drafter,
+            "temperature": row.temperature,
+            "k": row.k,
+            "tokens_per_second": tps,
+            "speedup": tps / baseline[row.temperature] if row.temperature in baseline else None,
+            "runs": len(row.runs),
+        }
+        if row.method == "specdec" or row.method == "specdec-off":
+            for key in (
+                "acceptance_rate",
+                "tokens_per_round",
+                "drafts_per_round",
+                "cost_ratio",
+                "bytes_per_round",
+                "overhead_ms_per_round",
+                "overhead_fraction",
+            ):
+                entry[key] = row.median(key)
+        if row.method == "specdec":
+            k = entry["drafts_per_round"]
+            alpha = alpha_from_tokens_per_round(entry["tokens_per_round"], k)
+            c = entry["cost_ratio"] if entry["cost_ratio"] == entry["cost_ratio"] else 0.0
+            entry["alpha"] = alpha
+            entry["theoretical_speedup"] = theoretical_speedup(alpha, k, c)
+            if entry["speedup"]:
+                entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
+        table.append(entry)
+    return {
+        "config": {**asdict(config), "out": str(config.out)},
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+        },
+        "rows": table,
+    }
+
+
+# -- report ---------------------------------------------------------------------------------------
+COLUMNS = [
+    ("method", "{}"),
+    ("drafter", "{}"),
+    ("temperature", "{:.1f}"),
+    ("k", "{}"),
+    ("tokens_per_second", "{:.2f}"),
+    ("speedup", "{:.2f}x"),
+    ("acceptance_rate", "{:.2f}"),
+    ("tokens_per_round", "{:.2f}"),
+    ("cost_ratio", "{:.3f}"),
+    ("alpha", "{:.3f}"),
+    ("theoretical_speedup", "{:.2f}x"),
+    ("efficiency", "{:.2f}"),
+    ("bytes_per_round", "{:.0f}"),
+    ("overhead_ms_per_round", "{:.2f}"),
+    ("overhead_fraction", "{:.1%}"),
+]
+HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "accept", "tok/round", "c", "alpha", "theory", "eff",
+           "B/round", "ovh ms", "ovh %"]  # fmt: skip
+
+
+def format_table(results: dict) -> str:
+    lines = [HEADERS]
+    for row in results["rows"]:
+        cells = []
+        for key, fmt in COLUMNS:
+            value = row.get(key)
+            ok = value is not None and not (isinstance(value, float) and value != value)
+            cells.append(fmt.format(value) if ok else "-")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADERS))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["config"]["temperatures"]), figsize=(6 * 2, 4), squeeze=False)
+    for ax, t in zip(axes[0], results["config"]["temperatures"], strict=False):
+        rows = [r for r in results["rows"] if r["temperature"] == t]
+        for drafter in dict.fromkeys(r["drafter"] for r in rows if r["method"] == "specdec"):
+            fixed = sorted((int(r["k"]), r["speedup"]) for r in rows
+                           if r["method"] == "specdec" and r["drafter"] == drafter and r["k"].isdigit())  # fmt: skip
+            line = ax.plot([k for k, _ in fixed], [s for _, s in fixed], marker="o", label=f"specdec {drafter}")[0]
+            for r in rows:
+                if r["method"] == "specdec" and r["drafter"] == drafter and r["k"] == "adaptive":
+                    ax.scatter([r["drafts_per_round"]], [r["speedup"]], marker="*", s=150, color=line.get_color(),
+                               label=f"specdec {drafter} adaptive")  # fmt: skip
+        for r in rows:
+            if r["method"] in ("hf-assisted", "specdec-off"):
+                ax.axhline(r["speedup"], linestyle="--", linewidth=1, color="gray" if r["method"] == "specdec-off"
+                           else "black", label=f"{r['method']} {r['drafter']}")  # fmt: skip
+        ax.axhline(1.0, color="red", linewidth=0.8, label="hf-target (a)")
+        ax.set(title=f"temperature {t}", xlabel="lookahead k", ylabel="speedup over transformers target-only")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(config: BenchConfig) -> dict:
+    results = run(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, config.out / "speedup.png")
+    print(format_table(results))
+    print(f"\nwrote {config.out / 'results.json'} and {config.out / 'speedup.png'}")
+    return results

@@ -1,0 +1,43 @@
+"""Which drafter a draft service runs: a factory from a method name to (backend, drafter).
+
+- model: a transformers causal LM, k autoregressive steps (draft_service.proposer);
+- ngram: model-free prompt lookup over the session's tokens (draft_service.ngram);
+- llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
+  (draft_service.llamacpp; needs the optional llama-cpp-python package).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draft_service import ngram, proposer
+
+METHODS = ("model", "ngram", "llamacpp")
+
+
+@dataclass(frozen=True)
+class Drafter:
+    # (engine, session, k, params, uniforms) -> (token ids, draft probs of them)
+    propose: Callable
+    # (session, position) -> [vocab] draft distribution of the last proposal
+    proposal_row: Callable
+
+
+MODEL = Drafter(proposer.propose, proposer.proposal_row)
+NGRAM = Drafter(ngram.propose, proposer.proposal_row)
+
+
+def make(method: str, spec):
+    """(backend, Drafter) for a method name; raises ValueError on an unknown one."""
+    if method == "model":
+        from specdec.backend import HFBackend
+
+        return HFBackend(spec), MODEL
+    if method == "ngram":
+        return ngram.TokenizerBackend(spec), NGRAM
+    if method == "llamacpp":
+        from draft_service.llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(spec), MODEL
+    raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")

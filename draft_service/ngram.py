@@ -1,0 +1,85 @@
+"""A model-free drafter: n-gram lookup over the session's own tokens (prompt lookup decoding).
+
+The last n committed tokens (n from max_n down to min_n) are searched for earlier in the
+sequence; the tokens that followed their most recent earlier occurrence are proposed. No
+model, no distributions: proposals are deterministic, so the rule sees a draft probability
+of 1 for each (a point mass), which keeps its output exact. With no match it proposes
+nothing and the round is plain target decoding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.engine import Session, SessionEngine
+from specdec.sampling import SamplingParams
+
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+
+
+def lookup(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # excludes the suffix itself
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
+
+
+def propose(
+    engine: SessionEngine, session: Session, k: int, params: SamplingParams, uniforms: list[float]
+) -> tuple[list[int], list[float]]:
+    """At most k tokens; draft probs of 1 (sampling mode), one-hot rows for ProposalRow."""
+    drafts = lookup(session.tokens, k)
+    if params.greedy or not drafts:
+        session.proposal_rows = None
+        return drafts, []
+    rows = torch.zeros(len(drafts), engine.backend.vocab_size)
+    rows[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+    session.proposal_rows = rows
+    return drafts, [1.0] * len(drafts)
+
+
+class TokenizerBackend:
+    """The backend of a model-free drafter: a tokenizer and a vocabulary size, no weights.
+
+    The engine's prefill and cache calls are no-ops; the drafter reads session tokens only.
+    """
+
+    def __init__(self, spec):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specdec import models
+
+        path = models.resolve(spec.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        self.name = f"ngram({spec.model})"
+        self.dtype, self.device = "none", torch.device("cpu")
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+        self.eos_token_ids = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+
+    def new_cache(self):
+        return None
+
+    def forward(self, cache, token_ids, n_logits):
+        return torch.empty(0)
+
+    def crop(self, cache, keep):
+        pass
+
+    def tokenizer_files(self):
+        from specdec.backend import tokenizer_files
+
+        return tokenizer_files(self.tokenizer)
+
+    def tokenizer_digest(self):
+        from specdec.backend import vocab_digest
+
+        return vocab_digest(self.tokenizer)

@@ -1,0 +1,280 @@
+"""Transport security and authentication for every gRPC link: TLS, mutual TLS, bearer tokens.
+
+Owns: the server and client security settings (frozen dataclasses), building server
+credentials and binding ports, the loopback-only rule for plaintext, the server interceptor
+that checks `authorization: Bearer <token>` on every method, and the client channels that
+carry TLS credentials and the token. It reads the files it is pointed at; argv and the
+environment are read only by the CLI.
+
+Decisions:
+- Plaintext is allowed only on loopback addresses, for servers (bind) and clients (connect)
+  alike, unless `allow_insecure` is set: a token or a prompt never crosses a network in the
+  clear by accident.
+- The token is compared in constant time (hmac.compare_digest over SHA-256 digests, so not
+  even its length leaks) and never appears in a repr, a log line or an error message.
+- `grpc.health.v1.Health` needs no token: probes (load balancers, Kubernetes) cannot send one,
+  and it tells only SERVING / NOT_SERVING. It is still behind TLS / mTLS when those are on.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import ipaddress
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("specdec")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+AUTH_HEADER = "authorization"
+TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
+SERVICE_TOKEN_ENV = "SPECDEC_SERVICE_AUTH_TOKEN"
+
+
+class SecurityError(ValueError):
+    """A security setting that cannot work; raised at startup, with what to change."""
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server accepts connections. With cert and key: TLS; with client_ca as well: mTLS."""
+
+    cert_chain: bytes | None = None  # PEM, the server's certificate (chain)
+    private_key: bytes | None = field(default=None, repr=False)  # PEM
+    client_ca: bytes | None = None  # PEM; clients must present a certificate signed by it
+    token: str | None = field(default=None, repr=False)  # callers must send `Bearer <token>`
+    allow_insecure: bool = False  # plaintext on a non-loopback address
+
+    def __post_init__(self):
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise SecurityError("TLS needs both a certificate and its private key (--tls-cert and --tls-key)")
+        if self.client_ca is not None and self.cert_chain is None:
+            raise SecurityError("mutual TLS (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
+        _check_token(self.token)
+
+    @property
+    def tls(self) -> bool:
+        return self.cert_chain is not None
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client connects. TLS when `tls` or any certificate is given; mTLS with cert and key."""
+
+    tls: bool = False  # TLS with the system's root certificates unless root_ca is given
+    root_ca: bytes | None = None  # PEM, the CA that signed the server's certificate
+    cert_chain: bytes | None = None  # PEM, this client's certificate, for mTLS
+    private_key: bytes | None = field(default=None, repr=False)  # PEM
+    server_name: str | None = None  # the name to verify in the server's certificate, if not the host
+    token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`
+    allow_insecure: bool = False  # plaintext to a non-loopback address
+
+    def __post_init__(self):
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise SecurityError("a client certificate needs its private key (--tls-cert and --tls-key)")
+        _check_token(self.token)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.root_ca is not None or self.cert_chain is not None
+
+
+@dataclass(frozen=True)
+class ServerTLSFiles:
+    """Where a server's PEM files are; what a launcher passes on to a child process as flags."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+    def flags(self) -> list[str]:
+        pairs = (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-client-ca", self.client_ca))
+        return [arg for flag, path in pairs if path is not None for arg in (flag, str(path))]
+
+    def load(self, token: str | None = None, allow_insecure: bool = False) -> ServerSecurity:
+        return ServerSecurity(
+            cert_chain=read_pem(self.cert),
+            private_key=read_pem(self.key),
+            client_ca=read_pem(self.client_ca),
+            token=token,
+            allow_insecure=allow_insecure,
+        )
+
+
+def _check_token(token: str | None) -> None:
+    # gRPC metadata values are printable ASCII; say so here rather than fail on the first call.
+    if token is not None and (not token or not token.isascii() or not token.isprintable() or " " in token):
+        raise SecurityError("the auth token must be non-empty printable ASCII without spaces")
+
+
+def read_pem(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise SecurityError(f"cannot read {path}: {err.strerror}") from None
+
+
+def read_token(path: Path | None, env_value: str | None = None) -> str | None:
+    """The token from a file (surrounding whitespace stripped), else from an environment value."""
+    if path is not None:
+        try:
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise SecurityError(f"cannot read the auth token file {path}: {err}") from None
+        if not token:
+            raise SecurityError(f"the auth token file {path} is empty")
+        return token
+    return env_value.strip() if env_value and env_value.strip() else None
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback IPs; a wildcard or any other name is not loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(address: str) -> str:
+    """The host of HOST:PORT, [IPV6]:PORT or HOST."""
+    if address.startswith("["):
+        return address[1 : address.index("]")]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+
+# -- server ------------------------------------------------------------------------------
+def check_bind(host: str, security: ServerSecurity) -> None:
+    """Plaintext is served on loopback only, unless explicitly allowed."""
+    if not (security.tls or is_loopback(host) or security.allow_insecure):
+        raise SecurityError(
+            f"refusing to serve plaintext gRPC on non-loopback address {host}: give --tls-cert and "
+            "--tls-key, or --allow-insecure to accept it on a trusted network"
+        )
+
+
+def bind(server: grpc.Server, host: str, port: int, security: ServerSecurity) -> int:
+    """Bind host:port with TLS (and client certificates) when configured, else plaintext."""
+    check_bind(host, security)
+    address = f"{host}:{port}"
+    if not security.tls:
+        return server.add_insecure_port(address)
+    creds = grpc.ssl_server_credentials(
+        [(security.private_key, security.cert_chain)],
+        root_certificates=security.client_ca,
+        require_client_auth=security.client_ca is not None,
+    )
+    return server.add_secure_port(address, creds)
+
+
+def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
+    return [TokenAuthInterceptor(security.token)] if security.token else []
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses any call without `authorization: Bearer <token>` (UNAUTHENTICATED), before the
+    servicer runs; unary and streaming alike. Health checks pass (see the module docstring)."""
+
+    def __init__(self, token: str):
+        self._digest = _digest(f"Bearer {token}")
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX) or self._authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        log.warning("refused an unauthenticated call to %s", method)
+        handler = continuation(handler_call_details)
+        return _refusal(handler)
+
+    def _authorized(self, metadata) -> bool:
+        values = [v for k, v in metadata or () if k == AUTH_HEADER]
+        if len(values) != 1 or not isinstance(values[0], str):
+            return False
+        return hmac.compare_digest(_digest(values[0]), self._digest)
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode()).digest()
+
+
+def _refuse(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token (authorization metadata)")
+
+
+def _refusal(handler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that refuses; for unknown methods, a unary one
+    (an unauthenticated caller learns nothing about which methods exist)."""
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(_refuse)
+    kind = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return kind(_refuse, request_deserializer=handler.request_deserializer)
+
+
+# -- client ------------------------------------------------------------------------------
+def channel(address: str, security: ClientSecurity, options=()) -> grpc.Channel:
+    """A channel to address: TLS (and a client certificate) when configured, plaintext only to
+    loopback unless allowed, and the bearer token on every call when one is set."""
+    options = list(options)
+    if security.uses_tls:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=security.root_ca,
+            private_key=security.private_key,
+            certificate_chain=security.cert_chain,
+        )
+        if security.server_name:
+            options.append(("grpc.ssl_target_name_override", security.server_name))
+        ch = grpc.secure_channel(address, creds, options=options)
+    elif is_loopback(host_of(address)) or security.allow_insecure:
+        ch = grpc.insecure_channel(address, options=options)
+    else:
+        raise SecurityError(
+            f"refusing plaintext gRPC to non-loopback address {address}: give --tls-ca (or --tls), "
+            "or --allow-insecure on a trusted network"
+        )
+    if security.token:
+        ch = grpc.intercept_channel(ch, BearerToken(security.token))
+    return ch
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels
+    too, where gRPC's call credentials are refused)."""
+
+    def __init__(self, token: str):
+        self._header = (AUTH_HEADER, f"Bearer {token}")
+
+    def __repr__(self) -> str:
+        return "BearerToken(***)"
+
+    def _details(self, d):
+        metadata = [*(d.metadata or ()), self._header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)

@@ -1,0 +1,499 @@
+"""Telemetry of the three services: OpenTelemetry traces and metrics, set up from the standard
+OTEL_* variables. This module owns every span and instrument; the algorithm modules (rule, loop,
+engine, proposer, scorer) know nothing of it and are observed from outside:
+
+- gRPC interceptors: W3C trace context in the metadata (opentelemetry-instrumentation-grpc) and,
+  on the model services, the time each call took, sent back in trailing metadata
+  (`specdec-server-seconds`) so the orchestrator can tell time on the wire from compute;
+- a thin proxy around the model backend (the forward span, forward latency);
+- a wrapper around `SpeculativeLoop.rounds()`: a span and the metrics of each round. A generator
+  runs in its caller's context, so the RPCs a round makes become children of its span;
+- a wrapper around the orchestrator's chunks: request metrics from the very stats the response
+  carries, so the two agree;
+- observable gauges over a SessionEngine (open sessions, KV tokens held).
+
+One request is one trace:
+  Orchestrator/Generate (server) -> specdec.round (one per round; the first also opens the two
+  sessions, i.e. the prefill) -> DraftService/Propose, ProposalRow, TargetService/Score (client)
+  -> the same methods (server, in the draft / target process) -> specdec.forward, specdec.kv.crop.
+
+`setup(role)` reads OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER
+(none | console | otlp, comma-separated; metrics also prometheus), OTEL_EXPORTER_OTLP_PROTOCOL
+(grpc | http/protobuf, per signal OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL). The exporters
+read the rest themselves (OTEL_EXPORTER_OTLP_ENDPOINT, headers, OTEL_BSP_*,
+OTEL_METRIC_EXPORT_INTERVAL, OTEL_TRACES_SAMPLER). With everything off (the default) it returns
+a Telemetry that adds nothing: no interceptor, no proxy, no wrapper.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import time
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+
+ROLES = ("orchestrator", "draft", "target")
+TRACES_EXPORTERS = ("console", "otlp")
+METRICS_EXPORTERS = ("console", "otlp", "prometheus")
+PROTOCOLS = ("grpc", "http/protobuf")
+SERVER_SECONDS_KEY = "specdec-server-seconds"  # trailing metadata: the service's own time on a call
+HEALTH = "/grpc.health.v1.Health/"
+
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 33)
+RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """What to export, and where the Prometheus endpoint listens."""
+
+    role: str  # orchestrator | draft | target
+    service_name: str = ""  # empty: specdec-<role>
+    traces: tuple[str, ...] = ()  # console, otlp
+    metrics: tuple[str, ...] = ()  # console, otlp, prometheus
+    traces_protocol: str = "grpc"
+    metrics_protocol: str = "grpc"
+    metrics_port: int | None = None  # Prometheus scrape endpoint; 0 picks a free port
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"telemetry role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        for variable, given, known in (
+            ("OTEL_TRACES_EXPORTER", self.traces, TRACES_EXPORTERS),
+            ("OTEL_METRICS_EXPORTER", self.metrics, METRICS_EXPORTERS),
+        ):
+            bad = [e for e in given if e not in known]
+            if bad:
+                raise ValueError(f"{variable}: unknown exporter {bad[0]!r} (known: none, {', '.join(known)})")
+        for proto in (self.traces_protocol, self.metrics_protocol):
+            if proto not in PROTOCOLS:
+                raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be one of {', '.join(PROTOCOLS)}, not {proto!r}")
+
+    @property
+    def name(self) -> str:
+        return self.service_name or f"specdec-{self.role}"
+
+    @classmethod
+    def from_env(
+        cls, role: str, environ: Mapping[str, str], metrics_port: int | None = None, metrics_host: str = "127.0.0.1"
+    ) -> TelemetryConfig:
+        """The standard OTEL_* variables; `metrics_port` (--metrics-port) adds a Prometheus endpoint."""
+        protocol = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        metrics = _exporters(environ.get("OTEL_METRICS_EXPORTER"))
+        if metrics_port is not None and "prometheus" not in metrics:
+            metrics += ("prometheus",)
+        if "prometheus" in metrics and metrics_port is None:
+            metrics_port = int(environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+            metrics_host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", metrics_host)
+        return cls(
+            role=role,
+            service_name=environ.get("OTEL_SERVICE_NAME", ""),
+            traces=_exporters(environ.get("OTEL_TRACES_EXPORTER")),
+            metrics=metrics,
+            traces_protocol=environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol),
+            metrics_protocol=environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", protocol),
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+        )
+
+
+def _exporters(value: str | None) -> tuple[str, ...]:
+    names = [n.strip() for n in (value or "none").split(",") if n.strip()]
+    return tuple(n for n in names if n != "none")
+
+
+def setup(role: str, metrics_port: int | None = None, host: str = "127.0.0.1") -> Telemetry:
+    """Telemetry for one service process, from the OTEL_* environment (call once per process or actor).
+
+    Hand the result to the service's `serve(..., telemetry=...)` and call its `shutdown()` after
+    the server stopped: that flushes the last spans and metrics.
+    """
+    return start(TelemetryConfig.from_env(role, os.environ, metrics_port, host))
+
+
+def start(config: TelemetryConfig) -> Telemetry:
+    """Providers and exporters for a config (no globals are set: several may live in one process)."""
+    if not config.traces and not config.metrics:
+        return Telemetry(config)
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create({SERVICE_NAME: config.name, "specdec.role": config.role})
+    tracer_provider = _tracer_provider(config, resource) if config.traces else None
+    meter_provider, metrics_server = _meter_provider(config, resource) if config.metrics else (None, None)
+    return Telemetry(config, tracer_provider, meter_provider, metrics_server)
+
+
+def _tracer_provider(config: TelemetryConfig, resource):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=resource)
+    for name in config.traces:
+        exporter = ConsoleSpanExporter() if name == "console" else _otlp_exporter("trace", config.traces_protocol)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _meter_provider(config: TelemetryConfig, resource):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+    readers, server = [], None
+    for name in config.metrics:
+        if name == "prometheus":
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            registry = CollectorRegistry()  # one per Telemetry, not the process-wide default
+            readers.append(PrometheusMetricReader(registry=registry, scope_info_enabled=False))
+            try:
+                server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+            except OSError as err:
+                where = f"{config.metrics_host}:{config.metrics_port}"
+                raise RuntimeError(f"cannot serve metrics on {where}: {err}") from None
+            continue
+        exporter = ConsoleMetricExporter() if name == "console" else _otlp_exporter("metric", config.metrics_protocol)
+        readers.append(PeriodicExportingMetricReader(exporter))
+    return MeterProvider(metric_readers=readers, resource=resource), server
+
+
+def _otlp_exporter(signal: str, protocol: str):
+    """OTLPSpanExporter / OTLPMetricExporter over gRPC or HTTP; they read OTEL_EXPORTER_OTLP_* themselves."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter")
+    return getattr(module, "OTLPSpanExporter" if signal == "trace" else "OTLPMetricExporter")()
+
+
+class Telemetry:
+    """What a service host hands to its servers, channels, backend and loop; `shutdown()` at the end."""
+
+    def __init__(self, config: TelemetryConfig, tracer_provider=None, meter_provider=None, metrics_server=None):
+        from opentelemetry import metrics, trace
+
+        self.config = config
+        self.tracing = tracer_provider is not None
+        self.enabled = self.tracing or meter_provider is not None
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._metrics_server = metrics_server
+        self._tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("specdec")
+        self._meter = (meter_provider or metrics.NoOpMeterProvider()).get_meter("specdec")
+        self._instruments = _Instruments(self._meter)
+        self._attrs = {"specdec.role": config.role}
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of the Prometheus endpoint (GET /metrics), if there is one."""
+        if self._metrics_server is None:
+            return None
+        return f"{self.config.metrics_host}:{self._metrics_server.server_port}"
+
+    # -- gRPC ----------------------------------------------------------------------------
+    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+        """To go before the error interceptor (outermost first)."""
+        if not self.enabled:
+            return []
+        interceptors: list[grpc.ServerInterceptor] = [_ServerTimer(self._instruments, self._attrs)]
+        if self.tracing:
+            from opentelemetry.instrumentation.grpc import filters, server_interceptor
+
+            not_health = filters.negate(filters.health_check())  # probes would bury the requests
+            interceptors.insert(0, server_interceptor(tracer_provider=self._tracer_provider, filter_=not_health))
+        return interceptors
+
+    def channel(self, channel: grpc.Channel) -> grpc.Channel:
+        """A client channel that carries the trace context and measures time on the wire."""
+        if not self.enabled:
+            return channel
+        channel = grpc.intercept_channel(channel, _WireTimer(self._instruments))
+        if self.tracing:  # outermost: the client span covers the timing
+            from opentelemetry.instrumentation.grpc import client_interceptor
+            from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+            channel = intercept_channel(channel, client_interceptor(tracer_provider=self._tracer_provider))
+        return channel
+
+    # -- model services ------------------------------------------------------------------
+    def backend(self, backend):
+        """The backend, with a span and metrics around each forward pass and cache crop."""
+        return _ObservedBackend(backend, self._tracer, self._instruments, self._attrs) if self.enabled else backend
+
+    def watch(self, engine) -> None:
+        """Gauges of a SessionEngine: open sessions and the tokens its KV caches hold (one engine per Telemetry)."""
+        if not self.enabled:
+            return
+        from opentelemetry.metrics import Observation
+
+        attrs = dict(self._attrs)
+        self._meter.create_observable_gauge(
+            "specdec.sessions.active",
+            callbacks=[lambda _options: [Observation(engine.open_sessions, attrs)]],
+            unit="{session}",
+            description="Sessions open on this model service",
+        )
+        self._meter.create_observable_gauge(
+            "specdec.kv.tokens",
+            callbacks=[lambda _options: [Observation(engine.cached_tokens, attrs)]],
+            unit="{token}",
+            description="Tokens whose keys and values this service's KV caches hold, all sessions",
+        )
+
+    # -- orchestrator --------------------------------------------------------------------
+    def rounds(self, loop) -> Iterator:
+        """loop.rounds(), with a span and the metrics of each round."""
+        return self._observed_rounds(loop) if self.enabled else loop.rounds()
+
+    def _observed_rounds(self, loop) -> Iterator:
+        inner = loop.rounds()
+        stats, m = loop.stats, self._instruments
+        try:
+            for index in itertools.count(1):
+                draft0, target0 = stats.draft_seconds, stats.target_seconds
+                t0 = time.perf_counter()
+                with self._tracer.start_as_current_span("specdec.round") as span:
+                    span.set_attributes(
+                        {
+                            "specdec.session_id": loop.session_id,
+                            "specdec.round": index,
+                            "specdec.lookahead": loop.config.lookahead,
+                        }
+                    )
+                    step = next(inner, None)
+                    if step is None:  # only if the loop ended without a finish reason
+                        return
+                    span.set_attributes(_round_attributes(step))
+                m.round_duration.record(time.perf_counter() - t0)
+                m.accepted_length.record(step.accepted + 1)  # accepted drafts + the recovered or bonus token
+                m.draft_tokens.add(step.proposed)
+                m.accepted_tokens.add(step.accepted)
+                if step.proposed:
+                    m.draft_duration.record(stats.draft_seconds - draft0)
+                m.verify_duration.record(stats.target_seconds - target0)
+                yield step
+                if step.finish_reason:
+                    return
+        finally:
+            inner.close()
+
+    def requests(self, chunks: Generator) -> Iterator:
+        """The orchestrator's chunks of one request; records the stats the last one carries."""
+        return self._observed_requests(chunks) if self.enabled else chunks
+
+    def _observed_requests(self, chunks: Generator) -> Iterator:
+        m = self._instruments
+        m.active_requests.add(1)
+        try:
+            for chunk in chunks:
+                if chunk.stats is not None:
+                    # From the stats the response carries (stop strings may have cut the last round).
+                    s = chunk.stats
+                    m.generated_tokens.add(s.generated_tokens)
+                    m.request_duration.record(s.wall_seconds)
+                    m.tokens_per_second.record(s.tokens_per_second)
+                    if s.draft_tokens:
+                        m.acceptance_rate.record(s.acceptance_rate)
+                    _current_span().set_attributes(_stats_attributes(s))
+                yield chunk
+        finally:
+            m.active_requests.add(-1)
+            chunks.close()
+
+    def shutdown(self) -> None:
+        """Flush and stop exporters, close the Prometheus endpoint. Idempotent."""
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()
+            self._tracer_provider = None
+        if self._meter_provider is not None:
+            self._meter_provider.shutdown()
+            self._meter_provider = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+
+def disabled(role: str = "orchestrator") -> Telemetry:
+    """A Telemetry that adds nothing (what setup() gives with no OTEL_* exporter and no --metrics-port)."""
+    return Telemetry(TelemetryConfig(role))
+
+
+def _current_span():
+    from opentelemetry import trace
+
+    return trace.get_current_span()
+
+
+def _round_attributes(step) -> dict:
+    attrs = {
+        "specdec.proposed": step.proposed,
+        "specdec.accepted": step.accepted,
+        "specdec.committed": len(step.token_ids),
+        "specdec.tokens": list(step.token_ids),
+    }
+    if step.finish_reason:
+        attrs["specdec.finish_reason"] = step.finish_reason
+    return attrs
+
+
+def _stats_attributes(s) -> dict:
+    return {
+        "specdec.rounds": s.rounds,
+        "specdec.prompt_tokens": s.prompt_tokens,
+        "specdec.generated_tokens": s.generated_tokens,
+        "specdec.draft_tokens": s.draft_tokens,
+        "specdec.accepted_tokens": s.accepted_tokens,
+        "specdec.acceptance_rate": s.acceptance_rate,
+        "specdec.tokens_per_second": s.tokens_per_second,
+        "specdec.seed": str(s.seed),  # uint64 does not fit an int64 attribute
+    }
+
+
+def _request_attributes(request) -> dict:
+    """Session id and sizes of a model-service request, whatever its type."""
+    attrs = {}
+    session = getattr(request, "session", None)
+    session_id = session.session_id if session is not None else getattr(request, "session_id", "")
+    if session_id:
+        attrs["specdec.session_id"] = session_id
+    for field, key in (
+        ("k", "specdec.k"),
+        ("append_tokens", "specdec.append_tokens"),
+        ("draft_token_ids", "specdec.draft_tokens"),
+        ("prompt_token_ids", "specdec.prompt_tokens"),
+        ("to_length", "specdec.to_length"),
+    ):
+        value = getattr(request, field, None)
+        if value is not None:
+            attrs[key] = value if isinstance(value, int) else len(value)
+    return attrs
+
+
+class _Instruments:
+    """Every instrument, by name (see the README's Metrics table)."""
+
+    def __init__(self, meter):
+        def hist(name, unit, description, buckets=SECONDS_BUCKETS):
+            return meter.create_histogram(name, unit, description, explicit_bucket_boundaries_advisory=buckets)
+
+        # Orchestrator, per round.
+        self.accepted_length = hist(
+            "specdec.round.accepted_length",
+            "{token}",
+            "Tokens committed per round: accepted drafts plus the recovered or bonus token",
+            LENGTH_BUCKETS,
+        )
+        self.round_duration = hist("specdec.round.duration", "s", "Wall time of a round")
+        self.draft_duration = hist(
+            "specdec.draft.duration", "s", "Time a round waited on the draft service (Propose, ProposalRow)"
+        )
+        self.verify_duration = hist("specdec.verify.duration", "s", "Time a round waited on the target service (Score)")
+        self.draft_tokens = meter.create_counter("specdec.draft.tokens", "{token}", "Draft tokens proposed")
+        self.accepted_tokens = meter.create_counter("specdec.accepted.tokens", "{token}", "Draft tokens accepted")
+        self.generated_tokens = meter.create_counter("specdec.generated.tokens", "{token}", "Tokens generated")
+        # Orchestrator, per request.
+        self.request_duration = hist(
+            "specdec.request.duration", "s", "Wall time of a request, prefill included", REQUEST_SECONDS_BUCKETS
+        )
+        self.tokens_per_second = hist(
+            "specdec.request.tokens_per_second", "{token}/s", "Generated tokens per second", TOKENS_PER_SECOND_BUCKETS
+        )
+        self.acceptance_rate = hist(
+            "specdec.request.acceptance_rate", "1", "Accepted / proposed draft tokens of a request", RATE_BUCKETS
+        )
+        self.active_requests = meter.create_up_down_counter(
+            "specdec.requests.active", "{request}", "Requests in progress"
+        )
+        self.wire_duration = hist(
+            "specdec.rpc.wire.duration", "s", "RPC time not spent in the called service: network, (de)serialisation"
+        )
+        # Model services.
+        self.server_duration = hist("specdec.rpc.server.duration", "s", "Time the service spent on a call")
+        self.forward_duration = hist("specdec.forward.duration", "s", "Time of one model forward pass")
+        self.forward_tokens = meter.create_counter("specdec.forward.tokens", "{token}", "Tokens fed to the model")
+
+
+class _ServerTimer(grpc.ServerInterceptor):
+    """Times each unary call, sends the time back in trailing metadata, tags the server span."""
+
+    def __init__(self, instruments: _Instruments, attrs: dict):
+        self._duration = instruments.server_duration
+        self._attrs = attrs
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler_call_details.method.startswith(HEALTH):
+            return handler
+        inner = handler.unary_unary
+        attrs = {**self._attrs, "rpc.method": handler_call_details.method.rsplit("/", 1)[-1]}
+
+        def unary(request, context):
+            _current_span().set_attributes(_request_attributes(request))
+            t0 = time.perf_counter()
+            response = inner(request, context)
+            seconds = time.perf_counter() - t0
+            context.set_trailing_metadata(((SERVER_SECONDS_KEY, repr(seconds)),))
+            self._duration.record(seconds, attrs)
+            return response
+
+        return handler._replace(unary_unary=unary)
+
+
+class _WireTimer(grpc.UnaryUnaryClientInterceptor):
+    """Client side: call time minus the server's own time (from trailing metadata) is wire time."""
+
+    def __init__(self, instruments: _Instruments):
+        self._duration = instruments.wire_duration
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        method = client_call_details.method
+        method = (method.decode() if isinstance(method, bytes) else method).rsplit("/", 1)[-1]
+        t0 = time.perf_counter()
+        outcome = continuation(client_call_details, request)
+        outcome.add_done_callback(lambda call: self._record(call, method, time.perf_counter() - t0))
+        return outcome
+
+    def _record(self, call, method: str, seconds: float) -> None:
+        server = dict(call.trailing_metadata() or ()).get(SERVER_SECONDS_KEY)
+        if server is None:  # failed, or a service without telemetry
+            return
+        wire = max(0.0, seconds - float(server))
+        self._duration.record(wire, {"rpc.method": method})
+        _current_span().set_attributes({"specdec.server_seconds": float(server), "specdec.wire_seconds": wire})
+
+
+class _ObservedBackend:
+    """A backend whose forward passes and cache crops are spans and metrics; all else passes through.
+
+    On CUDA the forward span measures the launch: the caller's device sync falls in the server span.
+    """
+
+    def __init__(self, backend, tracer, instruments: _Instruments, attrs: dict):
+        self._backend = backend
+        self._tracer = tracer
+        self._instruments = instruments
+        self._attrs = attrs
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def forward(self, cache, token_ids, n_logits):
+        with self._tracer.start_as_current_span(
+            "specdec.forward", attributes={"specdec.tokens": len(token_ids), "specdec.logits": n_logits}
+        ):
+            t0 = time.perf_counter()
+            logits = self._backend.forward(cache, token_ids, n_logits)
+            self._instruments.forward_duration.record(time.perf_counter() - t0, self._attrs)
+        self._instruments.forward_tokens.add(len(token_ids), self._attrs)
+        return logits
+
+    def crop(self, cache, keep):
+        with self._tracer.start_as_current_span("specdec.kv.crop", attributes={"specdec.keep": keep}):
+            return self._backend.crop(cache, keep)

@@ -1,0 +1,86 @@
+"""Every drafter and the adaptive lookahead keep the output exact: greedy equal to target-only
+decoding, and the chi-square distribution test through the whole loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from draft_service.drafters import MODEL, NGRAM, make
+from draft_service.ngram import lookup
+from draft_service.server import DraftServicer
+from orchestrator.lookahead import AdaptiveLookahead, best_lookahead, expected_speedup
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from specdec.engine import SessionEngine
+from specdec.v1 import model_pb2
+from target_service.server import TargetServicer
+from tests.standins import Direct, MarkovBackend, random_markov
+from tests.stats import markov_chisquare
+
+DRAFTERS = {"model": MODEL, "ngram": NGRAM}
+
+
+def pair(target_probs, draft_probs, drafter):
+    target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
+    draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), DRAFTERS[drafter])
+    return Direct(draft), Direct(target)
+
+
+def run(draft, target, sampling, n, k=4, adaptive=False, speculate=True, seed=3):
+    config = LoopConfig(sampling, n, lookahead=k, adaptive=adaptive, speculate=speculate, seed=seed)
+    loop = SpeculativeLoop(draft, target, [0, 1, 2], config)
+    ks = [r.proposed for r in loop.rounds()]
+    return loop.generated, loop.stats, ks
+
+
+def test_ngram_lookup():
+    assert lookup([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]  # longest suffix [1, 2] seen before
+    assert lookup([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the most recent occurrence wins
+    assert lookup([1, 2, 3], 4) == []  # nothing repeats
+    assert lookup([4, 4], 3) == [4]  # proposals stop at the end of the sequence
+    assert lookup([7], 3) == []
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_equals_target_only(drafter, adaptive):
+    target_probs = random_markov(12, 31)
+    draft, target = pair(target_probs, random_markov(12, 32), drafter)
+    greedy = model_pb2.SamplingParams()
+    spec, stats, _ = run(draft, target, greedy, 150, k=5, adaptive=adaptive)
+    plain, _, _ = run(draft, target, greedy, 150, speculate=False)
+    assert spec == plain and stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("drafter,adaptive", [("ngram", False), ("model", True)])
+def test_distribution_through_the_loop(drafter, adaptive):
+    target_probs = random_markov(6, 41, alpha=0.3)  # peaked rows: n-grams repeat often
+    draft, target = pair(target_probs, random_markov(6, 42), drafter)
+    tokens, stats, _ = run(draft, target, model_pb2.SamplingParams(temperature=1.0), 25_000, adaptive=adaptive)
+    assert markov_chisquare([2, *tokens], target_probs) > 1e-3
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_best_lookahead_follows_the_formula():
+    assert best_lookahead(0.0, 0.5, 8) == 1  # nothing is ever accepted: smallest k
+    assert best_lookahead(0.99, 0.01, 8) == 8  # cheap, accurate draft: longest k
+    for alpha, c in [(0.6, 0.3), (0.8, 0.5), (0.9, 0.1)]:
+        k = best_lookahead(alpha, c, 16)
+        assert all(expected_speedup(alpha, k, c) >= expected_speedup(alpha, j, c) for j in range(1, 17))
+    assert expected_speedup(0.8, 4, 0.5) == pytest.approx((1 - 0.8**5) / (0.2 * 3))
+
+
+def test_adaptive_lookahead_moves_with_acceptance():
+    policy = AdaptiveLookahead(k_max=8)
+    assert policy.next_k() == 8  # no evidence yet
+    for _ in range(20):  # every draft rejected, expensive draft
+        policy.update(proposed=policy.next_k(), accepted=0, draft_seconds=0.4, target_seconds=0.1)
+    assert policy.next_k() == 1
+    for _ in range(20):  # every draft accepted, cheap draft
+        k = policy.next_k()
+        policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
+    assert policy.next_k() == 8
+
+
+def test_unknown_drafter_is_refused():
+    with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
+        make("eagle", None)
