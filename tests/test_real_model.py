@@ -13,8 +13,8 @@ import torch
 
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec import models
-from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
-from tests.harness import run_clients, run_sequentially
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import model_stubs, open_sessions, run_clients, run_sequentially
 
 pytestmark = pytest.mark.real_model
 
@@ -127,6 +127,5 @@ def test_4_concurrent_clients_equal_their_sequential_runs(local):
     sequential = run_sequentially(local.address, per_client)
     assert run_clients(local.address, per_client) == sequential
     assert all(ids for outputs in sequential for ids in outputs)
-    for name in ("draft", "target"):
-        stub = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(local.addresses[name]))  # Describe is on both
-        assert stub.Describe(model_pb2.DescribeRequest()).open_sessions == 0
+    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"])
+    assert (open_sessions(draft), open_sessions(target)) == (0, 0)
