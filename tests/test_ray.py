@@ -1,0 +1,197 @@
+"""specdec on Ray: a real Ray cluster of two nodes on this machine (ray.cluster_utils.Cluster),
+tiny random models in real service actors.
+
+- placement: `spread` puts draft and target on different nodes and `pack` on one, as Ray's
+  own node ids say; generation works end to end through the orchestrator actor;
+- fault tolerance: killing the target actor, and separately the draft actor, between two
+  rounds of a greedy generation (a random round, 5 trials each) gives exactly the tokens of
+  an uninterrupted run, and the actor did restart (new pid, one more restart in Ray's table);
+- a stream through the orchestrator actor, whose target is killed mid-generation, delivers
+  each token once, in order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from deploy import ray_deploy
+from deploy.ray_actors import actor_endpoint
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.server import connect
+from specdec.models import ModelSpec
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+PROMPT = [1, 10, 7, 14, 14, 17, 39]
+NEW_TOKENS = 40
+TRIALS = 5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes on this machine; the driver connected in the specdec namespace."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=3)
+        ray_deploy.connect(c.address)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def config(tiny_models, name, placement):
+    return ray_deploy.RayDeployConfig(
+        name=name,
+        target=ModelSpec(tiny_models["target"], "cpu", "float32"),
+        draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+        placement=placement,
+        port=0,
+        placement_timeout=60,
+        start_timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def packed(cluster, tiny_models):
+    deployment = ray_deploy.up(config(tiny_models, "t-pack", "pack"))
+    try:
+        yield deployment
+    finally:
+        ray_deploy.down(deployment.name)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_backends):
+    """The target's greedy continuation of PROMPT, in process (what the pipeline must produce)."""
+    with torch.inference_mode():
+        out = tiny_backends["target"].model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(PROMPT) :].tolist()
+
+
+def request(max_new_tokens: int = NEW_TOKENS) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=PROMPT),
+        max_new_tokens=max_new_tokens,
+        speculation=orchestrator_pb2.SpeculationParams(lookahead=3),
+    )
+
+
+def orchestrator(address: str):
+    return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+
+
+def by_role(name: str) -> dict[str, ray_deploy.ActorStatus]:
+    return {s.role: s for s in ray_deploy.status(name)}
+
+
+def test_spread_places_draft_and_target_on_different_nodes(cluster, tiny_models, reference):
+    deployment = ray_deploy.up(config(tiny_models, "t-spread", "spread"))
+    try:
+        actors = by_role(deployment.name)
+        node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(node_ids) == 2
+        assert actors["draft"].node_id in node_ids and actors["target"].node_id in node_ids
+        assert actors["draft"].node_id != actors["target"].node_id
+        assert ray_deploy.placement(deployment.name) == "STRICT_SPREAD"
+        reply = orchestrator(deployment.address).Generate(request())
+        assert list(reply.token_ids) == reference and reply.stats.draft_tokens > 0
+    finally:
+        removed = ray_deploy.down(deployment.name)
+    assert set(removed) == {"t-spread-orchestrator", "t-spread-draft", "t-spread-target", "t-spread-pg"}
+    assert all(s.state == "ABSENT" for s in ray_deploy.status("t-spread")) and not ray_deploy.placement("t-spread")
+
+
+def test_pack_places_both_on_one_node(packed, reference):
+    actors = by_role(packed.name)
+    assert actors["draft"].node_id == actors["target"].node_id
+    assert {a.state for a in actors.values()} == {"ALIVE"}
+    assert ray_deploy.placement(packed.name) == "STRICT_PACK"
+    # the orchestrator is on the head node and serves where `up` said
+    head = next(n["NodeID"] for n in ray.nodes() if ray_deploy.HEAD_RESOURCE in n["Resources"])
+    assert actors["orchestrator"].node_id == head and actors["orchestrator"].endpoint == packed.address
+    reply = orchestrator(packed.address).Generate(request())
+    assert list(reply.token_ids) == reference
+
+
+def test_a_second_up_with_the_same_name_is_refused(packed, tiny_models):
+    with pytest.raises(RuntimeError, match="already up"):
+        ray_deploy.up(config(tiny_models, packed.name, "pack"))
+    assert by_role(packed.name)["orchestrator"].state == "ALIVE"  # and the first one is untouched
+
+
+def kill(name: str, role: str) -> ray_deploy.ActorStatus:
+    """Kill the actor (Ray may restart it); return once its process is gone."""
+    before = by_role(name)[role]
+    ray.kill(ray.get_actor(ray_deploy.actor_name(name, role)), no_restart=False)
+    while Path(f"/proc/{before.pid}").exists() and "State:\tZ" not in _proc_status(before.pid):
+        time.sleep(0.05)
+    return before
+
+
+def _proc_status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def driver_pair(packed):
+    """The orchestrator's stubs, in the test process, reaching the services through their actors."""
+    draft, target = (ray.get_actor(ray_deploy.actor_name(packed.name, role)) for role in ("draft", "target"))
+    return connect(actor_endpoint(draft), actor_endpoint(target))
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_killed_service_actor_mid_generation(packed, driver_pair, reference, role, trial):
+    config = LoopConfig(sampling=model_pb2.SamplingParams(), max_new_tokens=NEW_TOKENS, lookahead=3)
+    uninterrupted = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config)
+    rounds = list(uninterrupted.rounds())
+    # A round after which the killed service is called again (the last rounds may not draft).
+    candidates = [i for i in range(len(rounds) - 1) if role == "target" or rounds[i + 1].proposed > 0]
+    kill_after = random.Random(f"{role}-{trial}").choice(candidates)
+    loop = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config)
+    before = None
+    for i, _ in enumerate(loop.rounds()):
+        if i == kill_after:
+            before = kill(packed.name, role)
+    after = by_role(packed.name)[role]
+    assert loop.generated == uninterrupted.generated == reference, f"killed after round {kill_after}"
+    assert loop.stats.recoveries == 1
+    assert after.restarts == before.restarts + 1 and after.pid != before.pid and after.state == "ALIVE"
+    assert after.node_id == before.node_id  # back in its placement group bundle
+
+
+def test_stream_survives_a_target_kill_mid_generation(packed):
+    stub = orchestrator(packed.address)
+    long = request(max_new_tokens=400)
+    long.speculation.lookahead = 1  # many rounds: the generation is far from done when frozen
+    expected = list(stub.Generate(long).token_ids)
+    host = ray.get_actor(ray_deploy.actor_name(packed.name, "orchestrator"))
+    reopens = ray.get(host.reopens.remote())
+    orchestrator_pid = by_role(packed.name)["orchestrator"].pid
+    stream = stub.GenerateStream(long)
+    chunks = [next(stream)]
+    # Freeze the orchestrator mid-generation, kill the target, let the orchestrator go on.
+    os.kill(orchestrator_pid, signal.SIGSTOP)
+    try:
+        kill(packed.name, "target")
+    finally:
+        os.kill(orchestrator_pid, signal.SIGCONT)
+    chunks += list(stream)
+    assert [t for c in chunks for t in c.token_ids] == expected  # each token once, in order
+    assert chunks[-1].finish_reason == "length" and len(expected) == 400
+    assert ray.get(host.reopens.remote()) == {"draft": reopens["draft"], "target": reopens["target"] + 1}
