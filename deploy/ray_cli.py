@@ -140,7 +140,10 @@ def cmd_up(args) -> int:
 
 
 def _connect_existing(args) -> tuple[object, Path]:
-    """Connect to --address, or to the local cluster `up` started; (that cluster or None, state file)."""
+    """Connect to --address, or to the local cluster `up` started; (that cluster or None, state file).
+
+    Token auth is switched on before ray is first imported: Ray reads RAY_AUTH_MODE then.
+    """
     from deploy import ray_cluster, ray_deploy
 
     state = _state_file(args.name)
@@ -154,11 +157,11 @@ def _connect_existing(args) -> tuple[object, Path]:
 
 
 def cmd_down(args) -> int:
-    import ray
-
     from deploy import ray_cluster, ray_deploy
 
     cluster, state = _connect_existing(args)
+    import ray  # only now: Ray reads RAY_AUTH_MODE when it is first imported
+
     removed = ray_deploy.down(args.name)
     ray.shutdown()
     print(f"specdec: removed {', '.join(removed)}" if removed else f"specdec: nothing named {args.name!r} was up")

@@ -106,6 +106,7 @@ def stop(cluster: LocalCluster, state_file: Path, timeout: float = 30.0) -> None
         except ProcessLookupError:
             pass
     state_file.unlink(missing_ok=True)
+    Path(cluster.log).unlink(missing_ok=True)
 
 
 def _is_our_head(cluster: LocalCluster) -> bool:

@@ -88,13 +88,19 @@ def connect(address: str, log_to_driver: bool = False, runtime_env: dict | None 
     """Connect this process to the cluster at `address` (HOST:PORT or "auto"), in NAMESPACE."""
     import ray
 
-    ray.init(
-        address=address,
-        namespace=NAMESPACE,
-        logging_level=logging.WARNING,
-        log_to_driver=log_to_driver,
-        runtime_env=runtime_env,
-    )
+    try:
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+            runtime_env=runtime_env,
+        )
+    except ConnectionError as err:
+        raise ConnectionError(
+            f"{err} (a cluster with token authentication needs RAY_AUTH_MODE=token and its token in "
+            "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        ) from err
 
 
 def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -> Deployment:
@@ -105,6 +111,9 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
 
     from deploy.ray_actors import ModelServiceHost, OrchestratorHost
 
+    # Ray warns that removing the placement group kills its restartable detached actors: that
+    # is what `down` means to do, and the actors restart in their bundles until then.
+    logging.getLogger("ray.actor").addFilter(_drop_pg_warning)
     name = config.name
     if _find_actor(actor_name(name, "orchestrator")) or _find_pg(name):
         raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
@@ -229,6 +238,10 @@ def placement(name: str) -> str:
 
 
 # -- helpers -------------------------------------------------------------------------------
+def _drop_pg_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
+
+
 def _started(actors: dict, timeout: float) -> dict[str, dict]:
     """Wait for each actor's constructor; its `where()`, or an error naming the role and cause."""
     import ray
