@@ -135,7 +135,9 @@ def kill(name: str, role: str) -> ray_deploy.ActorStatus:
     """Kill the actor (Ray may restart it); return once its process is gone."""
     before = by_role(name)[role]
     ray.kill(ray.get_actor(ray_deploy.actor_name(name, role)), no_restart=False)
+    deadline = time.monotonic() + 60
     while Path(f"/proc/{before.pid}").exists() and "State:\tZ" not in _proc_status(before.pid):
+        assert time.monotonic() < deadline, f"the {role} actor (pid {before.pid}) did not die"
         time.sleep(0.05)
     return before
 
