@@ -1,10 +1,11 @@
 """The Ray actors: thin hosts around the same gRPC servers that run outside Ray.
 
-A ModelServiceHost loads one model and serves it with draft_service.server.serve or
-target_service.server.serve on its node's address and a free port; an OrchestratorHost
+A ModelServiceHost loads one model (or drafter) and serves it with draft_service.server.serve
+or target_service.server.serve on its node's address and a free port; an OrchestratorHost
 connects to the two through their actor handles (so it finds a restarted service on its new
 port) and serves the client API with orchestrator.server.serve. Neither adds behaviour of
-its own: what the services do is the same inside and outside Ray.
+its own: what the services do, and how they are secured (specdec.security: TLS, mTLS, a
+token, plaintext only where allowed), is the same inside and outside Ray.
 
 Ray's decorators are applied where the actors are created (deploy.ray_deploy), so this
 module imports ray only inside the actors.
@@ -17,19 +18,22 @@ from collections.abc import Callable
 
 from orchestrator.recovery import RecoveryConfig
 from specdec.models import ModelSpec
+from specdec.security import ClientSecurity, ServerSecurity
 
-
-def _node() -> tuple[str, str]:
-    """(this node's IP address, its Ray node id)."""
-    import ray
-
-    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+LOOPBACK = "127.0.0.1"
 
 
 class _Host:
     host: str
     port: int
     node_id: str
+
+    def _locate(self, loopback: bool) -> None:
+        """Where to bind: this node's address, or loopback when the whole cluster is this machine."""
+        import ray
+
+        self.host = LOOPBACK if loopback else ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
 
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
@@ -41,28 +45,41 @@ class _Host:
 class ModelServiceHost(_Host):
     """The draft or target service, in a Ray actor."""
 
-    def __init__(self, role: str, spec: ModelSpec):
-        from specdec.backend import HFBackend
-
+    def __init__(self, role: str, spec: ModelSpec, drafter: str, security: ServerSecurity, loopback: bool):
+        self._locate(loopback)
         if role == "draft":
+            from draft_service import drafters
             from draft_service.server import serve
+
+            backend, method = drafters.make(drafter, spec)
+            self.server, self.port = serve(backend, self.host, 0, method, security=security)
         elif role == "target":
+            from specdec.backend import HFBackend
             from target_service.server import serve
+
+            self.server, self.port = serve(HFBackend(spec), self.host, 0, security=security)
         else:
             raise ValueError(f"role must be 'draft' or 'target', not {role!r}")
-        self.host, self.node_id = _node()
-        self.server, self.port = serve(HFBackend(spec), self.host, 0)
 
 
 class OrchestratorHost(_Host):
     """The orchestrator, in a Ray actor, reaching the services through their actor handles."""
 
-    def __init__(self, draft, target, port: int, recovery: RecoveryConfig):
+    def __init__(
+        self,
+        draft,
+        target,
+        port: int,
+        recovery: RecoveryConfig,
+        security: ServerSecurity,
+        service_security: ClientSecurity,
+        loopback: bool,
+    ):
         from orchestrator.server import connect, serve
 
-        self.pair = connect(actor_endpoint(draft), actor_endpoint(target), recovery=recovery)
-        self.host, self.node_id = _node()
-        self.server, self.port = serve(self.pair, self.host, port)
+        self._locate(loopback)
+        self.pair = connect(actor_endpoint(draft), actor_endpoint(target), security=service_security, recovery=recovery)
+        self.server, self.port = serve(self.pair, self.host, port, security)
 
     def reopens(self) -> dict[str, int]:
         """Sessions re-opened after each service lost them, since this actor started."""

@@ -3,7 +3,9 @@
 Like specdec.cli, this reads argv and the environment and nothing below it does; ray is
 imported only when a command runs, so `specdec --help` and the client path stay light.
 Without --address, `up` starts a local cluster (deploy.ray_cluster) and records it in
-$SPECDEC_CACHE/ray/NAME.json, where `status` and `down` find it.
+$SPECDEC_CACHE/ray/NAME.json, where `status` and `down` find it; its actors bind loopback.
+specdec.cli adds the TLS and token flags to `up` and builds their settings, as it does for
+the services it runs itself.
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ flight continues where it was.
 
 EPILOG = """\
 examples:
-  specdec ray up                                        # local Ray cluster, default pair, CPU
+  specdec ray up                                        # local Ray cluster (actors on loopback), default pair
   specdec generate "Hi" --address $(specdec ray up --quiet --port 0)
-  specdec ray up --address auto --draft-gpus 1 --target-gpus 1 --placement pack    # a GPU pair
-  specdec ray up --address HEAD:6379 --draft-gpus 1 --target-gpus 1 --placement spread  # two hosts
+  specdec ray up --address auto --draft-gpus 1 --target-gpus 1 --placement pack --allow-insecure  # a GPU pair
+  specdec ray up --address HEAD:6379 --draft-gpus 1 --target-gpus 1 --placement spread \\
+      --tls-cert s.pem --tls-key s.key --service-tls-ca ca.pem --service-tls-server-name specdec  # two hosts
   specdec ray status
   specdec ray down
 """
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add `ray up|down|status` to the subcommands; returns `up`'s parser, for more flags."""
     r = sub.add_parser("ray", help="run the services as Ray actors: ray up | down | status")
     rsub = r.add_subparsers(dest="ray_command", required=True, metavar="RAY_COMMAND")
 
@@ -77,6 +81,7 @@ def add_parser(sub) -> None:
     st = rsub.add_parser("status", help="each actor: state, node, endpoint, pid, restarts")
     _add_cluster_flags(st)
     st.add_argument("--json", action="store_true", help="print JSON")
+    return up
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -84,8 +89,11 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="specdec", help="deployment name (default specdec)")
 
 
-def run(args) -> int:
-    return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.ray_command](args)
+def run(args, server_security=None, service_security=None) -> int:
+    """Run a `ray` command; `up` takes the servers' and the orchestrator's service-link security."""
+    if args.ray_command == "up":
+        return cmd_up(args, server_security, service_security)
+    return {"down": cmd_down, "status": cmd_status}[args.ray_command](args)
 
 
 def _state_file(name: str) -> Path:
@@ -101,8 +109,9 @@ def _device(device: str | None, gpus: float) -> str:
     return device or ("cuda:0" if gpus > 0 else "cpu")
 
 
-def cmd_up(args) -> int:
+def cmd_up(args, server_security=None, service_security=None) -> int:
     from deploy import ray_cluster, ray_deploy
+    from specdec.security import ClientSecurity, ServerSecurity
 
     config = ray_deploy.RayDeployConfig(
         name=args.name,
@@ -111,11 +120,15 @@ def cmd_up(args) -> int:
         target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),
         placement=args.placement,
+        drafter=args.drafter,
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,
         port=args.port,
         max_restarts=args.max_restarts,
         start_timeout=args.timeout,
+        server_security=server_security or ServerSecurity(),
+        service_security=service_security or ClientSecurity(),
+        loopback=not args.address,  # a local cluster is this machine
     )
     log = _log(args)
     state = _state_file(args.name)

@@ -13,6 +13,13 @@ and `down` and `status` find them again:
   the address clients use stays put), restarted too; with a fixed port it comes back at the
   same address.
 
+The actors bind their node's address, so their links cross the cluster's network: they need
+TLS (`server_security` with a certificate; the orchestrator checks the services with
+`service_security`) or plaintext explicitly allowed (`allow_insecure` on both), as anywhere
+else (specdec.security). A cluster that is this one machine may bind loopback instead.
+These settings, keys and token included, reach the actors as constructor arguments, which
+Ray's GCS keeps: run Ray with its token authentication on.
+
 This module expects a connected driver (`connect`); it reads no argv or environment.
 """
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.recovery import RecoveryConfig
 from specdec import models
+from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 
 NAMESPACE = "specdec"
 PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}
@@ -52,6 +60,7 @@ class RayDeployConfig:
     target_resources: Resources = Resources()
     draft_resources: Resources = Resources()
     placement: str = "pack"  # a key of PLACEMENTS
+    drafter: str = "model"  # a method of draft_service.drafters
     orchestrator_cpus: float = 0.0
     orchestrator_on_head: bool = True
     port: int = 50051  # orchestrator port; 0 picks a free one (which moves if the actor restarts)
@@ -59,8 +68,21 @@ class RayDeployConfig:
     placement_timeout: float = 120.0
     start_timeout: float = 600.0
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    server_security: ServerSecurity = field(default_factory=ServerSecurity)  # all three servers
+    service_security: ClientSecurity = field(default_factory=ClientSecurity)  # orchestrator -> services
+    loopback: bool = False  # bind 127.0.0.1, not the node's address: only when every node is this machine
 
     def __post_init__(self):
+        if not (self.loopback or self.server_security.tls or self.server_security.allow_insecure):
+            raise SecurityError(
+                "the actors serve on their nodes' addresses: give --tls-cert and --tls-key, or "
+                "--allow-insecure to serve plaintext gRPC on a trusted cluster network"
+            )
+        if not (self.loopback or self.service_security.uses_tls or self.service_security.allow_insecure):
+            raise SecurityError(
+                "the orchestrator reaches the services over the cluster's network: give --service-tls-ca "
+                "(or --service-tls), or --allow-insecure on a trusted cluster network"
+            )
         if not self.name:
             raise ValueError("the deployment name must not be empty")
         if self.placement not in PLACEMENTS:
@@ -143,7 +165,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                     num_gpus=res.gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
                 )
-                .remote(role, spec)
+                .remote(role, spec, config.drafter, config.server_security, config.loopback)
             )
         for role, where in _started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
@@ -157,7 +179,15 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 num_cpus=config.orchestrator_cpus,
                 resources={HEAD_RESOURCE: 0.001} if config.orchestrator_on_head else None,
             )
-            .remote(services["draft"], services["target"], config.port, config.recovery)
+            .remote(
+                services["draft"],
+                services["target"],
+                config.port,
+                config.recovery,
+                config.server_security,
+                config.service_security,
+                config.loopback,
+            )
         )
         address = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]["endpoint"]
     except BaseException:

@@ -4,6 +4,7 @@ Run it on a quiet machine (on a busy one the figures mean nothing):
 
     python -m deploy.ray_timing                          # local cluster, default pair, CPU
     python -m deploy.ray_timing --kills 3 -- --draft-gpus 1 --target-gpus 1   # flags after -- go to `ray up`
+    python -m deploy.ray_timing -- --address HEAD:6379 --allow-insecure ...    # a cluster (plaintext client)
 
 It runs `specdec ray up --name timing --port 0 ...` as a user would, streams one greedy
 generation, then for the target and for the draft, `--kills` times: starts a long stream,

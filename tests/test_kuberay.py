@@ -72,6 +72,21 @@ def test_gpu_workers_fit_the_job():
     assert head_ports["specdec"] == args.port and not args.orchestrator_anywhere  # served from the head
 
 
+def test_specdec_links_use_tls_and_a_token_from_secrets():
+    head = one("RayCluster")["spec"]["headGroupSpec"]
+    container = containers(head)[0]
+    args = build_parser().parse_args(shlex.split(one("RayJob")["spec"]["entrypoint"])[1:])
+    assert not args.allow_insecure and args.service_tls_ca and args.service_tls_server_name
+    secret_volumes = {v["name"]: v["secret"]["secretName"] for v in head["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: secret_volumes[m["name"]] for m in container["volumeMounts"]}
+    for path in (args.tls_cert, args.tls_key, args.service_tls_ca):  # files the driver reads in the head pod
+        assert str(path.parent) in mounts, path
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SPECDEC_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]  # the token, from a Secret
+    for secret in {*mounts.values(), env["SPECDEC_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]}:
+        assert f"`{secret}`" in README, f"README does not say how to create the Secret {secret}"
+
+
 def test_job_runs_on_the_cluster_with_specdec_installed():
     cluster, job = one("RayCluster"), one("RayJob")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}

@@ -2,7 +2,9 @@
 tiny random models in real service actors.
 
 - placement: `spread` puts draft and target on different nodes and `pack` on one, as Ray's
-  own node ids say; generation works end to end through the orchestrator actor;
+  own node ids say; generation works end to end through the orchestrator actor (the spread
+  deployment with mutual TLS and a token on all its links, the packed one in plaintext,
+  allowed explicitly); plaintext on the cluster network is refused unless allowed;
 - fault tolerance: killing the target actor, and separately the draft actor, between two
   rounds of a greedy generation (a random round, 5 trials each) gives exactly the tokens of
   an uninterrupted run, and the actor did restart (new pid, one more restart in Ray's table);
@@ -28,10 +30,14 @@ from deploy import ray_deploy
 from deploy.ray_actors import actor_endpoint
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
+from specdec import security
 from specdec.models import ModelSpec
+from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.certs import make_pki
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
+INSECURE = ClientSecurity(allow_insecure=True)  # plaintext to the node's address, allowed
 NEW_TOKENS = 40
 TRIALS = 5
 
@@ -49,7 +55,10 @@ def cluster():
         c.shutdown()
 
 
-def config(tiny_models, name, placement):
+PLAINTEXT = {"server_security": ServerSecurity(allow_insecure=True), "service_security": INSECURE}
+
+
+def config(tiny_models, name, placement, **security_settings):
     return ray_deploy.RayDeployConfig(
         name=name,
         target=ModelSpec(tiny_models["target"], "cpu", "float32"),
@@ -58,6 +67,7 @@ def config(tiny_models, name, placement):
         port=0,
         placement_timeout=60,
         start_timeout=300,
+        **(security_settings or PLAINTEXT),
     )
 
 
@@ -88,16 +98,30 @@ def request(max_new_tokens: int = NEW_TOKENS) -> orchestrator_pb2.GenerateReques
     )
 
 
-def orchestrator(address: str):
-    return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+def orchestrator(address: str, client: ClientSecurity = INSECURE):
+    return orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
 
 
 def by_role(name: str) -> dict[str, ray_deploy.ActorStatus]:
     return {s.role: s for s in ray_deploy.status(name)}
 
 
-def test_spread_places_draft_and_target_on_different_nodes(cluster, tiny_models, reference):
-    deployment = ray_deploy.up(config(tiny_models, "t-spread", "spread"))
+def test_spread_places_draft_and_target_on_different_nodes(cluster, tiny_models, reference, tmp_path):
+    pki = make_pki(tmp_path, "ray")  # the server certificate names localhost: checked by that name
+    token = "t" * 32
+    server = ServerSecurity(
+        cert_chain=pki.read("server_cert"), private_key=pki.read("server_key"), client_ca=pki.read("ca"), token=token
+    )
+    client = ClientSecurity(
+        root_ca=pki.read("ca"),
+        cert_chain=pki.read("client_cert"),
+        private_key=pki.read("client_key"),
+        server_name="localhost",
+        token=token,
+    )
+    deployment = ray_deploy.up(
+        config(tiny_models, "t-spread", "spread", server_security=server, service_security=client)
+    )
     try:
         actors = by_role(deployment.name)
         node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -105,12 +129,25 @@ def test_spread_places_draft_and_target_on_different_nodes(cluster, tiny_models,
         assert actors["draft"].node_id in node_ids and actors["target"].node_id in node_ids
         assert actors["draft"].node_id != actors["target"].node_id
         assert ray_deploy.placement(deployment.name) == "STRICT_SPREAD"
-        reply = orchestrator(deployment.address).Generate(request())
+        reply = orchestrator(deployment.address, client).Generate(request())
         assert list(reply.token_ids) == reference and reply.stats.draft_tokens > 0
+        no_certificate = ClientSecurity(root_ca=pki.read("ca"), server_name="localhost", token=token)
+        with pytest.raises(grpc.RpcError) as refused:  # mutual TLS: no client certificate, no call
+            orchestrator(deployment.address, no_certificate).Generate(request(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         removed = ray_deploy.down(deployment.name)
     assert set(removed) == {"t-spread-orchestrator", "t-spread-draft", "t-spread-target", "t-spread-pg"}
     assert all(s.state == "ABSENT" for s in ray_deploy.status("t-spread")) and not ray_deploy.placement("t-spread")
+
+
+def test_plaintext_on_the_cluster_network_must_be_allowed(tiny_models):
+    with pytest.raises(SecurityError, match="--allow-insecure"):
+        config(tiny_models, "t-refused", "pack", server_security=ServerSecurity(), service_security=INSECURE)
+    with pytest.raises(SecurityError, match="--service-tls-ca"):
+        config(tiny_models, "t-refused", "pack", server_security=ServerSecurity(allow_insecure=True))
+    # A cluster that is this one machine binds loopback, where plaintext is fine.
+    assert config(tiny_models, "t-local", "pack", server_security=ServerSecurity(), loopback=True).loopback
 
 
 def test_pack_places_both_on_one_node(packed, reference):
@@ -153,7 +190,7 @@ def _proc_status(pid: int) -> str:
 def driver_pair(packed):
     """The orchestrator's stubs, in the test process, reaching the services through their actors."""
     draft, target = (ray.get_actor(ray_deploy.actor_name(packed.name, role)) for role in ("draft", "target"))
-    return connect(actor_endpoint(draft), actor_endpoint(target))
+    return connect(actor_endpoint(draft), actor_endpoint(target), security=INSECURE)
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))

@@ -33,6 +33,7 @@ def test_ray_up_then_generate_status_and_down():
         up = specdec("ray", "up", "--name", name, "--port", "0", "--no-dashboard", env=env)
         assert up.returncode == 0, up.stderr
         address = up.stdout.split()[-1]
+        assert address.startswith("127.0.0.1:")  # a local cluster's actors serve on loopback
 
         prompt = "Write a haiku about GPUs"
         out = specdec("generate", prompt, "--address", address, "--json", "--max-tokens", "24", env=env)
