@@ -197,14 +197,18 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     return Deployment(name, address)
 
 
-def down(name: str) -> list[str]:
-    """Kill the deployment's actors and remove its placement group; returns what was removed."""
+def down(name: str, grace: float = 5.0) -> list[str]:
+    """Stop the deployment's actors (calls in flight get `grace` seconds, telemetry is flushed),
+    kill them and remove their placement group; returns what was removed."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    handles = {role: _find_actor(actor_name(name, role)) for role in ROLES}
+    stopping = [h.stop.remote(grace) for h in handles.values() if h is not None]
+    if stopping:  # best effort: an actor may be down or restarting
+        ray.wait(stopping, num_returns=len(stopping), timeout=grace + 5)
     removed = []
-    for role in ROLES:
-        handle = _find_actor(actor_name(name, role))
+    for role, handle in handles.items():
         if handle is not None:
             ray.kill(handle, no_restart=True)
             removed.append(actor_name(name, role))

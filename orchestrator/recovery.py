@@ -47,7 +47,8 @@ class RecoveryConfig:
     wait_seconds: float = 180.0  # longest wait for a lost service when the request sets no deadline
     first_backoff: float = 0.05  # seconds between the first attempts; doubles each time
     max_backoff: float = 0.5
-    probe_seconds: float = 2.0  # how long a liveness probe (Describe) may take
+    probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
+    connect_seconds: float = 2.0  # how long one attempt waits for a fresh channel to connect
 
 
 class ResilientStub:
@@ -141,7 +142,7 @@ class ResilientStub:
                 pass
             # Resolving may block until the service is back (a Ray actor restarting); then a fresh
             # channel, since an old one to a dead address sits in reconnect backoff for seconds.
-            self._connect(_left(deadline), min(self.config.probe_seconds, _left(deadline)))
+            self._connect(_left(deadline), min(self.config.connect_seconds, _left(deadline)))
             return self._stub
         finally:
             self._lock.release()

@@ -42,12 +42,26 @@ NEW_TOKENS = 40
 TRIALS = 5
 
 
+def two_nodes() -> Cluster:
+    """Two Ray nodes on this machine (each its own raylet and node id)."""
+    c = Cluster()
+    try:
+        c.add_node(num_cpus=3, include_dashboard=False)
+        c.add_node(num_cpus=3)
+    except BaseException:
+        c.shutdown()
+        raise
+    return c
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes on this machine; the driver connected in the specdec namespace."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    """The two-node cluster; the driver connected in the specdec namespace."""
     try:
-        c.add_node(num_cpus=3)
+        c = two_nodes()
+    except Exception:  # noqa: BLE001 - Ray's bare Exception when a node misses its 30 s to register:
+        c = two_nodes()  # a machine busy with other work can; once more (a setup failure, not a finding)
+    try:
         ray_deploy.connect(c.address)
         yield c
     finally:

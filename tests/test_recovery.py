@@ -96,7 +96,7 @@ def test_a_service_that_does_not_come_back_is_unavailable(services):
 
 
 def test_client_sees_unavailable_and_the_orchestrator_keeps_serving(services):
-    pair = connect(services["draft"].address, services["target"].address, recovery=RecoveryConfig(wait_seconds=1.0))
+    pair = connect(services["draft"].address, services["target"].address, recovery=RecoveryConfig(wait_seconds=3.0))
     server, port = serve_orchestrator(pair)
     try:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
