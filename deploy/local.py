@@ -130,16 +130,21 @@ class LocalPipeline:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, orchestrator first: it drains its generations while the model services
+        still serve them; then the services (each drains too). Killed after `timeout`."""
+        stages = [[p for n, p in self.procs.items() if n == "orchestrator"]]
+        stages.append([p for n, p in self.procs.items() if n != "orchestrator"])
+        for stage in stages:
+            for proc in stage:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in stage:
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self.procs.clear()
 
     def __enter__(self):

@@ -12,7 +12,7 @@ import torch
 
 from specdec import rule
 from specdec.engine import Session, SessionEngine
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.sampling import SamplingParams, probs_from_logits
 
 
@@ -24,10 +24,7 @@ def propose(
     uniforms: list[float],
 ) -> tuple[list[int], list[float]]:
     """Propose k tokens after the committed sequence: (token ids, draft probs of them)."""
-    if k < 1:
-        raise InvalidArgument(f"k must be >= 1, got {k}")
-    if not params.greedy and len(uniforms) != k:
-        raise InvalidArgument(f"uniforms: sampling needs k={k} uniforms, got {len(uniforms)}")
+    assert k >= 1 and (params.greedy or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
     drafts: list[int] = []
     token_probs: list[float] = []
     rows = []

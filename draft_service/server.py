@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 
 from draft_service.drafters import MODEL, Drafter
-from specdec import wire
+from specdec import validation, wire
 from specdec.engine import SessionEngine
+from specdec.lifecycle import serve_model
+from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
-from specdec.service import SessionServicer, add_health, model_server
+from specdec.service import SessionServicer
 from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 
@@ -22,9 +24,13 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         self.drafter = drafter
 
     def Propose(self, request, context):
+        validation.propose_request(request, self.engine.backend.vocab_size)
         ref = request.session
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
+            # Checked before the commit, so a refused request changes nothing.
+            length = len(session.tokens) + len(request.append_tokens) + request.k
+            self.engine.reserve(session, length, "append_tokens + k")
             self.engine.commit(session, list(request.append_tokens))
             tokens, probs = self.drafter.propose(
                 self.engine,
@@ -53,14 +59,16 @@ def serve(
     drafter: Drafter = MODEL,
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
+    limits: SessionLimits | None = None,
 ):
     """Start a draft service on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("draft")) adds spans
-    and metrics, and the caller shuts it down.
+    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens. The server
+    drains with server.drain() (specdec.lifecycle).
     """
-    server, bound, engine = model_server(backend, "draft", host, port, telemetry, security)
-    model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
-    add_health(server, SERVICE_NAME)
-    server.start()
-    return server, bound
+
+    def add_servicer(engine, server):
+        model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
+
+    return serve_model(backend, "draft", SERVICE_NAME, add_servicer, host, port, limits, telemetry, security)

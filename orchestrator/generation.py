@@ -7,21 +7,21 @@ host needs no model files.
 
 from __future__ import annotations
 
-import math
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from specdec import validation
+from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_LOOKAHEAD = 4
-MAX_LOOKAHEAD = 32
+MAX_LOOKAHEAD = validation.MAX_LOOKAHEAD
 
 
 def load_tokenizer(files: model_pb2.GetTokenizerResponse):
@@ -58,9 +58,9 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
     kind = request.WhichOneof("input")
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
-        bad = [t for t in ids if not 0 <= t < pair.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token_ids: {bad[0]} is outside 0..{pair.vocab_size - 1}")
+        if not ids:
+            raise InvalidArgument("token_ids must not be empty")
+        validation.token_ids(ids, pair.vocab_size, "token_ids")
     elif kind == "messages":
         if not tok.chat_template:
             raise FailedPrecondition("messages: the target model has no chat template")
@@ -69,6 +69,8 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
             raise InvalidArgument("messages must not be empty")
         ids = _chat_ids(tok, messages)
     elif kind == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt must not be empty")
         if request.chat_template and tok.chat_template:
             ids = _chat_ids(tok, [{"role": "user", "content": request.prompt}])
         else:
@@ -89,26 +91,18 @@ def _chat_ids(tok, messages) -> list[int]:
 
 def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
     s = request.sampling
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
-    if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
+    validation.sampling(s, "sampling")
     max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if max_new < 1:
         raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new}")
+    spec = request.speculation
+    lookahead = spec.lookahead or DEFAULT_LOOKAHEAD
+    validation.lookahead(lookahead, "speculation.lookahead")
+    validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     if prompt_len + max_new > pair.max_context:
         raise OutOfRange(
             f"prompt of {prompt_len} tokens + max_new_tokens {max_new} exceeds the model context of {pair.max_context}"
         )
-    spec = request.speculation
-    lookahead = spec.lookahead or DEFAULT_LOOKAHEAD
-    if not 1 <= lookahead <= MAX_LOOKAHEAD:
-        raise InvalidArgument(f"speculation.lookahead must be in 1..{MAX_LOOKAHEAD}, got {lookahead}")
-    bad = [t for t in request.stop_token_ids if not 0 <= t < pair.vocab_size]
-    if bad:
-        raise InvalidArgument(f"stop_token_ids: {bad[0]} is outside 0..{pair.vocab_size - 1}")
     return LoopConfig(
         sampling=s,
         max_new_tokens=max_new,
@@ -120,10 +114,14 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
     )
 
 
-def generate(pair: ModelPair, request, timeout=None, observe=None) -> Iterator[Chunk]:
+def generate(
+    pair: ModelPair, request, timeout=None, observe=None, active: Callable[[], bool] = lambda: True
+) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
     `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
+    `active()` is asked after each round: once it is False (the client went away) the
+    generation stops and its sessions are closed.
     """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
@@ -139,6 +137,8 @@ def generate(pair: ModelPair, request, timeout=None, observe=None) -> Iterator[C
     rounds = loop.rounds() if observe is None else observe(loop)
     try:
         for step in rounds:
+            if not active():
+                raise Cancelled("the client cancelled or its deadline passed")
             pending_ids += step.token_ids
             finish = step.finish_reason
             text = tok.decode(loop.generated, skip_special_tokens=True)

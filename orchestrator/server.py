@@ -7,14 +7,17 @@ import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
 from orchestrator.recovery import Address, RecoveryConfig, ResilientStub
+from specdec import lifecycle
 from specdec.errors import FailedPrecondition
+from specdec.limits import AdmissionLimits
 from specdec.security import ClientSecurity, ServerSecurity
 from specdec.security import channel as secure_channel
-from specdec.service import CHANNEL_OPTIONS, add_health, deadline_seconds, make_server
+from specdec.service import CHANNEL_OPTIONS, deadline_seconds
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers RESOURCE_EXHAUSTED
 
 
 def connect(
@@ -89,7 +92,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _chunks(self, request, context):
         if request.speculation.disabled or self.pair.draft is None:
             request.speculation.disabled = True
-        chunks = generate(self.pair, request, timeout=deadline_seconds(context), observe=self.telemetry.rounds)
+        chunks = generate(
+            self.pair,
+            request,
+            timeout=deadline_seconds(context),
+            observe=self.telemetry.rounds,
+            active=context.is_active,
+        )
         return self.telemetry.requests(chunks)
 
     def Generate(self, request, context):
@@ -120,15 +129,28 @@ def serve(
     port: int = 0,
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
+    admission: AdmissionLimits | None = None,
 ):
     """Start the orchestrator on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; pass the same `telemetry`
-    (specdec.telemetry.setup("orchestrator")) as to connect().
+    (specdec.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
+    generations running and queued. The server drains with server.drain() (specdec.lifecycle).
     """
     telemetry = telemetry or disabled()
-    server, bound = make_server(host, port, security=security, interceptors=telemetry.server_interceptors())
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(pair, telemetry), server)
-    add_health(server, SERVICE_NAME)
-    server.start()
-    return server, bound
+    admission = admission or AdmissionLimits()
+    return lifecycle.start(
+        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
+            OrchestratorServicer(pair, telemetry), server
+        ),
+        SERVICE_NAME,
+        [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
+        host,
+        port,
+        admission=admission,
+        interceptors=telemetry.server_interceptors(),
+        security=security,
+        # Queued requests hold a thread while they wait; leave some for health checks.
+        max_workers=admission.max_concurrent + admission.max_queue + 4,
+        max_receive_bytes=MAX_REQUEST_BYTES,
+    )

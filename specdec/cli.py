@@ -19,6 +19,7 @@ import grpc
 
 from deploy import ray_cli
 from specdec import models, security
+from specdec.errors import SpecdecError
 
 EPILOG = """\
 examples:
@@ -47,6 +48,27 @@ def _add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -
     )
     p.add_argument(f"--{prefix}device", default="cpu", help="torch device: cpu or cuda:N (default cpu)")
     p.add_argument(f"--{prefix}dtype", default=dtype, choices=models.DTYPES, help=f"weight dtype (default {dtype})")
+
+
+def _add_reliability_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """Limits and shutdown: a model service's session caps, the orchestrator's admission."""
+    from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+
+    a, s = AdmissionLimits(), SessionLimits()
+    flags = {
+        "orchestrator": [
+            ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
+            ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
+        ],
+        "model": [
+            ("--max-sessions", int, s.max_sessions, "sessions open at once"),
+            ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
+            ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
+        ],
+    }["orchestrator" if role == "orchestrator" else "model"]
+    flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
+    for flag, kind, default, text in flags:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
 
 
 def _add_drafter_flag(p: argparse.ArgumentParser) -> None:
@@ -157,10 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
     _add_drafter_flag(d)
     _add_server_security_flags(d)
+    _add_reliability_flags(d, "draft")
     t = sub.add_parser("target-service", help="run the target model service alone")
     _add_server_flags(t, 50061)
     _add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
     _add_server_security_flags(t)
+    _add_reliability_flags(t, "target")
 
     b = sub.add_parser(
         "bench",
@@ -188,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
     _add_server_security_flags(o)
     _add_client_security_flags(o, "service-", "the model services")
+    _add_reliability_flags(o, "orchestrator")
 
     lt = sub.add_parser(
         "loadtest",
@@ -227,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(f"specdec: error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, ConnectionError, TimeoutError, ValueError) as err:
+    except SpecdecError as err:
+        print(f"specdec: error: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, ValueError) as err:
         print(f"specdec: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -331,7 +359,11 @@ def _print_stats(s, finish: str) -> None:
 
 
 # -- services ----------------------------------------------------------------------------
-def _serve_until_signal(server, address: str, ready_file: Path | None, what: str, telemetry=None) -> int:
+def _serve_until_signal(
+    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
+    in-flight work finished within drain_timeout) and stop; exit code 0."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -345,7 +377,10 @@ def _serve_until_signal(server, address: str, ready_file: Path | None, what: str
         tmp.rename(ready_file)
     print(f"specdec: {what} serving on {address}", file=sys.stderr, flush=True)
     stop.wait()
-    server.stop(grace=5).wait()
+    print(f"specdec: {what} draining (up to {drain_timeout:g} s)", file=sys.stderr, flush=True)
+    if not server.drain(drain_timeout):
+        print(f"specdec: {what}: drain timed out; stopping with work in flight", file=sys.stderr, flush=True)
+    server.stop(grace=1).wait()
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics
     return 0
@@ -358,6 +393,9 @@ def _telemetry(args, role: str):
 
 
 def _model_service(args, role: str) -> int:
+    from specdec.limits import SessionLimits
+
+    limits = SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)  # checked before loading
     spec = models.ModelSpec(args.model, args.device, args.dtype)
     server_security = _server_security(args)
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
@@ -366,25 +404,33 @@ def _model_service(args, role: str) -> int:
         from draft_service.server import serve
 
         backend, drafter = drafters.make(args.drafter, spec)
-        server, port = serve(backend, args.host, args.port, drafter, security=server_security, telemetry=telemetry)
+        server, port = serve(
+            backend, args.host, args.port, drafter, security=server_security, telemetry=telemetry, limits=limits
+        )
     else:
         from specdec.backend import HFBackend
         from target_service.server import serve
 
-        server, port = serve(HFBackend(spec), args.host, args.port, security=server_security, telemetry=telemetry)
+        server, port = serve(
+            HFBackend(spec), args.host, args.port, security=server_security, telemetry=telemetry, limits=limits
+        )
     what = f"{role} service ({args.model})"
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry)
+    address = f"{args.host}:{port}"
+    return _serve_until_signal(server, address, args.ready_file, what, telemetry, args.drain_timeout)
 
 
 def cmd_orchestrator(args) -> int:
     from orchestrator.server import connect, serve
+    from specdec.limits import AdmissionLimits
 
+    admission = AdmissionLimits(args.max_concurrent, args.max_queue)
     server_security = _server_security(args)
     client = _client_security(args, "service-", security.SERVICE_TOKEN_ENV, server_security.token)
     telemetry = _telemetry(args, "orchestrator")
     pair = connect(args.draft_address, args.target_address, security=client, telemetry=telemetry)
-    server, port = serve(pair, args.host, args.port, server_security, telemetry=telemetry)
-    return _serve_until_signal(server, f"{args.host}:{port}", args.ready_file, "orchestrator", telemetry)
+    server, port = serve(pair, args.host, args.port, server_security, telemetry=telemetry, admission=admission)
+    address = f"{args.host}:{port}"
+    return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
 
 
 def cmd_serve(args) -> int:

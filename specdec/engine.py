@@ -9,6 +9,9 @@ A session holds its committed tokens and a cache of keys/values for a prefix of
 Rollback and discarding a rejected speculative tail are truncations (O(1) per layer):
 no copies, no re-prefill.
 
+Limits (specdec.limits) are checked where they bind: the session count at open, the KV
+budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
+
 The engine knows nothing of RPC or of the accept/resample rule; draft_service and
 target_service build propose and score on it.
 """
@@ -16,6 +19,7 @@ target_service build propose and score on it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +27,16 @@ from typing import Any
 
 import torch
 
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from specdec import validation
+from specdec.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+)
+from specdec.limits import KVBudget, SessionLimits
 
 
 @dataclass
@@ -34,12 +47,17 @@ class Session:
     # Draft only: the distributions of the last proposal, [k, vocab], for ProposalRow.
     proposal_rows: torch.Tensor | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    kv_tokens: int = 0  # reserved in the engine's KV budget
+    last_used: float = field(default_factory=time.monotonic)
+    closed: bool = False
 
 
 class SessionEngine:
-    def __init__(self, backend, role: str):
+    def __init__(self, backend, role: str, limits: SessionLimits | None = None):
         self.backend = backend
         self.role = role
+        self.limits = limits or SessionLimits()
+        self.kv = KVBudget(self.limits.max_kv_tokens)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -50,22 +68,65 @@ class SessionEngine:
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
         self.check_tokens(prompt, "prompt_token_ids")
-        self.check_room(len(prompt))
-        session = Session(tokens=list(prompt), cache=self.backend.new_cache())
+        self.check_room(len(prompt), "prompt_token_ids")
+        session = Session(tokens=list(prompt), cache=None)
         with self._lock:
             if session_id in self._sessions:
-                raise AlreadyExists(f"session {session_id!r} is already open")
+                raise AlreadyExists(f"session_id {session_id!r} is already open")
+            if len(self._sessions) >= self.limits.max_sessions:
+                raise ResourceExhausted(
+                    f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes"
+                )
+            self.kv.reserve(session, len(prompt))
             self._sessions[session_id] = session
         with session.lock:
-            if len(prompt) > 1:  # prefill all but the last token, which the next block feeds
-                self.backend.forward(session.cache, prompt[:-1], 1)
-                session.cached = list(prompt[:-1])
+            try:
+                session.cache = self.backend.new_cache()
+                if len(prompt) > 1:  # prefill all but the last token, which the next block feeds
+                    self.backend.forward(session.cache, prompt[:-1], 1)
+                    session.cached = list(prompt[:-1])
+            except BaseException:
+                self._retire(session_id, session)
+                raise
+            self.kv.settle(session, len(session.cached))
         return len(prompt)
 
     def close(self, session_id: str) -> None:
         with self._lock:
-            if self._sessions.pop(session_id, None) is None:
-                raise NotFound(f"no open session {session_id!r}")
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session_id: no open session {session_id!r}")
+        with session.lock:  # waits for a request in flight on it
+            if session.closed:
+                raise NotFound(f"session_id: no open session {session_id!r}")
+            self._retire(session_id, session)
+
+    def close_idle(self, ttl: float) -> list[str]:
+        """Close sessions unused for more than `ttl` seconds; skip any in use. Returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [(sid, s) for sid, s in self._sessions.items() if now - s.last_used > ttl]
+        closed = []
+        for sid, session in idle:
+            if not session.lock.acquire(blocking=False):
+                continue  # in use: not idle
+            try:
+                if not session.closed and time.monotonic() - session.last_used > ttl:
+                    self._retire(sid, session)
+                    closed.append(sid)
+            finally:
+                session.lock.release()
+        return closed
+
+    def _retire(self, session_id: str, session: Session) -> None:
+        """Forget a session and free its cache; the caller holds its lock."""
+        with self._lock:
+            if self._sessions.get(session_id) is session:
+                del self._sessions[session_id]
+        session.closed = True
+        session.cache = None
+        session.proposal_rows = None
+        self.kv.settle(session, 0)
 
     @property
     def open_sessions(self) -> int:
@@ -84,11 +145,23 @@ class SessionEngine:
         with self._lock:
             session = self._sessions.get(session_id)
         if session is None:
-            raise NotFound(f"no open session {session_id!r}")
+            raise NotFound(f"session_id: no open session {session_id!r}")
         with session.lock:
+            if session.closed:  # closed while this request waited for it
+                raise NotFound(f"session_id: no open session {session_id!r}")
             if expected_length is not None and expected_length != len(session.tokens):
                 raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
-            yield session
+            try:
+                yield session
+            finally:
+                session.last_used = time.monotonic()
+                if not session.closed:
+                    self.kv.settle(session, len(session.cached))
+
+    def reserve(self, session: Session, length: int, what: str = "sequence") -> None:
+        """Check that the session may grow to `length` tokens (context, KV budget), before changing it."""
+        self.check_room(length, what)
+        self.kv.reserve(session, length)
 
     # -- changes -----------------------------------------------------------------------
     def commit(self, session: Session, token_ids: list[int]) -> None:
@@ -96,7 +169,7 @@ class SessionEngine:
         if not token_ids:
             return
         self.check_tokens(token_ids, "append_tokens")
-        self.check_room(len(session.tokens) + len(token_ids))
+        self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
         start = len(session.tokens)
         session.tokens.extend(token_ids)
         keep = len(session.cached)
@@ -108,7 +181,7 @@ class SessionEngine:
 
     def rollback(self, session: Session, to_length: int) -> None:
         if not 1 <= to_length <= len(session.tokens):
-            raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)}")
+            raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)} (the session length)")
         del session.tokens[to_length:]
         self._truncate_cache(session, len(session.cached))
 
@@ -119,7 +192,7 @@ class SessionEngine:
         commit keeps where it matches and truncates where it does not).
         """
         sequence = session.tokens + speculative
-        self.check_room(len(sequence))
+        self.reserve(session, len(sequence))
         self._truncate_cache(session, len(session.cached))  # the last committed token is re-fed
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
@@ -135,11 +208,10 @@ class SessionEngine:
 
     # -- checks ------------------------------------------------------------------------
     def check_tokens(self, token_ids: list[int], field_name: str) -> None:
-        vocab = self.backend.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(f"{field_name}: token id {bad[0]} is outside 0..{vocab - 1}")
+        validation.token_ids(token_ids, self.backend.vocab_size, field_name)
 
-    def check_room(self, length: int) -> None:
+    def check_room(self, length: int, what: str = "sequence") -> None:
         if length > self.backend.max_context:
-            raise OutOfRange(f"sequence of {length} tokens exceeds the model context of {self.backend.max_context}")
+            raise OutOfRange(
+                f"{what}: a sequence of {length} tokens exceeds the model context of {self.backend.max_context}"
+            )

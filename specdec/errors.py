@@ -40,3 +40,11 @@ class OutOfRange(SpecdecError):
 
 class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Cancelled(SpecdecError):
+    code = grpc.StatusCode.CANCELLED

@@ -12,8 +12,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specdec import validation
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
+from specdec.limits import SessionLimits
 from specdec.security import ServerSecurity, bind, server_interceptors
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
@@ -82,9 +84,11 @@ def make_server(
     max_workers: int = 16,
     security: ServerSecurity | None = None,
     interceptors=(),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """A server with the error interceptor, bound to host:port (0 picks a free port), with TLS
-    and token auth when `security` asks for them.
+    and token auth when `security` asks for them. A request over max_receive_bytes is refused
+    by gRPC with RESOURCE_EXHAUSTED.
 
     Order, outermost first: auth (an unauthenticated call goes no further), `interceptors`
     (telemetry: outside the error interceptor, so spans see the status codes), errors.
@@ -93,7 +97,10 @@ def make_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[*server_interceptors(security), *interceptors, ErrorInterceptor()],
-        options=CHANNEL_OPTIONS,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
     )
     bound = bind(server, host, port, security)
     if bound == 0:
@@ -108,15 +115,19 @@ def model_server(
     port: int,
     telemetry: Telemetry | None = None,
     security: ServerSecurity | None = None,
+    limits: SessionLimits | None = None,
+    interceptors=(),
 ):
     """A server and a SessionEngine for a model service, observed by `telemetry` when given.
 
-    Returns (server, bound port, engine); the caller adds its servicer and starts it.
+    `interceptors` go inside telemetry's. Returns (server, bound port, engine); the caller
+    adds its servicer and starts it.
     """
     telemetry = telemetry or disabled(role)
-    engine = SessionEngine(telemetry.backend(backend), role)
+    engine = SessionEngine(telemetry.backend(backend), role, limits)
     telemetry.watch(engine)
-    server, bound = make_server(host, port, security=security, interceptors=telemetry.server_interceptors())
+    interceptors = [*telemetry.server_interceptors(), *interceptors]
+    server, bound = make_server(host, port, security=security, interceptors=interceptors)
     return server, bound, engine
 
 
@@ -145,8 +156,10 @@ class SessionServicer:
         return model_pb2.OpenSessionResponse(length=length)
 
     def Append(self, request, context):
+        validation.token_ids(request.token_ids, self.engine.backend.vocab_size, "token_ids")
         ref = request.session
         with self.engine.session(ref.session_id, ref.expected_length) as session:
+            self.engine.check_room(len(session.tokens) + len(request.token_ids), "token_ids")
             self.engine.commit(session, list(request.token_ids))
             return session_state(session)
 

@@ -15,7 +15,6 @@ import torch
 
 from specdec import rule
 from specdec.engine import Session, SessionEngine
-from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams, probs_from_logits
 
 
@@ -36,12 +35,8 @@ def score(
     accept_uniforms: list[float],
 ) -> Scores:
     k = len(draft_ids)
-    engine.check_tokens(draft_ids, "draft_token_ids")
-    if not params.greedy and not (len(draft_token_probs) == len(accept_uniforms) == k):
-        raise InvalidArgument(
-            f"draft_token_probs and accept_uniforms need {k} entries each, got "
-            f"{len(draft_token_probs)} and {len(accept_uniforms)}"
-        )
+    # checked at the edge (specdec.validation)
+    assert params.greedy or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
     logits = engine.forward(session, draft_ids, k + 1)  # [k + 1, vocab]
     if params.greedy:
         return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
-from specdec import wire
+from specdec import validation, wire
+from specdec.lifecycle import serve_model
+from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
-from specdec.service import SessionServicer, add_health, model_server
+from specdec.service import SessionServicer
 from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.scorer import score
@@ -17,9 +19,13 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
+        validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
+            # Checked before the commit, so a refused request changes nothing.
+            length = len(session.tokens) + len(request.append_tokens) + len(request.draft_token_ids)
+            self.engine.reserve(session, length, "append_tokens + draft_token_ids")
             self.engine.commit(session, list(request.append_tokens))
             scores = score(
                 self.engine,
@@ -45,14 +51,16 @@ def serve(
     port: int = 0,
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
+    limits: SessionLimits | None = None,
 ):
     """Start a target service on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("target")) adds spans
-    and metrics, and the caller shuts it down.
+    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens. The server
+    drains with server.drain() (specdec.lifecycle).
     """
-    server, bound, engine = model_server(backend, "target", host, port, telemetry, security)
-    model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
-    add_health(server, SERVICE_NAME)
-    server.start()
-    return server, bound
+
+    def add_servicer(engine, server):
+        model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
+
+    return serve_model(backend, "target", SERVICE_NAME, add_servicer, host, port, limits, telemetry, security)

@@ -13,7 +13,8 @@ import torch
 
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec import models
-from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import run_clients, run_sequentially
 
 pytestmark = pytest.mark.real_model
 
@@ -32,10 +33,14 @@ NEAR_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def pipeline():
+def local():
     with LocalPipeline(PipelineConfig(), log=lambda msg: None) as p:
-        channel = grpc.insecure_channel(p.address)
-        yield orchestrator_pb2_grpc.OrchestratorStub(channel)
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pipeline(local):
+    return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(local.address))
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +119,14 @@ def test_cli_json_reports_high_greedy_acceptance():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["text"] and result["stats"]["acceptance_rate"] > 0.8, result
+
+
+def test_4_concurrent_clients_equal_their_sequential_runs(local):
+    prompts = ["Name three colours.", "What is 2 + 2?", "Say hello in French.", "Write a word that rhymes with cat."]
+    per_client = [[orchestrator_pb2.GenerateRequest(prompt=p, chat_template=True, max_new_tokens=16)] for p in prompts]
+    sequential = run_sequentially(local.address, per_client)
+    assert run_clients(local.address, per_client) == sequential
+    assert all(ids for outputs in sequential for ids in outputs)
+    for name in ("draft", "target"):
+        stub = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(local.addresses[name]))  # Describe is on both
+        assert stub.Describe(model_pb2.DescribeRequest()).open_sessions == 0

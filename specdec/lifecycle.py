@@ -1,0 +1,214 @@
+"""How a server lets requests in and how it stops: the gate, admission, graceful drain.
+
+- The gate (a server interceptor) watches a service's *entry* methods, the ones that start
+  new work (Generate and GenerateStream on the orchestrator, OpenSession on a model
+  service). It counts them while in flight and, once the server drains, refuses them with
+  UNAVAILABLE. Methods on work already under way (a session's Propose, Score, Close) pass,
+  so in-flight generations can finish.
+- Admission (the orchestrator): at most `max_concurrent` entries run at once, at most
+  `max_queue` wait for a slot; beyond that RESOURCE_EXHAUSTED at once. A queued request
+  leaves the queue when its client cancels or its deadline passes.
+- Drain: health turns NOT_SERVING, entries are refused, and the server waits until nothing
+  is in flight (and, on a model service, no session is open), bounded by a timeout.
+
+The gate sits outside the error interceptor (inside auth and telemetry, so those see its
+refusals) and answers its own refusals. This module owns no model or generation logic; the
+serve() functions of the three services assemble a server from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from contextlib import ExitStack, contextmanager
+
+import grpc
+
+from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
+from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper
+from specdec.service import add_health, make_server, model_server
+
+
+class Admission:
+    """A counting semaphore with a bounded queue that gives up on requests that ended."""
+
+    def __init__(self, limits: AdmissionLimits):
+        self.limits = limits
+        self.running = 0
+        self.waiting = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def slot(self, context):
+        with self._cond:
+            if self.running >= self.limits.max_concurrent:
+                if self.waiting >= self.limits.max_queue:
+                    raise ResourceExhausted(
+                        f"overloaded: {self.running} requests running (max_concurrent "
+                        f"{self.limits.max_concurrent}) and {self.waiting} queued (max_queue "
+                        f"{self.limits.max_queue}); retry later"
+                    )
+                self.waiting += 1
+                context.add_callback(self._wake)  # a cancel or an expired deadline ends the wait
+                try:
+                    while self.running >= self.limits.max_concurrent:
+                        if not context.is_active():
+                            raise Cancelled("the request ended while queued for admission")
+                        self._cond.wait(timeout=1.0)
+                finally:
+                    self.waiting -= 1
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.running -= 1
+                self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Gate(grpc.ServerInterceptor):
+    """Counts and admits calls to the entry methods; refuses them once draining."""
+
+    def __init__(self, entry_methods: Collection[str], admission: Admission | None = None):
+        self.entry_methods = frozenset(entry_methods)
+        self.admission = admission
+        self.draining = False
+        self.in_flight = 0
+        self._cond = threading.Condition()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self.entry_methods:
+            return handler
+        return wrap_handler(handler, self._enter)
+
+    @contextmanager
+    def _enter(self, context):
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(self._counted())
+                if self.admission:
+                    stack.enter_context(self.admission.slot(context))
+            except SpecdecError as err:
+                context.abort(err.code, err.message)
+            yield
+
+    @contextmanager
+    def _counted(self):
+        with self._cond:
+            if self.draining:
+                raise Unavailable("the server is shutting down (draining); retry on another instance")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.in_flight -= 1
+                self._cond.notify_all()
+
+    def drain(self, timeout: float, busy: Callable[[], int] = lambda: 0) -> bool:
+        """Refuse entries from now on; wait until none is in flight and busy() is 0.
+
+        Returns False if the timeout came first.
+        """
+        end = time.monotonic() + timeout
+        with self._cond:
+            self.draining = True
+            while self.in_flight or busy():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))  # busy() changes without telling the gate
+        return True
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, guard: Callable) -> grpc.RpcMethodHandler:
+    """Run a unary or server-streaming handler inside `guard(context)`, a context manager;
+    for a stream, until its last message is sent or the stream is closed."""
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        def unary(request, context):
+            with guard(context):
+                return inner(request, context)
+
+        return handler._replace(unary_unary=unary)
+    if handler.unary_stream:
+        inner_stream = handler.unary_stream
+
+        def stream(request, context):
+            with guard(context):
+                yield from inner_stream(request, context)
+
+        return handler._replace(unary_stream=stream)
+    return handler
+
+
+class Served:
+    """A started server with its gate, health and background threads.
+
+    Behaves as the grpc.Server it wraps, plus drain().
+    """
+
+    def __init__(self, server: grpc.Server, gate: Gate, health, busy: Callable[[], int] = lambda: 0, background=()):
+        self.server = server
+        self.gate = gate
+        self.health = health
+        self.busy = busy
+        self.background = list(background)
+
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
+        """Health NOT_SERVING, new work refused (UNAVAILABLE), in-flight work finished."""
+        self.health.enter_graceful_shutdown()
+        return self.gate.drain(timeout, self.busy)
+
+    def stop(self, grace: float | None):
+        for thread in self.background:
+            thread.stop()
+        return self.server.stop(grace)
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+
+def start(
+    register: Callable[[grpc.Server], None],
+    service_name: str,
+    entry_methods: Collection[str],
+    host: str,
+    port: int,
+    *,
+    admission: AdmissionLimits | None = None,
+    interceptors=(),
+    **server_options,
+) -> tuple[Served, int]:
+    """Build a gated server (make_server's options), register(server) its servicers, start it."""
+    gate = Gate(entry_methods, Admission(admission) if admission else None)
+    server, bound = make_server(host, port, interceptors=[*interceptors, gate], **server_options)
+    register(server)
+    return _launch(server, gate, service_name), bound
+
+
+def serve_model(
+    backend, role: str, service_name: str, add_servicer, host: str, port: int, limits, telemetry, security
+) -> tuple[Served, int]:
+    """Start a model service (add_servicer(engine, server) adds its servicer): OpenSession is
+    its entry, open sessions keep a drain waiting, idle sessions are reaped."""
+    gate = Gate([f"/{service_name}/OpenSession"])
+    server, bound, engine = model_server(backend, role, host, port, telemetry, security, limits, [gate])
+    add_servicer(engine, server)
+    reaper = Reaper(engine, engine.limits.idle_ttl)
+    return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper]), bound
+
+
+def _launch(server: grpc.Server, gate: Gate, service_name: str, busy=lambda: 0, background=()) -> Served:
+    health = add_health(server, service_name)
+    server.start()
+    for thread in background:
+        thread.start()
+    return Served(server, gate, health, busy, background)

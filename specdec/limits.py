@@ -1,0 +1,101 @@
+"""Caps on what a service holds and admits: a model service's open sessions, KV-cache
+tokens and idle time; the orchestrator's concurrent and queued requests; the drain bound.
+
+A request that would go past a cap is refused with RESOURCE_EXHAUSTED before anything is
+allocated or changed, so overload never becomes an out-of-memory crash. The KV budget is
+kept by reservation: a session reserves the length its cache is about to reach before it
+grows, and settles back to what the cache holds when the request ends.
+
+This module owns the configuration, the KV accounting and the idle-session reaper; the
+engine calls it where a cache grows or a session ends, specdec.lifecycle admits requests.
+It imports nothing heavy: the CLI reads its defaults.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from specdec.errors import ResourceExhausted
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 64  # sessions open at once
+    max_kv_tokens: int = 65536  # tokens of keys/values held across all sessions; 0: no cap
+    idle_ttl: float = 300.0  # seconds without a request before a session is closed; 0: never
+
+    def __post_init__(self):
+        _at_least(self, max_sessions=1, max_kv_tokens=0, idle_ttl=0)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_concurrent: int = 8  # requests generating at once
+    max_queue: int = 32  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
+
+    def __post_init__(self):
+        _at_least(self, max_concurrent=1, max_queue=0)
+
+
+def _at_least(config, **minimum) -> None:
+    for name, low in minimum.items():
+        if not getattr(config, name) >= low:  # NaN fails too
+            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
+
+
+DRAIN_TIMEOUT = 20.0  # seconds a draining server waits for in-flight work (CLI default)
+
+
+class KVBudget:
+    """Tokens of keys/values reserved across sessions, against a cap (0: none).
+
+    Each session object carries its own reservation in `kv_tokens`.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, session, tokens: int) -> None:
+        """Let `session` hold up to `tokens`, or refuse (and change nothing)."""
+        with self._lock:
+            grow = tokens - session.kv_tokens
+            if grow <= 0:
+                return
+            if self.max_tokens and self.held + grow > self.max_tokens:
+                raise ResourceExhausted(
+                    f"KV cache budget: {self.held} of max_kv_tokens {self.max_tokens} are held and "
+                    f"this request needs {grow} more; retry later"
+                )
+            self.held += grow
+            session.kv_tokens = tokens
+
+    def settle(self, session, tokens: int) -> None:
+        """Set the session's reservation to what it holds now (0 when it ends)."""
+        with self._lock:
+            self.held += tokens - session.kv_tokens
+            session.kv_tokens = tokens
+
+
+class Reaper:
+    """A daemon thread that closes sessions idle longer than the TTL."""
+
+    def __init__(self, engine, ttl: float):
+        self.engine = engine
+        self.ttl = ttl
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="session-reaper", daemon=True)
+
+    def start(self) -> None:
+        if self.ttl > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        interval = min(max(self.ttl / 4, 0.05), 10.0)
+        while not self._stop.wait(interval):
+            self.engine.close_idle(self.ttl)

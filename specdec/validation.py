@@ -1,0 +1,77 @@
+"""Stateless checks of requests at the edge: each rejects with the status code the client
+should see and a message that starts with the field's name.
+
+This module owns the checks that need no session: ranges, counts, finiteness, the
+vocabulary. Checks against a session's state are the engine's (unknown session, stale
+length, room in the context, the KV budget). Servicers run these first, so a request is
+refused in this order, and a refused request changes nothing:
+INVALID_ARGUMENT (here), NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from specdec.errors import InvalidArgument
+
+MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
+
+
+def sampling(msg, field: str = "sampling") -> None:
+    """SamplingParams: temperature finite and >= 0; top_p in (0, 1] (0: unset); top_k >= 0."""
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature}")
+    if not (math.isfinite(msg.top_p) and 0.0 <= msg.top_p <= 1.0):
+        raise InvalidArgument(f"{field}.top_p must be in (0, 1] (0: unset), got {msg.top_p}")
+    if msg.top_k < 0:
+        raise InvalidArgument(f"{field}.top_k must be >= 0 (0: off), got {msg.top_k}")
+
+
+def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+
+
+def lookahead(k: int, field: str) -> None:
+    if not 1 <= k <= MAX_LOOKAHEAD:
+        raise InvalidArgument(f"{field} must be in 1..{MAX_LOOKAHEAD}, got {k}")
+
+
+def probabilities(values: Sequence[float], count: int, field: str) -> None:
+    """`count` probabilities, each finite and in [0, 1]."""
+    if len(values) != count:
+        raise InvalidArgument(f"{field}: needs {count} entries, got {len(values)}")
+    bad = [v for v in values if not (math.isfinite(v) and 0.0 <= v <= 1.0)]
+    if bad:
+        raise InvalidArgument(f"{field}: {bad[0]} is not a probability in [0, 1]")
+
+
+def uniforms(values: Sequence[float], count: int, field: str) -> None:
+    """`count` uniforms, each in [0, 1)."""
+    if len(values) != count:
+        raise InvalidArgument(f"{field}: needs {count} entries, got {len(values)}")
+    bad = [v for v in values if not 0.0 <= v < 1.0]  # NaN fails too
+    if bad:
+        raise InvalidArgument(f"{field}: {bad[0]} is outside [0, 1)")
+
+
+def propose_request(request, vocab_size: int) -> None:
+    """DraftService.Propose, before the session is touched."""
+    lookahead(request.k, "k")
+    sampling(request.sampling)
+    token_ids(request.append_tokens, vocab_size, "append_tokens")
+    if request.sampling.temperature > 0:
+        uniforms(request.uniforms, request.k, "uniforms")
+
+
+def score_request(request, vocab_size: int) -> None:
+    """TargetService.Score, before the session is touched."""
+    sampling(request.sampling)
+    token_ids(request.append_tokens, vocab_size, "append_tokens")
+    token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
+    if request.sampling.temperature > 0:
+        k = len(request.draft_token_ids)
+        probabilities(request.draft_token_probs, k, "draft_token_probs")
+        uniforms(request.accept_uniforms, k, "accept_uniforms")

@@ -1,0 +1,158 @@
+"""What the reliability tests share: the three services on loopback in this process, a
+slowed backend, and polling helpers.
+
+SlowBackend is the real tiny model with a sleep before each forward pass: it stands in for
+a model large enough that a generation is still running when a test cancels, drains or
+kills it. Nothing else is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from draft_service.server import serve as serve_draft
+from orchestrator.server import connect
+from orchestrator.server import serve as serve_orchestrator
+from specdec.service import CHANNEL_OPTIONS
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from target_service.server import serve as serve_target
+
+ROOT = Path(__file__).resolve().parent.parent
+# Greedy decoding of the tiny target from this prompt meets no EOS for ~490 tokens.
+NO_EOS_PROMPT = [1, 10, 7, 14, 14, 17, 39]
+
+
+class SlowBackend:
+    """A backend that sleeps `delay` seconds before each forward pass."""
+
+    def __init__(self, backend, delay: float):
+        self._backend = backend
+        self.delay = delay
+
+    def forward(self, cache, token_ids, n_logits):
+        time.sleep(self.delay)
+        return self._backend.forward(cache, token_ids, n_logits)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def long_request(max_new_tokens: int, **kw) -> orchestrator_pb2.GenerateRequest:
+    """A greedy request that runs to max_new_tokens (finish_reason "length")."""
+    ids = orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT)
+    return orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=max_new_tokens, **kw)
+
+
+def status_of(call) -> grpc.RpcError:
+    """The error a call fails with (the test fails if it succeeds)."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value
+
+
+def open_sessions(stub) -> int:
+    return stub.Describe(model_pb2.DescribeRequest(), timeout=10).open_sessions
+
+
+def wait_until(condition, within: float, step: float = 0.02) -> bool:
+    """Poll `condition` until it holds or `within` seconds pass: a bound on a state change."""
+    end = time.monotonic() + within
+    while True:
+        if condition():
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(step)
+
+
+@dataclass
+class Pipeline:
+    """Draft, target and orchestrator servers on loopback, with a stub for each."""
+
+    orchestrator: orchestrator_pb2_grpc.OrchestratorStub
+    draft: model_pb2_grpc.DraftServiceStub
+    target: model_pb2_grpc.TargetServiceStub
+    servers: dict
+    addresses: dict
+
+    def open_sessions(self) -> tuple[int, int]:
+        return open_sessions(self.draft), open_sessions(self.target)
+
+    def sessions_freed_within(self, seconds: float) -> bool:
+        return wait_until(lambda: self.open_sessions() == (0, 0), seconds)
+
+
+def model_stubs(draft_address: str, target_address: str):
+    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(draft_address, CHANNEL_OPTIONS))
+    target = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target_address, CHANNEL_OPTIONS))
+    return draft, target
+
+
+@contextlib.contextmanager
+def pipeline(draft_backend, target_backend, limits=None, admission=None, target_address=None):
+    """The three services in this process (or the target at `target_address` instead);
+    stopped however the test ends."""
+    servers = {}
+    try:
+        servers["draft"], draft_port = serve_draft(draft_backend, limits=limits)
+        if target_address is None:
+            servers["target"], target_port = serve_target(target_backend, limits=limits)
+            target_address = f"127.0.0.1:{target_port}"
+        addresses = {"draft": f"127.0.0.1:{draft_port}", "target": target_address}
+        pair = connect(addresses["draft"], addresses["target"])
+        servers["orchestrator"], orch_port = serve_orchestrator(pair, admission=admission)
+        addresses["orchestrator"] = f"127.0.0.1:{orch_port}"
+        orchestrator = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(addresses["orchestrator"]))
+        yield Pipeline(orchestrator, *model_stubs(addresses["draft"], addresses["target"]), servers, addresses)
+    finally:
+        for server in servers.values():
+            server.stop(None)
+
+
+def slow_pipeline(tiny_backends, delay: float = 0.01, **kw):
+    """pipeline() over the tiny models slowed to `delay` seconds a forward pass."""
+    return pipeline(SlowBackend(tiny_backends["draft"], delay), SlowBackend(tiny_backends["target"], delay), **kw)
+
+
+@contextlib.contextmanager
+def cli_process(*args: str, ready_file: Path, log: Path):
+    """`python -m specdec.cli ARGS --ready-file F` as a child process; yields (proc, address).
+    Killed at the end if it is still running."""
+    cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", "0", "--ready-file", str(ready_file)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        started = wait_until(lambda: ready_file.exists() or proc.poll() is not None, 180, step=0.1)
+        assert started and proc.poll() is None, f"{args[0]} did not start:\n{log.read_text()}"
+        yield proc, json.loads(ready_file.read_text())["address"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def run_clients(address: str, per_client: list[list[orchestrator_pb2.GenerateRequest]]) -> list[list[tuple]]:
+    """Each client on its own channel, its requests one after another, all clients at once."""
+
+    def client(requests):
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+        return [tuple(stub.Generate(r, timeout=600).token_ids) for r in requests]
+
+    with ThreadPoolExecutor(len(per_client)) as pool:
+        return list(pool.map(client, per_client))
+
+
+def run_sequentially(address: str, per_client) -> list[list[tuple]]:
+    stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+    return [[tuple(stub.Generate(r, timeout=600).token_ids) for r in requests] for requests in per_client]

@@ -1,0 +1,95 @@
+"""Graceful drain: on SIGTERM health turns NOT_SERVING, new work gets UNAVAILABLE, work in
+flight finishes (bounded by the drain timeout), and the process exits 0.
+
+The orchestrator runs as its own process (`specdec orchestrator`), signalled for real; the
+model services run in this process over the tiny models slowed to ~10 ms a forward pass, so
+the stream is still running when the signal arrives.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import model_pb2, orchestrator_pb2_grpc
+from target_service.server import serve as serve_target
+from tests.harness import (
+    cli_process,
+    long_request,
+    model_stubs,
+    slow_pipeline,
+    status_of,
+    wait_until,
+)
+
+Code = grpc.StatusCode
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def health(address: str, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_backends):
+    with slow_pipeline(tiny_backends) as p:
+        yield p
+
+
+def test_sigterm_drains_the_orchestrator(slow, tmp_path):
+    args = ["orchestrator", "--draft-address", slow.addresses["draft"], "--target-address", slow.addresses["target"]]
+    log = tmp_path / "orchestrator.log"
+    with cli_process(*args, "--drain-timeout", "120", ready_file=tmp_path / "ready", log=log) as (proc, address):
+        client = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+        stream = client.GenerateStream(long_request(120))
+        chunks = [next(stream)]
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: health(address) == NOT_SERVING, 30)
+        err = status_of(lambda: client.Generate(long_request(4), timeout=30))
+        assert err.code() == Code.UNAVAILABLE and "draining" in err.details()
+        assert proc.poll() is None  # still draining: the stream is in flight
+        chunks += list(stream)
+        assert sum(len(c.token_ids) for c in chunks) == 120 and chunks[-1].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    assert slow.open_sessions() == (0, 0)
+    assert "draining" in log.read_text()
+
+
+def test_a_draining_model_service_serves_open_sessions_and_refuses_new_ones(tiny_backends):
+    server, port = serve_target(tiny_backends["target"])
+    address = f"127.0.0.1:{port}"
+    _, target = model_stubs(address, address)
+    try:
+        target.OpenSession(model_pb2.OpenSessionRequest(session_id="live", prompt_token_ids=[3, 4, 5]))
+        drained = []
+        drain = threading.Thread(target=lambda: drained.append(server.drain(timeout=60)))
+        drain.start()
+        assert wait_until(lambda: health(address, "specdec.v1.TargetService") == NOT_SERVING, 30)
+        err = status_of(
+            lambda: target.OpenSession(model_pb2.OpenSessionRequest(session_id="new", prompt_token_ids=[3]))
+        )
+        assert err.code() == Code.UNAVAILABLE
+        # The open session is served while the drain waits for it.
+        ref = model_pb2.SessionRef(session_id="live", expected_length=3)
+        assert len(target.Score(model_pb2.ScoreRequest(session=ref, draft_token_ids=[6])).argmax_token_ids) == 2
+        assert drain.is_alive()
+        target.CloseSession(model_pb2.CloseSessionRequest(session_id="live"))
+        drain.join(timeout=30)
+        assert drained == [True]
+    finally:
+        server.stop(None)
+
+
+def test_drain_gives_up_after_its_timeout(tiny_backends):
+    server, port = serve_target(tiny_backends["target"])
+    try:
+        _, target = model_stubs(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
+        target.OpenSession(model_pb2.OpenSessionRequest(session_id="abandoned", prompt_token_ids=[3]))
+        assert server.drain(timeout=0.2) is False
+    finally:
+        server.stop(None)

@@ -1,0 +1,265 @@
+"""Bad input at every edge gets its status code and a message naming the field; a refused
+request changes nothing, and the services keep serving. Real servers on loopback with the
+tiny models; the CLI as a separate process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from specdec.v1 import model_pb2, orchestrator_pb2
+from tests.harness import pipeline, status_of
+
+Code = grpc.StatusCode
+CONTEXT = 512  # max_position_embeddings of the tiny models
+VOCAB = 45
+
+
+@pytest.fixture(scope="module")
+def services(tiny_backends):
+    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+        yield p
+
+
+def gen(**kw) -> orchestrator_pb2.GenerateRequest:
+    kw.setdefault("max_new_tokens", 8)
+    if not {"prompt", "token_ids", "messages"} & kw.keys():
+        kw["prompt"] = "hello"
+    return orchestrator_pb2.GenerateRequest(**{k: v for k, v in kw.items() if v is not None})
+
+
+def no_input():
+    return orchestrator_pb2.GenerateRequest(max_new_tokens=8)
+
+
+def empty(field: str):
+    request = orchestrator_pb2.GenerateRequest(max_new_tokens=8)
+    getattr(request, field).SetInParent()
+    return request
+
+
+def sampling(**kw):
+    return model_pb2.SamplingParams(**kw)
+
+
+def lookahead(k):
+    return orchestrator_pb2.SpeculationParams(lookahead=k)
+
+
+def ids(n):
+    return orchestrator_pb2.TokenIds(ids=[5] * n)
+
+
+NAN, INF = float("nan"), float("inf")
+ORCHESTRATOR_CASES = [
+    ("empty prompt", gen(prompt=""), Code.INVALID_ARGUMENT, ["prompt"]),
+    ("no input", no_input(), Code.INVALID_ARGUMENT, ["prompt, messages or token_ids"]),
+    ("empty token_ids", empty("token_ids"), Code.INVALID_ARGUMENT, ["token_ids"]),
+    ("empty messages", empty("messages"), Code.INVALID_ARGUMENT, ["messages"]),
+    ("token id beyond vocab", gen(token_ids=orchestrator_pb2.TokenIds(ids=[3, VOCAB])), Code.INVALID_ARGUMENT,
+     ["token_ids", str(VOCAB)]),
+    ("negative token id", gen(token_ids=orchestrator_pb2.TokenIds(ids=[-1])), Code.INVALID_ARGUMENT, ["token_ids"]),
+    ("prompt + max_new_tokens beyond context", gen(token_ids=ids(500), max_new_tokens=100), Code.OUT_OF_RANGE,
+     ["max_new_tokens", "500", "100", str(CONTEXT)]),
+    ("prompt alone beyond context", gen(token_ids=ids(CONTEXT + 1), max_new_tokens=1), Code.OUT_OF_RANGE,
+     ["max_new_tokens", str(CONTEXT + 1)]),
+    ("max_new_tokens < 1", gen(max_new_tokens=-1), Code.INVALID_ARGUMENT, ["max_new_tokens"]),
+    ("temperature < 0", gen(sampling=sampling(temperature=-0.5)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
+    ("temperature NaN", gen(sampling=sampling(temperature=NAN)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
+    ("temperature inf", gen(sampling=sampling(temperature=INF)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
+    ("top_p > 1", gen(sampling=sampling(temperature=1, top_p=1.5)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
+    ("top_p < 0", gen(sampling=sampling(temperature=1, top_p=-0.1)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
+    ("top_p NaN", gen(sampling=sampling(temperature=1, top_p=NAN)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
+    ("top_k < 0", gen(sampling=sampling(temperature=1, top_k=-1)), Code.INVALID_ARGUMENT, ["sampling.top_k"]),
+    ("lookahead > 32", gen(speculation=lookahead(33)), Code.INVALID_ARGUMENT, ["speculation.lookahead", "33"]),
+    ("lookahead < 1", gen(speculation=lookahead(-2)), Code.INVALID_ARGUMENT, ["speculation.lookahead"]),
+    ("stop token beyond vocab", gen(stop_token_ids=[VOCAB + 7]), Code.INVALID_ARGUMENT, ["stop_token_ids"]),
+    ("oversized message", gen(prompt="a" * (5 << 20)), Code.RESOURCE_EXHAUSTED, ["larger than max"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize(("request_", "code", "words"), [c[1:] for c in ORCHESTRATOR_CASES],
+                         ids=[c[0] for c in ORCHESTRATOR_CASES])  # fmt: skip
+def test_orchestrator_refuses_bad_input(services, method, request_, code, words):
+    call = getattr(services.orchestrator, method)
+    err = status_of(lambda: list(call(request_, timeout=60)) if method == "GenerateStream" else call(request_))
+    assert err.code() == code, err.details()
+    for word in words:
+        assert word in err.details(), err.details()
+    assert services.open_sessions() == (0, 0)
+
+
+def test_services_keep_serving_after_bad_input(services):
+    for _, request, _, _ in ORCHESTRATOR_CASES:
+        with pytest.raises(grpc.RpcError):
+            services.orchestrator.Generate(request)
+    reply = services.orchestrator.Generate(gen(max_new_tokens=16))
+    assert len(reply.token_ids) == 16 and reply.finish_reason == "length"
+    assert services.open_sessions() == (0, 0)
+
+
+# -- the model services' own edge: every refused request leaves the session as it was ----------
+SID = "valid"
+PROMPT = [3, 10, 7, 14, 14, 17]  # length 6
+GREEDY = model_pb2.SamplingParams()
+SAMPLE = model_pb2.SamplingParams(temperature=1.0)
+
+
+def ref(sid=SID, length=6):
+    return model_pb2.SessionRef(session_id=sid, expected_length=length)
+
+
+def propose(**kw):
+    """A Propose that would commit a token and be valid but for the fields in kw."""
+    kw.setdefault("session", ref())
+    kw.setdefault("append_tokens", [1])
+    kw.setdefault("k", 2)
+    kw.setdefault("sampling", GREEDY)
+    return ("draft", "Propose", model_pb2.ProposeRequest(**kw))
+
+
+def score(**kw):
+    """A Score that would commit a token and be valid but for the fields in kw."""
+    kw.setdefault("session", ref())
+    kw.setdefault("append_tokens", [1])
+    kw.setdefault("draft_token_ids", [5, 6])
+    kw.setdefault("sampling", GREEDY)
+    return ("target", "Score", model_pb2.ScoreRequest(**kw))
+
+
+VALID_SCORE = model_pb2.ScoreRequest(session=ref(), draft_token_ids=[5, 6], sampling=GREEDY)
+
+
+def both(method, request):
+    return [("draft", method, request), ("target", method, request)]
+
+
+INVALID = Code.INVALID_ARGUMENT
+LONG = [5] * (CONTEXT - len(PROMPT) - 1)  # fits alone; one more token does not
+SERVICE_CASES = [
+    ("k = 0", propose(k=0), INVALID, "k"),
+    ("k = 33", propose(k=33), INVALID, "k"),
+    ("draft temperature < 0", propose(sampling=sampling(temperature=-1)), INVALID, "sampling.temperature"),
+    ("draft temperature NaN", propose(sampling=sampling(temperature=NAN)), INVALID, "sampling.temperature"),
+    ("draft top_p > 1", propose(sampling=sampling(temperature=1, top_p=2)), INVALID, "sampling.top_p"),
+    ("draft top_k < 0", propose(sampling=sampling(temperature=1, top_k=-3)), INVALID, "sampling.top_k"),
+    ("uniforms missing", propose(sampling=SAMPLE, uniforms=[0.5]), INVALID, "uniforms"),
+    ("uniform = 1", propose(sampling=SAMPLE, uniforms=[0.5, 1.0]), INVALID, "uniforms"),
+    ("uniform NaN", propose(sampling=SAMPLE, uniforms=[NAN, 0.5]), INVALID, "uniforms"),
+    ("append beyond vocab, then propose", propose(append_tokens=[1, VOCAB]), INVALID, "append_tokens"),
+    ("propose on an unknown session", propose(session=ref("nope")), Code.NOT_FOUND, "session_id"),
+    ("propose with a stale length", propose(session=ref(length=5), append_tokens=[1]), Code.FAILED_PRECONDITION,
+     "expected_length"),
+    ("append + k beyond context", propose(append_tokens=LONG, k=2), Code.OUT_OF_RANGE, "append_tokens + k"),
+    ("draft ids beyond vocab", score(draft_token_ids=[4, VOCAB], append_tokens=[1]), INVALID,
+     "draft_token_ids"),
+    ("target temperature inf", score(sampling=sampling(temperature=INF)), INVALID, "sampling.temperature"),
+    ("draft probs missing", score(sampling=SAMPLE, draft_token_probs=[0.5], accept_uniforms=[0.1, 0.2]),
+     INVALID, "draft_token_probs"),
+    ("draft prob NaN", score(sampling=SAMPLE, draft_token_probs=[NAN, 0.5], accept_uniforms=[0.1, 0.2]),
+     INVALID, "draft_token_probs"),
+    ("accept uniform > 1", score(sampling=SAMPLE, draft_token_probs=[0.5, 0.5], accept_uniforms=[0.1, 2.0]),
+     INVALID, "accept_uniforms"),
+    ("score on an unknown session", score(session=ref("nope")), Code.NOT_FOUND, "session_id"),
+    ("score with a stale length", score(session=ref(length=7), append_tokens=[1]), Code.FAILED_PRECONDITION,
+     "expected_length"),
+    ("append + drafts beyond context", score(append_tokens=LONG, draft_token_ids=[1, 2]), Code.OUT_OF_RANGE,
+     "append_tokens + draft_token_ids"),
+    ("no sampling proposal to read", ("draft", "ProposalRow", model_pb2.ProposalRowRequest(session=ref())),
+     Code.FAILED_PRECONDITION, "proposal"),
+    *[(f"{s} append beyond vocab", (s, m, r), INVALID, "token_ids") for s, m, r in
+      both("Append", model_pb2.AppendRequest(session=ref(), token_ids=[2, -4]))],
+    *[(f"{s} append beyond context", (s, m, r), Code.OUT_OF_RANGE, "token_ids") for s, m, r in
+      both("Append", model_pb2.AppendRequest(session=ref(), token_ids=LONG + [1, 2]))],
+    *[(f"{s} append with a stale length", (s, m, r), Code.FAILED_PRECONDITION, "expected_length") for s, m, r in
+      both("Append", model_pb2.AppendRequest(session=ref(length=0), token_ids=[1]))],
+    *[(f"{s} rollback to 0", (s, m, r), Code.OUT_OF_RANGE, "to_length") for s, m, r in
+      both("Rollback", model_pb2.RollbackRequest(session_id=SID, to_length=0))],
+    *[(f"{s} rollback beyond the length", (s, m, r), Code.OUT_OF_RANGE, "to_length") for s, m, r in
+      both("Rollback", model_pb2.RollbackRequest(session_id=SID, to_length=len(PROMPT) + 1))],
+    *[(f"{s} rollback of an unknown session", (s, m, r), Code.NOT_FOUND, "session_id") for s, m, r in
+      both("Rollback", model_pb2.RollbackRequest(session_id="nope", to_length=1))],
+    *[(f"{s} open without an id", (s, m, r), INVALID, "session_id") for s, m, r in
+      both("OpenSession", model_pb2.OpenSessionRequest(prompt_token_ids=[1]))],
+    *[(f"{s} open an empty prompt", (s, m, r), INVALID, "prompt_token_ids") for s, m, r in
+      both("OpenSession", model_pb2.OpenSessionRequest(session_id="x"))],
+    *[(f"{s} open beyond vocab", (s, m, r), INVALID, "prompt_token_ids") for s, m, r in
+      both("OpenSession", model_pb2.OpenSessionRequest(session_id="x", prompt_token_ids=[VOCAB]))],
+    *[(f"{s} open beyond context", (s, m, r), Code.OUT_OF_RANGE, "prompt_token_ids") for s, m, r in
+      both("OpenSession", model_pb2.OpenSessionRequest(session_id="x", prompt_token_ids=[1] * (CONTEXT + 1)))],
+    *[(f"{s} open a duplicate", (s, m, r), Code.ALREADY_EXISTS, "session_id") for s, m, r in
+      both("OpenSession", model_pb2.OpenSessionRequest(session_id=SID, prompt_token_ids=[1]))],
+    *[(f"{s} close an unknown session", (s, m, r), Code.NOT_FOUND, "session_id") for s, m, r in
+      both("CloseSession", model_pb2.CloseSessionRequest(session_id="nope"))],
+    *[(f"{s} get an unknown session", (s, m, r), Code.NOT_FOUND, "session_id") for s, m, r in
+      both("GetSession", model_pb2.GetSessionRequest(session_id="nope"))],
+]  # fmt: skip
+
+
+@pytest.fixture
+def session(services):
+    """An open session on both services, with a cached speculative tail; closed afterwards."""
+    for stub in (services.draft, services.target):
+        stub.OpenSession(model_pb2.OpenSessionRequest(session_id=SID, prompt_token_ids=PROMPT))
+    services.target.Score(VALID_SCORE)  # leaves a speculative tail in the target's cache
+    services.draft.Propose(model_pb2.ProposeRequest(session=ref(), k=2, sampling=GREEDY))
+    before = [
+        stub.GetSession(model_pb2.GetSessionRequest(session_id=SID)) for stub in (services.draft, services.target)
+    ]
+    yield before
+    for stub in (services.draft, services.target):
+        stub.CloseSession(model_pb2.CloseSessionRequest(session_id=SID))
+    assert services.open_sessions() == (0, 0)
+
+
+@pytest.mark.parametrize(("call", "code", "field"), [c[1:] for c in SERVICE_CASES], ids=[c[0] for c in SERVICE_CASES])
+def test_model_service_refuses_bad_input_and_changes_nothing(services, session, call, code, field):
+    side, method, request = call
+    stub = getattr(services, side)
+    err = status_of(lambda: getattr(stub, method)(request))
+    assert err.code() == code, err.details()
+    assert field in err.details(), err.details()
+    after = [stub.GetSession(model_pb2.GetSessionRequest(session_id=SID)) for stub in (services.draft, services.target)]
+    assert after == session
+    # ... and the session still works
+    services.target.Score(VALID_SCORE)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "specdec.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["", "--raw"], "INVALID_ARGUMENT: prompt must not be empty"),
+        (["hi", "--temperature", "nan"], "INVALID_ARGUMENT: sampling.temperature"),
+        (["hi", "--stream", "--lookahead", "40"], "INVALID_ARGUMENT: speculation.lookahead"),
+        (["hi", "--max-tokens", "100000"], "OUT_OF_RANGE: prompt of"),
+    ],
+)
+def test_cli_reports_bad_input_in_one_line(services, args, expected):
+    assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["target-service", "--max-sessions", "0"], "max_sessions must be >= 1"),
+        (["draft-service", "--session-ttl", "nan"], "idle_ttl must be >= 0"),
+        (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "max_queue must be >= 0"),
+    ],
+)
+def test_cli_refuses_bad_limits_before_starting(args, expected):
+    assert_one_line_error(run_cli(*args), expected)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, expected: str) -> None:
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"specdec: error: {expected}"), out.stderr
