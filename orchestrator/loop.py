@@ -12,10 +12,15 @@ The loop knows nothing of text: the caller (orchestrator.generation) detokenises
 handles stop strings, and may stop consuming at any round; the sessions are closed then.
 `draft` and `target` are anything with the stubs' methods (gRPC stubs, or in-process
 adapters in tests).
+
+A stub may raise SessionLost when its service lost the session (it died or restarted):
+the loop has it re-open the session at the committed prefix and re-runs the round from the
+same committed state with the same random draws (orchestrator.recovery provides such stubs).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +30,23 @@ import numpy as np
 
 from orchestrator.lookahead import AdaptiveLookahead
 from specdec import rule, wire
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, Unavailable
 from specdec.v1 import model_pb2
+
+# A round whose service keeps losing the session gives up after this many re-opens.
+MAX_REOPENS_PER_ROUND = 8
+
+
+class SessionLost(Unavailable):
+    """A side's service lost the session: it went away, or came back with empty caches.
+
+    Raised by stubs that can recover; they also have `reopen(session_id, token_ids, timeout)`,
+    which waits for the service and opens the session again holding `token_ids`.
+    """
+
+    def __init__(self, stub, message: str):
+        super().__init__(message)
+        self.stub = stub
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,7 @@ class LoopStats:
     target_compute_seconds: float = 0.0  # of which the target service reported computing
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
+    recoveries: int = 0  # sessions re-opened after a service lost them
 
 
 @dataclass
@@ -104,10 +125,13 @@ class SpeculativeLoop:
         opened = []
         try:
             for side in sides:
-                side.stub.OpenSession(
-                    model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
-                    timeout=self._timeout(),
-                )
+                try:
+                    side.stub.OpenSession(
+                        model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
+                        timeout=self._timeout(),
+                    )
+                except SessionLost:  # the service is down or restarting: wait for it
+                    side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
                 opened.append(side)
                 side.length = len(self.prompt)
             while True:
@@ -145,7 +169,24 @@ class SpeculativeLoop:
         else:
             draws = self.rng.random(2 * cfg.lookahead + 1)
             draft_u, accept_u, final_u = draws[:k], draws[cfg.lookahead : cfg.lookahead + k], draws[-1]
+        for reopens in itertools.count():
+            try:
+                return self._speculate(k, draft_u, accept_u, final_u, start)
+            except SessionLost as lost:
+                if reopens == MAX_REOPENS_PER_ROUND:
+                    raise
+                self._reopen(lost.stub)
 
+    def _reopen(self, stub) -> None:
+        """Re-open the session on the side whose service lost it, holding the committed prefix."""
+        side = self.draft if self.draft is not None and stub is self.draft.stub else self.target
+        committed = self.prompt + self.generated
+        side.stub.reopen(self.session_id, committed, timeout=self._timeout())
+        side.length, side.pending = len(committed), []
+        self.stats.recoveries += 1
+
+    def _speculate(self, k: int, draft_u, accept_u, final_u: float, start: float) -> Round:
+        cfg = self.config
         drafts: list[int] = []
         draft_probs: list[float] = []
         draft_time = 0.0

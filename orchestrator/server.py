@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
+from orchestrator.recovery import Address, RecoveryConfig, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits
@@ -20,27 +21,35 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers 
 
 
 def connect(
-    draft_address: str | None,
-    target_address: str,
+    draft_address: Address | None,
+    target_address: Address,
     wait_seconds: float = 60.0,
     security: ClientSecurity | None = None,
     telemetry: Telemetry | None = None,
+    recovery: RecoveryConfig | None = None,
 ) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
     A draft and target must share a vocabulary (same size, same token -> id map); a
     mismatched pair is refused with a message that names both models. With no draft
     address the orchestrator serves target-only decoding. `security` sets TLS, the client
-    certificate and the bearer token for both channels; `telemetry` instruments them.
+    certificate and the bearer token for both channels; `telemetry` instruments them. An
+    address is HOST:PORT, or a function returning the service's current one (a service that
+    moves when it restarts); the stubs find a restarted service again (orchestrator.recovery).
     """
     security = security or ClientSecurity()
     telemetry = telemetry or disabled()
-    target = model_pb2_grpc.TargetServiceStub(telemetry.channel(_channel(target_address, wait_seconds, security)))
+    recovery = recovery or RecoveryConfig()
+
+    def channel(address: str, wait: float) -> grpc.Channel:
+        return telemetry.channel(_channel(address, wait, security))
+
+    target = ResilientStub(model_pb2_grpc.TargetServiceStub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
     if draft_address:
-        draft = model_pb2_grpc.DraftServiceStub(telemetry.channel(_channel(draft_address, wait_seconds, security)))
+        draft = ResilientStub(model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait_seconds)
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)

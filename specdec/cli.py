@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from deploy import ray_cli
 from specdec import models, security
 from specdec.errors import SpecdecError
 
@@ -30,6 +31,7 @@ examples:
   specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
   specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
   specdec loadtest --address 127.0.0.1:50051 --requests 64 --concurrency 16 --time-limit 300
+  specdec ray up --draft-gpus 1 --target-gpus 1        # as Ray actors (see specdec ray up --help)
 
 TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS),
 --tls-client-ca (mTLS) and --auth-token-file (or $SPECDEC_AUTH_TOKEN); clients take
@@ -235,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(lt, models.DEFAULT_DRAFT_DTYPE, "draft-")
     _add_drafter_flag(lt)
     _add_client_security_flags(lt)
+
+    ray_up = ray_cli.add_parser(sub)
+    _add_drafter_flag(ray_up)
+    _add_server_security_flags(ray_up)
+    _add_client_security_flags(ray_up, "service-", "the model services")
     return parser
 
 
@@ -535,6 +542,17 @@ def _loadtest_at(address: str, args, client: security.ClientSecurity, config) ->
     return 0 if report.ok else 1
 
 
+def cmd_ray(args) -> int:
+    """`specdec ray ...`; `up` secures its three servers and the orchestrator's service links as
+    `orchestrator` does (TLS, mTLS, token; plaintext on the cluster's network only if allowed)."""
+    if args.ray_command != "up":
+        return ray_cli.run(args)
+    token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
+    server_security = _tls_files(args).load(token, args.allow_insecure)
+    client = _client_security(args, "service-", security.SERVICE_TOKEN_ENV, server_security.token)
+    return ray_cli.run(args, server_security, client)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "serve": cmd_serve,
@@ -543,6 +561,7 @@ COMMANDS = {
     "orchestrator": cmd_orchestrator,
     "bench": cmd_bench,
     "loadtest": cmd_loadtest,
+    "ray": cmd_ray,
 }
 
 if __name__ == "__main__":

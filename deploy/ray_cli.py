@@ -1,0 +1,202 @@
+"""`specdec ray up|down|status`: the command-line side of deploy.ray_deploy.
+
+Like specdec.cli, this reads argv and the environment and nothing below it does; ray is
+imported only when a command runs, so `specdec --help` and the client path stay light.
+Without --address, `up` starts a local cluster (deploy.ray_cluster) and records it in
+$SPECDEC_CACHE/ray/NAME.json, where `status` and `down` find it; its actors bind loopback.
+specdec.cli adds the TLS and token flags to `up` and builds their settings, as it does for
+the services it runs itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from specdec import models
+
+DESCRIPTION = """\
+Run the draft and target services and the orchestrator as Ray actors. The two services get a
+placement group: --placement pack puts both on one node (e.g. a GPU pair), spread on two
+different nodes (e.g. two hosts). Services that die are restarted by Ray, and a generation in
+flight continues where it was.
+"""
+
+EPILOG = """\
+examples:
+  specdec ray up                                        # local Ray cluster (actors on loopback), default pair
+  specdec generate "Hi" --address $(specdec ray up --quiet --port 0)
+  specdec ray up --address auto --draft-gpus 1 --target-gpus 1 --placement pack --allow-insecure  # a GPU pair
+  specdec ray up --address HEAD:6379 --draft-gpus 1 --target-gpus 1 --placement spread \\
+      --tls-cert s.pem --tls-key s.key --service-tls-ca ca.pem --service-tls-server-name specdec  # two hosts
+  specdec ray status
+  specdec ray down
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add `ray up|down|status` to the subcommands; returns `up`'s parser, for more flags."""
+    r = sub.add_parser("ray", help="run the services as Ray actors: ray up | down | status")
+    rsub = r.add_subparsers(dest="ray_command", required=True, metavar="RAY_COMMAND")
+
+    up = rsub.add_parser(
+        "up",
+        help="start a deployment on a Ray cluster and print the orchestrator address",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_cluster_flags(up)
+    for role, dtype in (("target", models.DEFAULT_TARGET_DTYPE), ("draft", models.DEFAULT_DRAFT_DTYPE)):
+        up.add_argument(f"--{role}-model", default=models.DEFAULT_ALIAS, help=f"{role} model (default: embedded)")
+        up.add_argument(f"--{role}-device", help=f"torch device of the {role} (default cuda:0 with GPUs, else cpu)")
+        up.add_argument(f"--{role}-dtype", default=dtype, choices=models.DTYPES, help=f"{role} dtype (default {dtype})")
+        up.add_argument(f"--{role}-cpus", type=float, default=1.0, help=f"CPUs reserved for the {role} (default 1)")
+        up.add_argument(f"--{role}-gpus", type=float, default=0.0, help=f"GPUs reserved for the {role} (default 0)")
+    up.add_argument(
+        "--placement",
+        choices=("pack", "spread"),
+        default="pack",
+        help="pack: both services on one node (STRICT_PACK, default); spread: on two nodes (STRICT_SPREAD)",
+    )
+    up.add_argument("--orchestrator-cpus", type=float, default=0.0, help="CPUs for the orchestrator (default 0)")
+    up.add_argument(
+        "--orchestrator-anywhere",
+        action="store_true",
+        help="let Ray place the orchestrator on any node (default: the head node)",
+    )
+    up.add_argument("--port", type=int, default=50051, help="orchestrator port; 0 picks a free one (default 50051)")
+    up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
+    up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
+    up.add_argument("--no-dashboard", action="store_true", help="local cluster only: start it without the dashboard")
+    up.add_argument("--quiet", action="store_true", help="print only the orchestrator address")
+
+    down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
+    _add_cluster_flags(down)
+    st = rsub.add_parser("status", help="each actor: state, node, endpoint, pid, restarts")
+    _add_cluster_flags(st)
+    st.add_argument("--json", action="store_true", help="print JSON")
+    return up
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="Ray cluster address (HOST:PORT or auto); default: the local cluster `up` started")
+    p.add_argument("--name", default="specdec", help="deployment name (default specdec)")
+
+
+def run(args, server_security=None, service_security=None) -> int:
+    """Run a `ray` command; `up` takes the servers' and the orchestrator's service-link security."""
+    if args.ray_command == "up":
+        return cmd_up(args, server_security, service_security)
+    return {"down": cmd_down, "status": cmd_status}[args.ray_command](args)
+
+
+def _state_file(name: str) -> Path:
+    return models.cache_dir() / "ray" / f"{name}.json"
+
+
+def _log(args):
+    quiet = getattr(args, "quiet", False)
+    return (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def _device(device: str | None, gpus: float) -> str:
+    return device or ("cuda:0" if gpus > 0 else "cpu")
+
+
+def cmd_up(args, server_security=None, service_security=None) -> int:
+    from deploy import ray_cluster, ray_deploy
+    from specdec.security import ClientSecurity, ServerSecurity
+
+    config = ray_deploy.RayDeployConfig(
+        name=args.name,
+        target=models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
+        draft=models.ModelSpec(args.draft_model, _device(args.draft_device, args.draft_gpus), args.draft_dtype),
+        target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
+        draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),
+        placement=args.placement,
+        drafter=args.drafter,
+        orchestrator_cpus=args.orchestrator_cpus,
+        orchestrator_on_head=not args.orchestrator_anywhere,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        start_timeout=args.timeout,
+        server_security=server_security or ServerSecurity(),
+        service_security=service_security or ClientSecurity(),
+        loopback=not args.address,  # a local cluster is this machine
+    )
+    log = _log(args)
+    state = _state_file(args.name)
+    cluster = None
+    address = args.address
+    if not address:
+        if ray_cluster.load(state) is not None:
+            raise RuntimeError(f"a local cluster for {args.name!r} is already running: `specdec ray down` first")
+        os.environ.update(ray_cluster.auth_env(dict(os.environ)))
+        log("specdec: starting a local Ray cluster")
+        cluster = ray_cluster.start(state, dict(os.environ), dashboard=not args.no_dashboard)
+        address = cluster.address
+    try:
+        ray_deploy.connect(address, log_to_driver=not args.quiet, runtime_env=args.runtime_env)
+        deployment = ray_deploy.up(config, log)
+    except BaseException:
+        if cluster is not None:
+            ray_cluster.stop(cluster, state)
+        raise
+    print(deployment.address, flush=True)
+    return 0
+
+
+def _connect_existing(args) -> tuple[object, Path]:
+    """Connect to --address, or to the local cluster `up` started; (that cluster or None, state file).
+
+    Token auth is switched on before ray is first imported: Ray reads RAY_AUTH_MODE then.
+    """
+    from deploy import ray_cluster, ray_deploy
+
+    state = _state_file(args.name)
+    cluster = None if args.address else ray_cluster.load(state)
+    if not args.address and cluster is None:
+        raise RuntimeError(f"no --address, and no local cluster started by `specdec ray up --name {args.name}`")
+    if cluster is not None:
+        os.environ.update(ray_cluster.auth_env(dict(os.environ)))
+    ray_deploy.connect(args.address or cluster.address)
+    return cluster, state
+
+
+def cmd_down(args) -> int:
+    from deploy import ray_cluster, ray_deploy
+
+    cluster, state = _connect_existing(args)
+    import ray  # only now: Ray reads RAY_AUTH_MODE when it is first imported
+
+    removed = ray_deploy.down(args.name)
+    ray.shutdown()
+    print(f"specdec: removed {', '.join(removed)}" if removed else f"specdec: nothing named {args.name!r} was up")
+    if cluster is not None:
+        ray_cluster.stop(cluster, state)
+        print(f"specdec: stopped the local Ray cluster at {cluster.address}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from deploy import ray_deploy
+
+    _connect_existing(args)
+    rows = ray_deploy.status(args.name)
+    placement = ray_deploy.placement(args.name)
+    if args.json:
+        print(json.dumps({"name": args.name, "placement": placement, "actors": [asdict(r) for r in rows]}))
+        return 0
+    print(f"deployment {args.name}: placement {placement or '-'}")
+    table = [("ROLE", "STATE", "NODE", "NODE IP", "ENDPOINT", "PID", "RESTARTS")]
+    table += [(r.role, r.state, r.node_id[:12], r.node_ip, r.endpoint, str(r.pid or ""), str(r.restarts)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0

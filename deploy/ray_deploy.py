@@ -1,0 +1,332 @@
+"""specdec on a Ray cluster: bring a deployment up, take it down, report on it.
+
+A deployment named N is three detached actors and one placement group, all named after N
+in the driver's Ray namespace (the CLI uses `specdec`), so they outlive `specdec ray up`
+and `down` and `status` find them again:
+- `N-pg`: a placement group of two bundles, the draft's resources then the target's;
+  `pack` places both on one node (STRICT_PACK, e.g. a GPU pair), `spread` on two different
+  nodes (STRICT_SPREAD, e.g. two hosts);
+- `N-draft`, `N-target`: the model services (deploy.ray_actors.ModelServiceHost), each in
+  its bundle, restarted by Ray when they die (`max_restarts`); a restart binds a fresh
+  port, which the orchestrator finds through the actor handle (orchestrator.recovery);
+- `N-orchestrator`: the client API on its node's address (by default the head node's, so
+  the address clients use stays put), restarted too; with a fixed port it comes back at the
+  same address.
+
+The actors bind their node's address, so their links cross the cluster's network: they need
+TLS (`server_security` with a certificate; the orchestrator checks the services with
+`service_security`) or plaintext explicitly allowed (`allow_insecure` on both), as anywhere
+else (specdec.security). A cluster that is this one machine may bind loopback instead.
+These settings, keys and token included, reach the actors as constructor arguments, which
+Ray's GCS keeps: run Ray with its token authentication on.
+
+This module expects a connected driver (`connect`); it reads no argv or environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.recovery import RecoveryConfig
+from specdec import models
+from specdec.security import ClientSecurity, SecurityError, ServerSecurity
+
+NAMESPACE = "specdec"
+PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}
+ROLES = ("orchestrator", "draft", "target")
+# Every Ray head node has this resource; asking for a sliver of it pins an actor to the head.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one model service reserves in its bundle."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+    def bundle(self) -> dict[str, float]:
+        return {k: v for k, v in (("CPU", self.cpus), ("GPU", self.gpus)) if v > 0}
+
+
+@dataclass(frozen=True)
+class RayDeployConfig:
+    name: str = "specdec"
+    target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
+    draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    target_resources: Resources = Resources()
+    draft_resources: Resources = Resources()
+    placement: str = "pack"  # a key of PLACEMENTS
+    drafter: str = "model"  # a method of draft_service.drafters
+    orchestrator_cpus: float = 0.0
+    orchestrator_on_head: bool = True
+    port: int = 50051  # orchestrator port; 0 picks a free one (which moves if the actor restarts)
+    max_restarts: int = -1  # per service actor; -1: no limit
+    placement_timeout: float = 120.0
+    start_timeout: float = 600.0
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    server_security: ServerSecurity = field(default_factory=ServerSecurity)  # all three servers
+    service_security: ClientSecurity = field(default_factory=ClientSecurity)  # orchestrator -> services
+    loopback: bool = False  # bind 127.0.0.1, not the node's address: only when every node is this machine
+
+    def __post_init__(self):
+        if not (self.loopback or self.server_security.tls or self.server_security.allow_insecure):
+            raise SecurityError(
+                "the actors serve on their nodes' addresses: give --tls-cert and --tls-key, or "
+                "--allow-insecure to serve plaintext gRPC on a trusted cluster network"
+            )
+        if not (self.loopback or self.service_security.uses_tls or self.service_security.allow_insecure):
+            raise SecurityError(
+                "the orchestrator reaches the services over the cluster's network: give --service-tls-ca "
+                "(or --service-tls), or --allow-insecure on a trusted cluster network"
+            )
+        if not self.name:
+            raise ValueError("the deployment name must not be empty")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
+        for role, res in (("draft", self.draft_resources), ("target", self.target_resources)):
+            if res.cpus < 0 or res.gpus < 0 or not res.bundle():
+                raise ValueError(f"the {role} service needs some CPUs or GPUs, got {res}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    address: str  # the orchestrator's HOST:PORT, for clients
+
+
+def actor_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def pg_name(name: str) -> str:
+    return f"{name}-pg"
+
+
+def connect(address: str, log_to_driver: bool = False, runtime_env: dict | None = None) -> None:
+    """Connect this process to the cluster at `address` (HOST:PORT or "auto"), in NAMESPACE."""
+    import ray
+
+    try:
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+            runtime_env=runtime_env,
+        )
+    except ConnectionError as err:
+        raise ConnectionError(
+            f"{err} (a cluster with token authentication needs RAY_AUTH_MODE=token and its token in "
+            "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        ) from err
+
+
+def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -> Deployment:
+    """Create the deployment; on any failure, remove what was created and raise."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from deploy.ray_actors import ModelServiceHost, OrchestratorHost
+
+    # Ray warns that removing the placement group kills its restartable detached actors: that
+    # is what `down` means to do, and the actors restart in their bundles until then.
+    logging.getLogger("ray.actor").addFilter(_drop_pg_warning)
+    name = config.name
+    if _find_actor(actor_name(name, "orchestrator")) or _find_pg(name):
+        raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
+    t0 = time.perf_counter()
+    try:
+        bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
+        strategy = PLACEMENTS[config.placement]
+        pg = placement_group(bundles, strategy=strategy, name=pg_name(name), lifetime="detached")
+        if not pg.wait(config.placement_timeout):
+            raise RuntimeError(
+                f"cannot place draft {bundles[0]} and target {bundles[1]} with {config.placement} ({strategy}) "
+                f"within {config.placement_timeout:.0f} s; the cluster has {_describe_nodes()}"
+            )
+        log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
+        services = {}
+        for index, (role, spec, res) in enumerate(
+            [("draft", config.draft, config.draft_resources), ("target", config.target, config.target_resources)]
+        ):
+            services[role] = (
+                ray.remote(ModelServiceHost)
+                .options(
+                    name=actor_name(name, role),
+                    lifetime="detached",
+                    max_restarts=config.max_restarts,
+                    max_task_retries=-1,
+                    num_cpus=res.cpus,
+                    num_gpus=res.gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                )
+                .remote(role, spec, config.drafter, config.server_security, config.loopback)
+            )
+        for role, where in _started(services, config.start_timeout).items():
+            log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
+        orchestrator = (
+            ray.remote(OrchestratorHost)
+            .options(
+                name=actor_name(name, "orchestrator"),
+                lifetime="detached",
+                max_restarts=-1,
+                max_task_retries=-1,
+                num_cpus=config.orchestrator_cpus,
+                resources={HEAD_RESOURCE: 0.001} if config.orchestrator_on_head else None,
+            )
+            .remote(
+                services["draft"],
+                services["target"],
+                config.port,
+                config.recovery,
+                config.server_security,
+                config.service_security,
+                config.loopback,
+            )
+        )
+        address = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]["endpoint"]
+    except BaseException:
+        down(name)
+        raise
+    log(f"specdec: deployment {name!r} up in {time.perf_counter() - t0:.1f} s; orchestrator at {address}")
+    return Deployment(name, address)
+
+
+def down(name: str, grace: float = 5.0) -> list[str]:
+    """Stop the deployment's actors (calls in flight get `grace` seconds, telemetry is flushed),
+    kill them and remove their placement group; returns what was removed."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    handles = {role: _find_actor(actor_name(name, role)) for role in ROLES}
+    stopping = [h.stop.remote(grace) for h in handles.values() if h is not None]
+    if stopping:  # best effort: an actor may be down or restarting
+        ray.wait(stopping, num_returns=len(stopping), timeout=grace + 5)
+    removed = []
+    for role, handle in handles.items():
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+            removed.append(actor_name(name, role))
+    pg = _find_pg(name)
+    if pg is not None:
+        remove_placement_group(pg)
+        removed.append(pg_name(name))
+    return removed
+
+
+@dataclass(frozen=True)
+class ActorStatus:
+    role: str
+    state: str  # Ray's actor state (ALIVE, RESTARTING, ...) or ABSENT
+    node_id: str = ""
+    node_ip: str = ""
+    endpoint: str = ""
+    pid: int = 0
+    restarts: int = 0
+
+
+def status(name: str, probe_seconds: float = 5.0) -> list[ActorStatus]:
+    """Each actor of the deployment: its state, node, gRPC endpoint, pid and restarts."""
+    import ray
+
+    node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    out = []
+    for role in ROLES:
+        handle = _find_actor(actor_name(name, role))
+        record = _actor_record(handle) if handle is not None else None
+        if record is None:
+            out.append(ActorStatus(role, "ABSENT"))
+            continue
+        endpoint = ""
+        if record["State"] == "ALIVE":
+            try:
+                endpoint = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
+            except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
+                endpoint = "?"
+        node_id = record["Address"]["NodeID"]
+        out.append(
+            ActorStatus(
+                role,
+                record["State"],
+                node_id,
+                node_ips.get(node_id, ""),
+                endpoint,
+                record["Pid"],
+                record["NumRestarts"],
+            )
+        )
+    return out
+
+
+def placement(name: str) -> str:
+    """The deployment's placement strategy as Ray holds it ("" when it has no placement group)."""
+    from ray.util.placement_group import placement_group_table
+
+    pg = _find_pg(name)
+    return placement_group_table(pg).get("strategy", "") if pg is not None else ""
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _drop_pg_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
+
+
+def _started(actors: dict, timeout: float) -> dict[str, dict]:
+    """Wait for each actor's constructor; its `where()`, or an error naming the role and cause."""
+    import ray
+
+    refs = {role: handle.where.remote() for role, handle in actors.items()}
+    deadline = time.monotonic() + timeout
+    out = {}
+    for role, ref in refs.items():
+        try:
+            out[role] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the {role} actor did not start within {timeout:.0f} s") from None
+        except ray.exceptions.RayActorError as err:
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            raise RuntimeError(f"the {role} actor failed to start: {lines[-1] if lines else err}") from None
+    return out
+
+
+def _find_actor(name: str):
+    import ray
+
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        return None
+
+
+def _find_pg(name: str):
+    import ray
+
+    try:
+        pg = ray.util.get_placement_group(pg_name(name))
+    except ValueError:
+        return None
+    return pg if ray.util.placement_group_table(pg).get("state") != "REMOVED" else None
+
+
+def _actor_record(handle) -> dict | None:
+    """The actor's entry in GCS's actor table (State, Address.NodeID, Pid, NumRestarts).
+
+    Read from the GCS directly: Ray's public state API (ray.util.state) needs the dashboard,
+    which a cluster may run without. `_actor_id` is how Ray's own docs name a handle's id.
+    """
+    from ray._private import state
+
+    return state.actors(handle._actor_id.hex()) or None
+
+
+def _describe_nodes() -> str:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    parts = [", ".join(f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if k in ("CPU", "GPU")) for n in nodes]
+    return f"{len(nodes)} node(s): " + "; ".join(f"[{p}]" for p in parts)

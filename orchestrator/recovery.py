@@ -1,0 +1,160 @@
+"""Surviving the loss of a model service mid-generation: a stub that finds the service again.
+
+A ResilientStub stands in for a DraftService or TargetService stub. When a call fails
+because the service went away (UNAVAILABLE: connection refused or reset, the process died)
+or lost the session (NOT_FOUND: it restarted with empty caches), the call raises
+`orchestrator.loop.SessionLost` and the loop asks the stub to `reopen` the session: the
+stub waits for the service to come back, re-resolving its address each time (a standalone
+service comes back at the same address; a Ray actor may come back on another port or node,
+and its handle says where), then opens the session again by prefilling the committed prefix.
+The loop re-runs the failed round from that state with the same random draws, so nothing
+is lost, duplicated or redrawn.
+
+Waiting is bounded by the request's deadline, or by `RecoveryConfig.wait_seconds` when the
+request has none, with exponential backoff between attempts; a service that does not come
+back in time is a clear UNAVAILABLE naming it and its address.
+
+This module knows nothing of rounds or of the rule; the loop knows nothing of channels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from orchestrator.loop import SessionLost
+from specdec.errors import Unavailable
+from specdec.v1 import model_pb2
+
+log = logging.getLogger("specdec.recovery")
+
+# HOST:PORT, or a function of a timeout in seconds that returns the service's current HOST:PORT.
+Address = str | Callable[[float], str]
+# (address, seconds to wait for it) -> a connected channel; raises ConnectionError.
+ChannelFactory = Callable[[str, float], grpc.Channel]
+
+# A call failing with one of these means the service, or its copy of the session, is gone.
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    wait_seconds: float = 180.0  # longest wait for a lost service when the request sets no deadline
+    first_backoff: float = 0.05  # seconds between the first attempts; doubles each time
+    max_backoff: float = 0.5
+    probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
+    connect_seconds: float = 2.0  # how long one attempt waits for a fresh channel to connect
+
+
+class ResilientStub:
+    """A model-service stub that re-finds its service after a restart (see the module doc).
+
+    Safe to share between requests: reconnecting is serialised, and a request that finds
+    the connection already replaced by another uses the new one.
+    """
+
+    def __init__(
+        self,
+        stub_class,
+        address: Address,
+        channel_factory: ChannelFactory,
+        name: str,
+        config: RecoveryConfig = RecoveryConfig(),
+        wait_seconds: float = 60.0,
+    ):
+        self.name = name
+        self.config = config
+        self.reopens = 0  # sessions re-opened after a loss, for status and tests
+        self._stub_class = stub_class
+        self._resolve = address if callable(address) else (lambda _timeout: address)
+        self._channel_factory = channel_factory
+        self._lock = threading.Lock()
+        self.address = ""
+        self._stub = None
+        self._connect(wait_seconds, wait_seconds)
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(request, **kwargs):
+            try:
+                return getattr(self._stub, method)(request, **kwargs)
+            except grpc.RpcError as err:
+                if err.code() in LOST:
+                    raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}") from err
+                raise
+
+        return call
+
+    def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None) -> None:
+        """Wait for the service, then open `session_id` afresh holding `token_ids`."""
+        wait = self.config.wait_seconds if timeout is None else min(timeout, self.config.wait_seconds)
+        start = time.monotonic()
+        deadline = start + wait
+        backoff = self.config.first_backoff
+        while True:
+            try:
+                stub = self._live_stub(deadline)
+                # A service that survived (only the connection broke) may still hold the session,
+                # perhaps with part of a request applied: drop it and prefill again.
+                try:
+                    stub.CloseSession(model_pb2.CloseSessionRequest(session_id=session_id), timeout=_left(deadline))
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                request = model_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=token_ids)
+                stub.OpenSession(request, timeout=_left(deadline))
+                self.reopens += 1
+                log.warning(
+                    "%s service at %s: session %s re-opened at length %d after %.2f s",
+                    self.name, self.address, session_id, len(token_ids), time.monotonic() - start,
+                )  # fmt: skip
+                return
+            except (grpc.RpcError, ConnectionError) as err:
+                if isinstance(err, grpc.RpcError) and err.code() not in (*LOST, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = err.details() if isinstance(err, grpc.RpcError) else str(err)
+            if time.monotonic() + backoff >= deadline:
+                raise Unavailable(
+                    f"the {self.name} service at {self.address} did not come back within {wait:.1f} s "
+                    f"(last error: {last})"
+                )
+            time.sleep(backoff)
+            backoff = min(2 * backoff, self.config.max_backoff)
+
+    # -- connection --------------------------------------------------------------------
+    def _live_stub(self, deadline: float):
+        """The current stub if the service answers on it, else a stub on a fresh connection."""
+        if not self._lock.acquire(timeout=_left(deadline)):
+            raise ConnectionError(f"timed out waiting to reconnect to the {self.name} service")
+        try:
+            try:
+                probe = min(self.config.probe_seconds, _left(deadline))
+                self._stub.Describe(model_pb2.DescribeRequest(), timeout=probe)
+                return self._stub
+            except grpc.RpcError:
+                pass
+            # Resolving may block until the service is back (a Ray actor restarting); then a fresh
+            # channel, since an old one to a dead address sits in reconnect backoff for seconds.
+            self._connect(_left(deadline), min(self.config.connect_seconds, _left(deadline)))
+            return self._stub
+        finally:
+            self._lock.release()
+
+    def _connect(self, resolve_seconds: float, wait_seconds: float) -> None:
+        try:
+            address = self._resolve(resolve_seconds)
+        except Exception as err:  # noqa: BLE001 - the resolver is pluggable (e.g. a Ray actor call)
+            raise ConnectionError(f"cannot find the {self.name} service: {type(err).__name__}: {err}") from err
+        channel = self._channel_factory(address, wait_seconds)
+        self.address, self._stub = address, self._stub_class(channel)
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

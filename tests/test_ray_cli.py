@@ -1,0 +1,64 @@
+"""`specdec ray up`, then `specdec generate --address`, `ray status` and `ray down`, each a
+separate process as a user runs them: a local Ray cluster that `up` starts (token
+authentication on) and the embedded default pair (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from deploy import ray_cluster
+from specdec import models
+
+pytestmark = pytest.mark.real_model
+
+
+def specdec(*args, env, timeout=600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "specdec.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_ray_up_then_generate_status_and_down():
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    # Token auth with a token of our own, so that Ray writes none to ~/.ray.
+    env = {**os.environ, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    state = models.cache_dir() / "ray" / f"{name}.json"
+    try:
+        up = specdec("ray", "up", "--name", name, "--port", "0", "--no-dashboard", env=env)
+        assert up.returncode == 0, up.stderr
+        address = up.stdout.split()[-1]
+        assert address.startswith("127.0.0.1:")  # a local cluster's actors serve on loopback
+
+        prompt = "Write a haiku about GPUs"
+        out = specdec("generate", prompt, "--address", address, "--json", "--max-tokens", "24", env=env)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["text"] and result["token_ids"] and result["stats"]["draft_tokens"] > 0
+
+        status = specdec("ray", "status", "--name", name, "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        actors = {a["role"]: a for a in report["actors"]}
+        assert report["placement"] == "STRICT_PACK" and set(actors) == {"orchestrator", "draft", "target"}
+        assert all(a["state"] == "ALIVE" and a["restarts"] == 0 and a["pid"] for a in actors.values())
+        assert actors["orchestrator"]["endpoint"] == address
+        assert actors["draft"]["node_id"] == actors["target"]["node_id"]
+
+        # The cluster refuses a wrong token (and Ray gives up on it after 2 s instead of 20).
+        wrong = {**env, "RAY_AUTH_TOKEN": "0" * 32, "RAY_gcs_rpc_server_connect_timeout_s": "2"}
+        refused = specdec("ray", "status", "--name", name, env=wrong, timeout=120)
+        assert refused.returncode == 1 and "token is missing or incorrect" in refused.stderr
+    finally:
+        down = specdec("ray", "down", "--name", name, env=env)
+        leftover = ray_cluster.load(state)
+        if leftover is not None:  # `down` failed: stop the cluster anyway
+            ray_cluster.stop(leftover, state)
+    assert down.returncode == 0, down.stderr
+    assert f"removed {name}-orchestrator, {name}-draft, {name}-target, {name}-pg" in down.stdout
+    assert "stopped the local Ray cluster" in down.stdout and not state.exists()
