@@ -10,9 +10,10 @@ and its handle says where), then opens the session again by prefilling the commi
 The loop re-runs the failed round from that state with the same random draws, so nothing
 is lost, duplicated or redrawn.
 
-Waiting is bounded by the request's deadline, or by `RecoveryConfig.wait_seconds` when the
-request has none, with exponential backoff between attempts; a service that does not come
-back in time is a clear UNAVAILABLE naming it and its address.
+Waiting is bounded by the request's deadline (less a margin to answer in), or by
+`RecoveryConfig.wait_seconds` when the request has none, with exponential backoff between
+attempts; a service that does not come back in time is a clear UNAVAILABLE naming it and its
+address.
 
 This module knows nothing of rounds or of the rule; the loop knows nothing of channels.
 """
@@ -49,6 +50,9 @@ class RecoveryConfig:
     max_backoff: float = 0.5
     probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
     connect_seconds: float = 2.0  # how long one attempt waits for a fresh channel to connect
+    # Of a request's deadline, what is left (at most a tenth) for the UNAVAILABLE to reach the
+    # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
+    answer_margin: float = 1.0
 
 
 class ResilientStub:
@@ -94,7 +98,9 @@ class ResilientStub:
 
     def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None) -> None:
         """Wait for the service, then open `session_id` afresh holding `token_ids`."""
-        wait = self.config.wait_seconds if timeout is None else min(timeout, self.config.wait_seconds)
+        wait = self.config.wait_seconds
+        if timeout is not None:
+            wait = min(timeout - min(self.config.answer_margin, timeout / 10), wait)
         start = time.monotonic()
         deadline = start + wait
         backoff = self.config.first_backoff

@@ -112,18 +112,19 @@ def test_deadline_is_passed_on_to_the_model_services(slow):
 
 
 def test_killed_service_gives_unavailable_within_the_deadline(tiny_models, tiny_backends, tmp_path):
-    """kill -9 of a standalone target service mid-stream: the client gets UNAVAILABLE, not a
-    hang and not DEADLINE_EXCEEDED; the draft's session is freed; later calls fail fast."""
+    """kill -9 of a standalone target service mid-stream, and it does not come back: the
+    orchestrator waits for it (orchestrator.recovery) but answers UNAVAILABLE before the
+    client's deadline, not DEADLINE_EXCEEDED and never a hang; the draft's session is freed."""
     args = ["target-service", "--model", tiny_models["target"], "--dtype", "float32", "--max-sessions", "4"]
     with cli_process(*args, ready_file=tmp_path / "target.ready", log=tmp_path / "target.log") as (proc, address):
         with pipeline(SlowBackend(tiny_backends["draft"], 0.01), None, target_address=address) as p:
             request = long_request(400, speculation=orchestrator_pb2.SpeculationParams(lookahead=1))
-            stream = p.orchestrator.GenerateStream(request, timeout=60)
+            stream = p.orchestrator.GenerateStream(request, timeout=6)
             started(p, stream)
             os.kill(proc.pid, signal.SIGKILL)
             err = status_of(lambda: list(stream))
             assert err.code() == Code.UNAVAILABLE, err.details()
-            assert "downstream" in err.details()
+            assert "target service" in err.details()
             assert wait_until(lambda: open_sessions(p.draft) == 0, FREED_WITHIN)
-            err = status_of(lambda: p.orchestrator.Generate(long_request(8), timeout=60))
+            err = status_of(lambda: p.orchestrator.Generate(long_request(8), timeout=3))
             assert err.code() == Code.UNAVAILABLE, err.details()
