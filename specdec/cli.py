@@ -359,14 +359,32 @@ def _print_stats(s, finish: str) -> None:
 
 
 # -- services ----------------------------------------------------------------------------
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stop_on_signal() -> threading.Event:
+    """An event set by SIGTERM or SIGINT. The signals are unblocked in this (the main) thread:
+    a parent may have started us with them blocked, and a blocked SIGTERM never arrives."""
+    stop = threading.Event()
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    return stop
+
+
+def _wait(stop: threading.Event) -> None:
+    """Wait for `stop`, waking twice a second: Python runs a signal handler only when the main
+    thread runs, and a signal the kernel hands to another thread does not wake a plain wait()."""
+    while not stop.wait(0.5):
+        pass
+
+
 def _serve_until_signal(
     server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
     in-flight work finished within drain_timeout) and stop; exit code 0."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signal()
     ready = {"address": address}
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
@@ -376,7 +394,7 @@ def _serve_until_signal(
         tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
     print(f"specdec: {what} serving on {address}", file=sys.stderr, flush=True)
-    stop.wait()
+    _wait(stop)
     print(f"specdec: {what} draining (up to {drain_timeout:g} s)", file=sys.stderr, flush=True)
     if not server.drain(drain_timeout):
         print(f"specdec: {what}: drain timed out; stopping with work in flight", file=sys.stderr, flush=True)
@@ -447,12 +465,10 @@ def cmd_serve(args) -> int:
         metrics_port=args.metrics_port,
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signal()
     with LocalPipeline(config, log=log) as pipeline:
         log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
-        stop.wait()
+        _wait(stop)
         log("specdec: stopping")
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,12 +127,14 @@ def slow_pipeline(tiny_backends, delay: float = 0.01, **kw):
 
 
 @contextlib.contextmanager
-def cli_process(*args: str, ready_file: Path, log: Path):
+def cli_process(*args: str, ready_file: Path, log: Path, blocked_signals=()):
     """`python -m specdec.cli ARGS --ready-file F` as a child process; yields (proc, address).
-    Killed at the end if it is still running."""
+    It starts with `blocked_signals` blocked, as a parent's mask is inherited. Killed at the
+    end if it is still running."""
     cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", "0", "--ready-file", str(ready_file)]
+    block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=block)
     try:
         started = wait_until(lambda: ready_file.exists() or proc.poll() is not None, 180, step=0.1)
         assert started and proc.poll() is None, f"{args[0]} did not start:\n{log.read_text()}"

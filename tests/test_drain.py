@@ -42,14 +42,19 @@ def slow(tiny_backends):
 
 
 def test_sigterm_drains_the_orchestrator(slow, tmp_path):
+    """The process starts with SIGTERM blocked, as under a parent that blocks it (a CI runner
+    did): the service unblocks it rather than never hearing it."""
     args = ["orchestrator", "--draft-address", slow.addresses["draft"], "--target-address", slow.addresses["target"]]
     log = tmp_path / "orchestrator.log"
-    with cli_process(*args, "--drain-timeout", "120", ready_file=tmp_path / "ready", log=log) as (proc, address):
+    started = cli_process(
+        *args, "--drain-timeout", "120", ready_file=tmp_path / "ready", log=log, blocked_signals={signal.SIGTERM}
+    )
+    with started as (proc, address):
         client = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
         stream = client.GenerateStream(long_request(120))
         chunks = [next(stream)]
         proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: health(address) == NOT_SERVING, 30)
+        assert wait_until(lambda: health(address) == NOT_SERVING, 30), log.read_text()
         err = status_of(lambda: client.Generate(long_request(4), timeout=30))
         assert err.code() == Code.UNAVAILABLE and "draining" in err.details()
         assert proc.poll() is None  # still draining: the stream is in flight
