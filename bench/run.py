@@ -7,13 +7,15 @@ lists), for each temperature:
                    (prompt lookup for the ngram drafter; none for llama.cpp);
   (c) specdec-off  specdec through gRPC with speculation off (target service only);
   (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round).
-Every method decodes the same prompt token ids. Reported per row: tokens/s (median over
-prompts x repeats, client wall time, prefill included), speedup over (a), the acceptance
+Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
+Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
+included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), the acceptance
 rate, tokens per round, the measured draft/target cost ratio c (service compute time per
 draft token / per target round), alpha (per-token acceptance under the i.i.d. model, solved
 from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))
 (Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
-and orchestrator overhead per round (round time not spent computing in a model service).
+service compute time (draft ms per draft token, target ms per round), and orchestrator
+overhead per round (round time not spent computing in a model service).
 Writes results.json and speedup.png to --out and prints a table.
 """
 
@@ -23,6 +25,7 @@ import json
 import platform
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,6 +119,8 @@ def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str
         "drafts_per_round": s.draft_tokens / rounds,
         "bytes_per_round": s.wire_bytes / rounds,
         "overhead_ms_per_round": 1000 * (s.round_seconds - compute) / rounds,
+        "draft_ms_per_token": 1000 * s.draft_compute_seconds / s.draft_tokens if s.draft_tokens else None,
+        "target_ms_per_round": 1000 * s.target_compute_seconds / rounds,
         "overhead_fraction": (s.round_seconds - compute) / s.round_seconds if s.round_seconds else None,
         "cost_ratio": (
             (s.draft_compute_seconds / s.draft_tokens) / (s.target_compute_seconds / rounds)
@@ -172,33 +177,29 @@ def run(config: BenchConfig, log=print) -> dict:
                 plan.append((("specdec-off", "-", t, "-"), drafter, {}))
             plan += [(("specdec", drafter, t, k), drafter, {}) for k in ks]
 
-    rows: dict[tuple, Row] = {}
-    total = len(plan) * len(prompt_ids) * config.repeats
-    bar = tqdm(total=total, desc="bench", unit="gen", dynamic_ncols=True)
-    for where in dict.fromkeys(w for _, w, _ in plan):  # one pipeline per drafter, in plan order
-        items = [(key, extra) for key, w, extra in plan if w == where]
-        pipeline = None
-        if where != "hf":
+    rows = {key: Row(*key) for key, _, _ in plan}
+    bar = tqdm(total=len(plan) * len(prompt_ids) * config.repeats, desc="bench", unit="gen", dynamic_ncols=True)
+    with ExitStack() as stack:
+        stubs = {}  # every pipeline is up for the whole run, so methods can alternate
+        for where in dict.fromkeys(w for _, w, _ in plan if w != "hf"):
             cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=where)
-            pipeline = LocalPipeline(cfg, log=lambda msg: bar.write(msg)).start()
-            stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
-        try:
-            for key, extra in items:
-                row = rows.setdefault(key, Row(*key))
-                method, _, temperature, k = key
-                bar.set_postfix_str(f"{method} {row.drafter} T={temperature} k={k}")
-                for rep in range(config.repeats + 1):  # the first pass warms up and is dropped
-                    for ids in prompt_ids[: 1 if rep == 0 else None]:
-                        if where == "hf":
-                            result = _hf_generate(target_model, ids, config, temperature, **extra)
-                        else:
-                            result = _specdec_generate(stub, ids, config, temperature, k)
-                        if rep > 0:
-                            row.runs.append(result)
-                            bar.update(1)
-        finally:
-            if pipeline is not None:
-                pipeline.stop()
+            pipeline = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
+            stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
+        # Methods alternate prompt by prompt: this machine's speed drifts by up to 2x over
+        # minutes, and a drift then slows every method alike instead of the ones run last.
+        # The first pass, on one prompt, warms every method up and is dropped.
+        for rep in range(config.repeats + 1):
+            for prompt, ids in list(zip(prompts, prompt_ids, strict=True))[: 1 if rep == 0 else None]:
+                for key, where, extra in plan:
+                    method, drafter, temperature, k = key
+                    bar.set_postfix_str(f"{method} {drafter} T={temperature} k={k}")
+                    if where == "hf":
+                        result = _hf_generate(target_model, ids, config, temperature, **extra)
+                    else:
+                        result = _specdec_generate(stubs[where], ids, config, temperature, k)
+                    if rep > 0:
+                        rows[key].runs.append(result | {"kind": prompt["kind"]})
+                        bar.update(1)
     bar.close()
     return _summarise(config, rows, ks)
 
@@ -210,11 +211,20 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def paired_speedup(row: Row, baseline: Row, kind: str | None = None) -> float:
+    """Median over (prompt, repeat) of tokens/s over the baseline's on the same prompt in the
+    same pass, run moments apart: a drift in machine speed cancels out of each ratio.
+    `kind`: only the prompts of that kind."""
+    pairs = zip(row.runs, baseline.runs, strict=True)
+    ratios = [r["tokens_per_second"] / b["tokens_per_second"] for r, b in pairs if kind in (None, r["kind"])]
+    return statistics.median(ratios)
+
+
 def _summarise(config: BenchConfig, rows: dict, ks: list[str]) -> dict:
     import torch
 
     table = []
-    baseline = {r.temperature: r.median("tokens_per_second") for r in rows.values() if r.method == "hf-target"}
+    baseline = {r.temperature: r for r in rows.values() if r.method == "hf-target"}
     for row in rows.values():
         tps = row.median("tokens_per_second")
         entry = {
@@ -223,9 +233,12 @@ def _summarise(config: BenchConfig, rows: dict, ks: list[str]) -> dict:
             "temperature": row.temperature,
             "k": row.k,
             "tokens_per_second": tps,
-            "speedup": tps / baseline[row.temperature] if row.temperature in baseline else None,
+            "speedup": paired_speedup(row, baseline[row.temperature]) if row.temperature in baseline else None,
             "runs": len(row.runs),
         }
+        if row.temperature in baseline:
+            kinds = dict.fromkeys(r["kind"] for r in row.runs)
+            entry["speedup_by_kind"] = {kind: paired_speedup(row, baseline[row.temperature], kind) for kind in kinds}
         if row.method == "specdec" or row.method == "specdec-off":
             for key in (
                 "acceptance_rate",
@@ -233,6 +246,8 @@ def _summarise(config: BenchConfig, rows: dict, ks: list[str]) -> dict:
                 "drafts_per_round",
                 "cost_ratio",
                 "bytes_per_round",
+                "draft_ms_per_token",
+                "target_ms_per_round",
                 "overhead_ms_per_round",
                 "overhead_fraction",
             ):
@@ -273,11 +288,13 @@ COLUMNS = [
     ("theoretical_speedup", "{:.2f}x"),
     ("efficiency", "{:.2f}"),
     ("bytes_per_round", "{:.0f}"),
+    ("draft_ms_per_token", "{:.1f}"),
+    ("target_ms_per_round", "{:.1f}"),
     ("overhead_ms_per_round", "{:.2f}"),
     ("overhead_fraction", "{:.1%}"),
 ]
 HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "accept", "tok/round", "c", "alpha", "theory", "eff",
-           "B/round", "ovh ms", "ovh %"]  # fmt: skip
+           "B/round", "draft ms", "target ms", "ovh ms", "ovh %"]  # fmt: skip
 
 
 def format_table(results: dict) -> str:
@@ -289,10 +306,27 @@ def format_table(results: dict) -> str:
             ok = value is not None and not (isinstance(value, float) and value != value)
             cells.append(fmt.format(value) if ok else "-")
         lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADERS))]
+    return _align(lines)
+
+
+def _align(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def format_kinds_table(results: dict) -> str:
+    """Speedup over (a) by prompt kind, one line per row."""
+    rows = [r for r in results["rows"] if r.get("speedup_by_kind")]
+    if not rows:
+        return ""
+    kinds = list(rows[0]["speedup_by_kind"])
+    lines = [["method", "drafter", "T", "k", *kinds]]
+    for r in rows:
+        by_kind = [f"{r['speedup_by_kind'][kind]:.2f}x" for kind in kinds]
+        lines.append([r["method"], r["drafter"], f"{r['temperature']:.1f}", r["k"], *by_kind])
+    return _align(lines)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -330,5 +364,7 @@ def main(config: BenchConfig) -> dict:
     (config.out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, config.out / "speedup.png")
     print(format_table(results))
+    if kinds := format_kinds_table(results):
+        print("\nspeedup over hf-target by prompt kind\n" + kinds)
     print(f"\nwrote {config.out / 'results.json'} and {config.out / 'speedup.png'}")
     return results

@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
         "adaptive lookahead, per drafter. Prints a table, writes results.json and speedup.png.",
     )
-    b.add_argument("--quick", action="store_true", help="a small run: 2 prompts, 32 tokens, greedy, k in {2, 4}")
+    b.add_argument(
+        "--quick", action="store_true", help="a small run: first 2 prompts (of --kinds), 32 tokens, greedy, k in {2, 4}"
+    )
     b.add_argument("--drafters", default="model,ngram,llamacpp", help="comma list of model, ngram, llamacpp")
     b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")

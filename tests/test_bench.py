@@ -12,7 +12,8 @@ from bench.run import alpha_from_tokens_per_round, theoretical_speedup
 
 
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
-    cmd = [sys.executable, "-m", "specdec.cli", "bench", "--quick", "--drafters", "model,ngram", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "specdec.cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
+    cmd += ["--out", str(tmp_path)]  # the summarisation passages exceed the tiny models' context
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -27,8 +28,12 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     model_k4 = rows[("specdec", "model", "4")]
     assert 0 < model_k4["acceptance_rate"] <= 1 and model_k4["cost_ratio"] > 0
     assert model_k4["theoretical_speedup"] > 0 and model_k4["bytes_per_round"] > 0
+    assert model_k4["draft_ms_per_token"] > 0 and model_k4["target_ms_per_round"] > 0
+    # --quick takes one prompt of each of two kinds; the baseline's ratio to itself is exactly 1
+    assert len(model_k4["speedup_by_kind"]) == 2
+    assert set(rows[("hf-target", "-", "-")]["speedup_by_kind"].values()) == {1.0}
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "tok/s" in out.stdout and "specdec" in out.stdout
+    assert "tok/s" in out.stdout and "specdec" in out.stdout and "by prompt kind" in out.stdout
 
 
 def test_alpha_inverts_tokens_per_round():
