@@ -4,12 +4,19 @@ Policy. Under the i.i.d. model of Leviathan et al. (2023), with per-token accept
 draft/target cost ratio c, a round of lookahead k commits (1 - alpha^(k+1)) / (1 - alpha)
 tokens for a cost of (k c + 1) target forwards, so the speedup over target-only decoding is
     S(k) = (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
-Each round picks the k in 1..k_max that maximises S with alpha and c estimated from the
-session so far:
+The formula assumes a round costs one target step whatever k; on a CPU verifying k + 1 tokens
+costs more than one (an fp32 135M target: 5 tokens 1.7x one token). With the target's round
+time T(k) = T1 + b k (b: seconds per extra token scored), a round costs k (c + s) + 1 target
+steps, s = b / T1, so the same S applies with c + s in place of c.
+Each round picks the k in 1..k_max that maximises S with these estimated from the session:
 - alpha: accepted / (accepted + rejections), the maximum-likelihood estimate for the
   geometric accept-until-first-reject process (a round that accepted everything contributes
-  no rejection), over an exponentially weighted window;
-- c: draft seconds per proposed token / target seconds per round, likewise weighted.
+  no rejection), over an exponentially weighted window (~5 rounds);
+- c: draft seconds per proposed token / T1, likewise weighted;
+- T1 and b: a weighted least-squares line through (tokens scored, target seconds) of the
+  rounds so far (a slow window, ~30 rounds: the cost curve is the hardware's). While every
+  round in it scored the same number of tokens the slope is unknown; then one round explores
+  another k (half the usual one) and the fit has its two points.
 Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
 exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
 """
@@ -19,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECAY = 0.8  # weight of the past per round: an effective window of ~5 rounds
+FIT_DECAY = 0.97  # the same for the verify-cost line: ~30 rounds
+MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
@@ -38,15 +47,36 @@ class AdaptiveLookahead:
     rejections: float = 0.0
     draft_seconds: float = 0.0
     draft_tokens: float = 0.0
-    target_seconds: float = 0.0
     rounds: float = 0.0
+    # weighted sums for the line target_seconds = T1 + b * (tokens scored - 1)
+    fit_w: float = 0.0
+    fit_n: float = 0.0
+    fit_t: float = 0.0
+    fit_nn: float = 0.0
+    fit_nt: float = 0.0
 
     def next_k(self) -> int:
         if self.rounds == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
             return self.k_max
+        line = self.verify_cost()
+        if line is None:  # every recent round scored the same number of tokens: try another k
+            usual = round(self.fit_n / self.fit_w) - 1
+            return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
+        t1, slope = line
         alpha = self.accepted / (self.accepted + self.rejections)
-        cost_ratio = (self.draft_seconds / self.draft_tokens) / (self.target_seconds / self.rounds)
-        return best_lookahead(alpha, cost_ratio, self.k_max)
+        draft_per_token = self.draft_seconds / self.draft_tokens
+        return best_lookahead(alpha, (draft_per_token + slope) / t1, self.k_max)
+
+    def verify_cost(self) -> tuple[float, float] | None:
+        """(T1, b): target seconds for a round scoring one token and per extra token scored;
+        None while the rounds do not spread over enough sizes to fit a slope."""
+        mean_n, mean_t = self.fit_n / self.fit_w, self.fit_t / self.fit_w
+        spread = self.fit_nn / self.fit_w - mean_n**2
+        if spread < MIN_SPREAD:
+            return None if self.k_max > 1 else (mean_t, 0.0)
+        slope = max(0.0, (self.fit_nt / self.fit_w - mean_n * mean_t) / spread)
+        t1 = mean_t - slope * (mean_n - 1)
+        return (t1, slope) if t1 > 0 else (mean_t, 0.0)
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         d = DECAY
@@ -54,5 +84,10 @@ class AdaptiveLookahead:
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         self.draft_seconds = d * self.draft_seconds + draft_seconds
         self.draft_tokens = d * self.draft_tokens + proposed
-        self.target_seconds = d * self.target_seconds + target_seconds
         self.rounds = d * self.rounds + 1
+        f, n = FIT_DECAY, proposed + 1  # tokens the target scored
+        self.fit_w = f * self.fit_w + 1
+        self.fit_n = f * self.fit_n + n
+        self.fit_t = f * self.fit_t + target_seconds
+        self.fit_nn = f * self.fit_nn + n * n
+        self.fit_nt = f * self.fit_nt + n * target_seconds

@@ -84,3 +84,22 @@ def test_adaptive_lookahead_moves_with_acceptance():
 def test_unknown_drafter_is_refused():
     with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
         make("eagle", None)
+
+
+def test_adaptive_lookahead_prices_the_verify_cost():
+    """A target whose round time grows with the tokens it scores makes long rounds dear. With
+    T(k) = 0.1 + 0.07 k seconds and a draft at 0.05 s a token, c = 0.5 and s = 0.7: at full
+    acceptance k = 1 wins (c + s > 1), found after one exploring round; against a flat
+    T = 0.1 the same draft takes k_max."""
+
+    def run(slope: float) -> AdaptiveLookahead:
+        policy = AdaptiveLookahead(k_max=8)
+        for _ in range(30):
+            k = policy.next_k()
+            policy.update(proposed=k, accepted=k, draft_seconds=0.05 * k, target_seconds=0.1 + slope * k)
+        return policy
+
+    flat, steep = run(0.0), run(0.07)
+    assert flat.next_k() == 8
+    assert steep.next_k() == 1 == best_lookahead(1.0, 0.5 + 0.7, 8)
+    assert steep.verify_cost() == pytest.approx((0.1, 0.07))
