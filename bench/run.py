@@ -348,8 +348,10 @@ def plot(results: dict, path: Path) -> None:
                                label=f"specdec {drafter} adaptive")  # fmt: skip
         for r in rows:
             if r["method"] in ("hf-assisted", "specdec-off"):
-                ax.axhline(r["speedup"], linestyle="--", linewidth=1, color="gray" if r["method"] == "specdec-off"
-                           else "black", label=f"{r['method']} {r['drafter']}")  # fmt: skip
+                style = {"specdec-off": ("gray", "--"), "model": ("black", "--"), "ngram": ("black", ":")}
+                color, line = style["specdec-off" if r["method"] == "specdec-off" else r["drafter"]]
+                label = f"{r['method']} {r['drafter']}"
+                ax.axhline(r["speedup"], linestyle=line, linewidth=1, color=color, label=label)
         ax.axhline(1.0, color="red", linewidth=0.8, label="hf-target (a)")
         ax.set(title=f"temperature {t}", xlabel="lookahead k", ylabel="speedup over transformers target-only")
         ax.legend(fontsize=7)
