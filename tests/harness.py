@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -129,12 +128,15 @@ def slow_pipeline(tiny_backends, delay: float = 0.01, **kw):
 @contextlib.contextmanager
 def cli_process(*args: str, ready_file: Path, log: Path, blocked_signals=()):
     """`python -m specdec.cli ARGS --ready-file F` as a child process; yields (proc, address).
-    It starts with `blocked_signals` blocked, as a parent's mask is inherited. Killed at the
-    end if it is still running."""
+    It starts with `blocked_signals` blocked, as under a parent that blocks them (a mask is
+    inherited through exec; a launcher sets it, since preexec_fn is unsafe in a threaded
+    parent). Killed at the end if it is still running."""
     cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", "0", "--ready-file", str(ready_file)]
-    block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked_signals)) if blocked_signals else None
+    if blocked_signals:
+        block = f"import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {sorted(map(int, blocked_signals))})"
+        cmd = [sys.executable, "-c", f"{block}; os.execv(sys.executable, sys.argv[1:])", *cmd]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=block)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
         started = wait_until(lambda: ready_file.exists() or proc.poll() is not None, 180, step=0.1)
         assert started and proc.poll() is None, f"{args[0]} did not start:\n{log.read_text()}"
