@@ -193,7 +193,16 @@ class SessionEngine:
         """
         sequence = session.tokens + speculative
         self.reserve(session, len(sequence))
-        self._truncate_cache(session, len(session.cached))  # the last committed token is re-fed
+        # Keep what the cache holds of this sequence, short of the positions whose logits are
+        # wanted: a draft step feeds only its newest token, not the tail proposed before it.
+        keep = 0
+        for cached, wanted in zip(session.cached, sequence[: len(sequence) - n_logits]):
+            if cached != wanted:
+                break
+            keep += 1
+        if keep < len(session.cached):
+            self.backend.crop(session.cache, keep)
+            del session.cached[keep:]
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         logits = self.backend.forward(session.cache, pending, n_logits)

@@ -103,3 +103,23 @@ def test_adaptive_lookahead_prices_the_verify_cost():
     assert flat.next_k() == 8
     assert steep.next_k() == 1 == best_lookahead(1.0, 0.5 + 0.7, 8)
     assert steep.verify_cost() == pytest.approx((0.1, 0.07))
+
+
+def test_a_draft_step_feeds_only_its_newest_token():
+    """A round's k draft steps feed the draft's cache the committed tokens it lacks (one, or
+    two after a fully accepted round) and then one token a step, not the whole proposed tail
+    again each step (1 + 2 + ... + k): at most k + 1 tokens a round after the prefill."""
+    fed = []
+    draft_backend = MarkovBackend(random_markov(12, seed=5))
+    forward = draft_backend.forward
+
+    def counting_forward(cache, token_ids, n_logits):
+        fed.append(len(token_ids))
+        return forward(cache, token_ids, n_logits)
+
+    draft_backend.forward = counting_forward
+    target = TargetServicer(SessionEngine(MarkovBackend(random_markov(12, seed=5)), "target"))
+    draft = DraftServicer(SessionEngine(draft_backend, "draft"), MODEL)
+    _, stats, ks = run(Direct(draft), Direct(target), model_pb2.SamplingParams(temperature=1.0), 300, k=5)
+    assert stats.accepted_tokens > 0.9 * stats.draft_tokens  # the same model: rounds run long
+    assert sum(fed) <= 2 + sum(k + 1 for k in ks)  # the prompt [0, 1, 2] prefills 2 tokens
