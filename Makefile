@@ -28,7 +28,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check . && $(BIN)/ruff format --check specdec orchestrator draft_service target_service deploy tests
+	$(BIN)/ruff check . && $(BIN)/ruff format --check specdec orchestrator draft_service target_service deploy bench scripts tests
 
 protos: setup
 	$(BIN)/python protos/generate.py

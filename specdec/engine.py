@@ -196,7 +196,7 @@ class SessionEngine:
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
         keep = 0
-        for cached, wanted in zip(session.cached, sequence[: len(sequence) - n_logits]):
+        for cached, wanted in zip(session.cached, sequence[: len(sequence) - n_logits], strict=False):
             if cached != wanted:
                 break
             keep += 1
