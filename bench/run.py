@@ -151,7 +151,7 @@ def theoretical_speedup(alpha: float, k: float, cost_ratio: float) -> float:
 
 
 # -- the run --------------------------------------------------------------------------------------
-def run(config: BenchConfig, log=print) -> dict:
+def run(config: BenchConfig) -> dict:
     import grpc
     from tqdm import tqdm
 
@@ -201,7 +201,7 @@ def run(config: BenchConfig, log=print) -> dict:
                         rows[key].runs.append(result | {"kind": prompt["kind"]})
                         bar.update(1)
     bar.close()
-    return _summarise(config, rows, ks)
+    return _summarise(config, rows)
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -220,7 +220,7 @@ def paired_speedup(row: Row, baseline: Row, kind: str | None = None) -> float:
     return statistics.median(ratios)
 
 
-def _summarise(config: BenchConfig, rows: dict, ks: list[str]) -> dict:
+def _summarise(config: BenchConfig, rows: dict) -> dict:
     import torch
 
     table = []

@@ -47,7 +47,6 @@ class AdaptiveLookahead:
     rejections: float = 0.0
     draft_seconds: float = 0.0
     draft_tokens: float = 0.0
-    rounds: float = 0.0
     # weighted sums for the line target_seconds = T1 + b * (tokens scored - 1)
     fit_w: float = 0.0
     fit_n: float = 0.0
@@ -56,7 +55,7 @@ class AdaptiveLookahead:
     fit_nt: float = 0.0
 
     def next_k(self) -> int:
-        if self.rounds == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
+        if self.fit_w == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
             return self.k_max
         line = self.verify_cost()
         if line is None:  # every recent round scored the same number of tokens: try another k
@@ -84,7 +83,6 @@ class AdaptiveLookahead:
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         self.draft_seconds = d * self.draft_seconds + draft_seconds
         self.draft_tokens = d * self.draft_tokens + proposed
-        self.rounds = d * self.rounds + 1
         f, n = FIT_DECAY, proposed + 1  # tokens the target scored
         self.fit_w = f * self.fit_w + 1
         self.fit_n = f * self.fit_n + n

@@ -170,14 +170,8 @@ class SessionEngine:
             return
         self.check_tokens(token_ids, "append_tokens")
         self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
-        start = len(session.tokens)
         session.tokens.extend(token_ids)
-        keep = len(session.cached)
-        for i in range(start, min(len(session.cached), len(session.tokens))):
-            if session.cached[i] != session.tokens[i]:
-                keep = i
-                break
-        self._truncate_cache(session, keep)
+        self._truncate_cache(session, common_prefix(session.cached, session.tokens))
 
     def rollback(self, session: Session, to_length: int) -> None:
         if not 1 <= to_length <= len(session.tokens):
@@ -195,14 +189,7 @@ class SessionEngine:
         self.reserve(session, len(sequence))
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
-        keep = 0
-        for cached, wanted in zip(session.cached, sequence[: len(sequence) - n_logits], strict=False):
-            if cached != wanted:
-                break
-            keep += 1
-        if keep < len(session.cached):
-            self.backend.crop(session.cache, keep)
-            del session.cached[keep:]
+        self._crop(session, common_prefix(session.cached, sequence[: len(sequence) - n_logits]))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         logits = self.backend.forward(session.cache, pending, n_logits)
@@ -210,7 +197,10 @@ class SessionEngine:
         return logits
 
     def _truncate_cache(self, session: Session, keep: int) -> None:
-        keep = min(keep, len(session.tokens) - 1)
+        """Crop to `keep`, and short of the last committed token, which the next forward feeds."""
+        self._crop(session, min(keep, len(session.tokens) - 1))
+
+    def _crop(self, session: Session, keep: int) -> None:
         if keep < len(session.cached):
             self.backend.crop(session.cache, keep)
             del session.cached[keep:]
@@ -224,3 +214,13 @@ class SessionEngine:
             raise OutOfRange(
                 f"{what}: a sequence of {length} tokens exceeds the model context of {self.backend.max_context}"
             )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
