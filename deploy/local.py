@@ -1,6 +1,6 @@
 """Run draft, target and orchestrator as three local processes on free loopback ports.
 
-Each child is `python -m specdec.cli <service> --port 0 --ready-file F`; it binds a free
+Each child is `python -m cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
 folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
 telemetry).
@@ -90,7 +90,7 @@ class LocalPipeline:
     def _spawn(self, name: str, command: str, args: list[str], port: int, host: str) -> None:
         ready = self.workdir / f"{name}.ready"
         logfile = open(self.workdir / f"{name}.log", "wb")
-        cmd = [sys.executable, "-m", "specdec.cli", command, "--host", host]
+        cmd = [sys.executable, "-m", "cli", command, "--host", host]
         cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
         self.log(f"specdec: starting {name} service")
         self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=self._env())

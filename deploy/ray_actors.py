@@ -1,15 +1,16 @@
 """The Ray actors: thin hosts around the same gRPC servers that run outside Ray.
 
-A ModelServiceHost loads one model (or drafter) and serves it with draft_service.server.serve
-or target_service.server.serve on its node's address and a free port; an OrchestratorHost
-connects to the two through their actor handles (so it finds a restarted service on its new
-port) and serves the client API with orchestrator.server.serve. Neither adds behaviour of
-its own: what the services do, how they are secured (specdec.security: TLS, mTLS, a token,
-plaintext only where allowed) and observed (specdec.telemetry, from the OTEL_* variables of
-the actor's environment, e.g. a runtime_env) is the same inside and outside Ray.
+A ModelServiceHost builds one model service (deploy.hosting, the composition the CLI and
+the tests use too) on its node's address and a free port; an OrchestratorHost connects to
+the two through their actor handles (so it finds a restarted service on its new port) and
+serves the client API. Neither adds behaviour of its own: what the services do, how they
+are secured (specdec.security: TLS, mTLS, a token, plaintext only where allowed) and
+observed (specdec.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
+runtime_env) is the same inside and outside Ray.
 
-Ray's decorators are applied where the actors are created (deploy.ray_deploy), so this
-module imports ray only inside the actors.
+Ray's decorators are applied where the actors are created (deploy.ray_deploy). Ray, and
+deploy.hosting (torch and the models), are imported inside the actors: a driver that only
+creates them needs neither.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from orchestrator.recovery import RecoveryConfig
-from specdec.models import ModelSpec
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec.security import ClientSecurity, ServerSecurity
 
 LOOPBACK = "127.0.0.1"
@@ -53,24 +53,13 @@ class _Host:
 class ModelServiceHost(_Host):
     """The draft or target service, in a Ray actor."""
 
-    def __init__(self, role: str, spec: ModelSpec, drafter: str, security: ServerSecurity, loopback: bool):
+    def __init__(self, config: ModelServiceConfig, security: ServerSecurity, loopback: bool):
+        from deploy import hosting
         from specdec import telemetry
 
-        if role not in ("draft", "target"):
-            raise ValueError(f"role must be 'draft' or 'target', not {role!r}")
         self._locate(loopback)
-        self.telemetry = telemetry.setup(role)
-        if role == "draft":
-            from draft_service import drafters
-            from draft_service.server import serve
-
-            backend, method = drafters.make(drafter, spec)
-            self.server, self.port = serve(backend, self.host, 0, method, security, self.telemetry)
-        else:
-            from specdec.backend import HFBackend
-            from target_service.server import serve
-
-            self.server, self.port = serve(HFBackend(spec), self.host, 0, security, self.telemetry)
+        self.telemetry = telemetry.setup(config.role)
+        self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
 
 
 class OrchestratorHost(_Host):
@@ -81,24 +70,26 @@ class OrchestratorHost(_Host):
         draft,
         target,
         port: int,
-        recovery: RecoveryConfig,
+        config: OrchestratorConfig,
         security: ServerSecurity,
         service_security: ClientSecurity,
         loopback: bool,
     ):
-        from orchestrator.server import connect, serve
+        from deploy import hosting
         from specdec import telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup("orchestrator")
-        self.pair = connect(
+        self.server, self.port, self.pair = hosting.start_orchestrator(
             actor_endpoint(draft),
             actor_endpoint(target),
-            security=service_security,
-            telemetry=self.telemetry,
-            recovery=recovery,
+            config,
+            self.host,
+            port,
+            security,
+            service_security,
+            self.telemetry,
         )
-        self.server, self.port = serve(self.pair, self.host, port, security, self.telemetry)
 
     def reopens(self) -> dict[str, int]:
         """Sessions re-opened after each service lost them, since this actor started."""

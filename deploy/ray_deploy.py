@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.recovery import RecoveryConfig
-from specdec import models
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
+from deploy.ray_actors import ModelServiceHost, OrchestratorHost
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 
 NAMESPACE = "specdec"
@@ -55,19 +55,18 @@ class Resources:
 @dataclass(frozen=True)
 class RayDeployConfig:
     name: str = "specdec"
-    target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
-    draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    target: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig("target"))
+    draft: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig("draft"))
     target_resources: Resources = Resources()
     draft_resources: Resources = Resources()
     placement: str = "pack"  # a key of PLACEMENTS
-    drafter: str = "model"  # a method of draft_service.drafters
     orchestrator_cpus: float = 0.0
     orchestrator_on_head: bool = True
     port: int = 50051  # orchestrator port; 0 picks a free one (which moves if the actor restarts)
     max_restarts: int = -1  # per service actor; -1: no limit
     placement_timeout: float = 120.0
     start_timeout: float = 600.0
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     server_security: ServerSecurity = field(default_factory=ServerSecurity)  # all three servers
     service_security: ClientSecurity = field(default_factory=ClientSecurity)  # orchestrator -> services
     loopback: bool = False  # bind 127.0.0.1, not the node's address: only when every node is this machine
@@ -83,6 +82,8 @@ class RayDeployConfig:
                 "the orchestrator reaches the services over the cluster's network: give --service-tls-ca "
                 "(or --service-tls), or --allow-insecure on a trusted cluster network"
             )
+        if (self.draft.role, self.target.role) != ("draft", "target"):
+            raise ValueError("draft and target must be configs of the draft and target roles")
         if not self.name:
             raise ValueError("the deployment name must not be empty")
         if self.placement not in PLACEMENTS:
@@ -131,8 +132,6 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from deploy.ray_actors import ModelServiceHost, OrchestratorHost
-
     # Ray warns that removing the placement group kills its restartable detached actors: that
     # is what `down` means to do, and the actors restart in their bundles until then.
     logging.getLogger("ray.actor").addFilter(_drop_pg_warning)
@@ -151,9 +150,10 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
         services = {}
-        for index, (role, spec, res) in enumerate(
-            [("draft", config.draft, config.draft_resources), ("target", config.target, config.target_resources)]
+        for index, (service, res) in enumerate(
+            [(config.draft, config.draft_resources), (config.target, config.target_resources)]
         ):
+            role = service.role
             services[role] = (
                 ray.remote(ModelServiceHost)
                 .options(
@@ -165,7 +165,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                     num_gpus=res.gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
                 )
-                .remote(role, spec, config.drafter, config.server_security, config.loopback)
+                .remote(service, config.server_security, config.loopback)
             )
         for role, where in _started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
@@ -183,7 +183,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 services["draft"],
                 services["target"],
                 config.port,
-                config.recovery,
+                config.orchestrator,
                 config.server_security,
                 config.service_security,
                 config.loopback,

@@ -34,7 +34,7 @@ NAME = "timing"
 
 
 def specdec(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=os.environ)
+    out = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=os.environ)
     if out.returncode != 0:
         raise RuntimeError(f"specdec {' '.join(args)} failed:\n{out.stderr}")
     return out.stdout

@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draft_service import ngram, proposer
-
-METHODS = ("model", "ngram", "llamacpp")
+from draft_service import METHODS, ngram, proposer
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         ref = request.session
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
-            # Checked before the commit, so a refused request changes nothing.
-            length = len(session.tokens) + len(request.append_tokens) + request.k
-            self.engine.reserve(session, length, "append_tokens + k")
-            self.engine.commit(session, list(request.append_tokens))
+            self.engine.open_round(session, request.append_tokens, request.k, "append_tokens + k")
             tokens, probs = self.drafter.propose(
                 self.engine,
                 session,
@@ -71,4 +68,6 @@ def serve(
     def add_servicer(engine, server):
         model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
 
-    return serve_model(backend, "draft", SERVICE_NAME, add_servicer, host, port, limits, telemetry, security)
+    return serve_model(
+        backend, "draft", SERVICE_NAME, add_servicer, host, port, limits=limits, telemetry=telemetry, security=security
+    )

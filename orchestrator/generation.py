@@ -17,11 +17,10 @@ from pathlib import Path
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec import validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
+from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
-DEFAULT_LOOKAHEAD = 4
-MAX_LOOKAHEAD = validation.MAX_LOOKAHEAD
 
 
 def load_tokenizer(files: model_pb2.GetTokenizerResponse):
@@ -96,7 +95,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
     if max_new < 1:
         raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new}")
     spec = request.speculation
-    lookahead = spec.lookahead or DEFAULT_LOOKAHEAD
+    lookahead = spec.lookahead or validation.DEFAULT_LOOKAHEAD
     validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     if prompt_len + max_new > pair.max_context:
@@ -104,10 +103,10 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
             f"prompt of {prompt_len} tokens + max_new_tokens {max_new} exceeds the model context of {pair.max_context}"
         )
     return LoopConfig(
-        sampling=s,
+        sampling=SamplingParams.from_proto(s),
         max_new_tokens=max_new,
         lookahead=lookahead,
-        speculate=not spec.disabled,
+        speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive,
         seed=request.seed or random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
@@ -148,7 +147,7 @@ def generate(
                 # Keep tokens up to the one that completes the stop string, text before it.
                 keep = _tokens_through_stop(tok, loop.generated, len(step.token_ids), stop_strings, search_from)
                 pending_ids = pending_ids[: len(pending_ids) - (len(loop.generated) - keep)]
-                del loop.generated[keep:]
+                loop.truncate(keep)
                 text, finish = text[:cut], "stop"
             if finish:
                 break

@@ -31,7 +31,9 @@ import numpy as np
 from orchestrator.lookahead import AdaptiveLookahead
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
+from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
+from specdec.validation import DEFAULT_LOOKAHEAD
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -51,17 +53,13 @@ class SessionLost(Unavailable):
 
 @dataclass(frozen=True)
 class LoopConfig:
-    sampling: model_pb2.SamplingParams
+    sampling: SamplingParams
     max_new_tokens: int
-    lookahead: int = 4  # k, or the largest k when adaptive
+    lookahead: int = DEFAULT_LOOKAHEAD  # k, or the largest k when adaptive
     speculate: bool = True
     adaptive: bool = False  # choose k per round (orchestrator.lookahead)
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
-
-    @property
-    def greedy(self) -> bool:
-        return self.sampling.temperature == 0.0
 
 
 @dataclass
@@ -114,6 +112,7 @@ class SpeculativeLoop:
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
         self.policy = AdaptiveLookahead(config.lookahead) if config.adaptive else None
+        self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -163,7 +162,7 @@ class SpeculativeLoop:
         wanted = self.policy.next_k() if self.policy else cfg.lookahead
         k = min(wanted, remaining - 1) if self.draft is not None else 0
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        if cfg.greedy:
+        if cfg.sampling.greedy:
             draft_u = accept_u = []
             final_u = 0.0
         else:
@@ -197,7 +196,7 @@ class SpeculativeLoop:
                     session=self.draft.ref(self.session_id),
                     append_tokens=self.draft.pending,
                     k=k,
-                    sampling=cfg.sampling,
+                    sampling=self._sampling,
                     uniforms=draft_u,
                 ),
             )
@@ -213,7 +212,7 @@ class SpeculativeLoop:
                 session=self.target.ref(self.session_id),
                 append_tokens=self.target.pending,
                 draft_token_ids=drafts,
-                sampling=cfg.sampling,
+                sampling=self._sampling,
                 draft_token_probs=draft_probs,
                 accept_uniforms=accept_u,
             ),
@@ -221,7 +220,7 @@ class SpeculativeLoop:
         self.stats.target_compute_seconds += scores.compute_seconds
         self.target.length, self.target.pending = scores.length, []
 
-        if cfg.greedy:
+        if cfg.sampling.greedy:
             accepted = rule.greedy_accepted_length(drafts, scores.argmax_token_ids)
             last = scores.argmax_token_ids[accepted]
         else:
@@ -267,6 +266,19 @@ class SpeculativeLoop:
         s.accepted_tokens += accepted
         s.generated_tokens = len(self.generated)
         return Round(committed, proposed, accepted, finish)
+
+    def truncate(self, keep: int) -> None:
+        """End the generation at its first `keep` tokens (a stop string found in the text):
+        the tokens past them are no longer generated, counted or pending for a service. A
+        service that was already sent them holds more than the output; its session is closed
+        when the rounds end."""
+        dropped = len(self.generated) - keep
+        assert 0 <= dropped, (keep, len(self.generated))
+        del self.generated[keep:]
+        for side in (self.draft, self.target):
+            if side is not None:
+                del side.pending[max(0, len(side.pending) - dropped) :]
+        self.stats.generated_tokens = len(self.generated)
 
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""

@@ -24,12 +24,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
 from orchestrator.loop import SessionLost
 from specdec.errors import Unavailable
+from specdec.limits import RecoveryConfig
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec.recovery")
@@ -41,18 +41,6 @@ ChannelFactory = Callable[[str, float], grpc.Channel]
 
 # A call failing with one of these means the service, or its copy of the session, is gone.
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    wait_seconds: float = 180.0  # longest wait for a lost service when the request sets no deadline
-    first_backoff: float = 0.05  # seconds between the first attempts; doubles each time
-    max_backoff: float = 0.5
-    probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
-    connect_seconds: float = 2.0  # how long one attempt waits for a fresh channel to connect
-    # Of a request's deadline, what is left (at most a tenth) for the UNAVAILABLE to reach the
-    # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
-    answer_margin: float = 1.0
 
 
 class ResilientStub:
@@ -68,11 +56,11 @@ class ResilientStub:
         address: Address,
         channel_factory: ChannelFactory,
         name: str,
-        config: RecoveryConfig = RecoveryConfig(),
+        config: RecoveryConfig | None = None,
         wait_seconds: float = 60.0,
     ):
         self.name = name
-        self.config = config
+        self.config = config or RecoveryConfig()
         self.reopens = 0  # sessions re-opened after a loss, for status and tests
         self._stub_class = stub_class
         self._resolve = address if callable(address) else (lambda _timeout: address)

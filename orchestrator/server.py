@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
-from orchestrator.recovery import Address, RecoveryConfig, ResilientStub
+from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
-from specdec.limits import AdmissionLimits
+from specdec.limits import AdmissionLimits, RecoveryConfig
 from specdec.security import ClientSecurity, ServerSecurity
 from specdec.security import channel as secure_channel
 from specdec.service import CHANNEL_OPTIONS, deadline_seconds
@@ -90,8 +90,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.telemetry = telemetry or disabled()
 
     def _chunks(self, request, context):
-        if request.speculation.disabled or self.pair.draft is None:
-            request.speculation.disabled = True
         chunks = generate(
             self.pair,
             request,

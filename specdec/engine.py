@@ -164,6 +164,12 @@ class SessionEngine:
         self.kv.reserve(session, length)
 
     # -- changes -----------------------------------------------------------------------
+    def open_round(self, session: Session, append_tokens: list[int], extra: int, what: str) -> None:
+        """A round's opening: reserve room for the committed tokens plus `extra` to be fed,
+        then commit. Checked before the change, so a refused request changes nothing."""
+        self.reserve(session, len(session.tokens) + len(append_tokens) + extra, what)
+        self.commit(session, list(append_tokens))
+
     def commit(self, session: Session, token_ids: list[int]) -> None:
         """Append committed tokens; keep whatever cached speculative tail they match."""
         if not token_ids:

@@ -25,9 +25,12 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
+from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
-from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper
-from specdec.service import add_health, make_server, model_server
+from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
+from specdec.security import ServerSecurity
+from specdec.service import add_health, make_server, wrap_handler
+from specdec.telemetry import Telemetry, disabled
 
 
 class Admission:
@@ -127,28 +130,6 @@ class Gate(grpc.ServerInterceptor):
         return True
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, guard: Callable) -> grpc.RpcMethodHandler:
-    """Run a unary or server-streaming handler inside `guard(context)`, a context manager;
-    for a stream, until its last message is sent or the stream is closed."""
-    if handler.unary_unary:
-        inner = handler.unary_unary
-
-        def unary(request, context):
-            with guard(context):
-                return inner(request, context)
-
-        return handler._replace(unary_unary=unary)
-    if handler.unary_stream:
-        inner_stream = handler.unary_stream
-
-        def stream(request, context):
-            with guard(context):
-                yield from inner_stream(request, context)
-
-        return handler._replace(unary_stream=stream)
-    return handler
-
-
 class Served:
     """A started server with its gate, health and background threads.
 
@@ -195,12 +176,27 @@ def start(
 
 
 def serve_model(
-    backend, role: str, service_name: str, add_servicer, host: str, port: int, limits, telemetry, security
+    backend,
+    role: str,
+    service_name: str,
+    add_servicer: Callable,
+    host: str,
+    port: int,
+    *,
+    limits: SessionLimits | None = None,
+    telemetry: Telemetry | None = None,
+    security: ServerSecurity | None = None,
 ) -> tuple[Served, int]:
-    """Start a model service (add_servicer(engine, server) adds its servicer): OpenSession is
-    its entry, open sessions keep a drain waiting, idle sessions are reaped."""
+    """Start a model service over a SessionEngine on `backend` (add_servicer(engine, server)
+    adds its servicer): OpenSession is its entry, open sessions keep a drain waiting, idle
+    sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
+    and the token; `limits` caps sessions and KV tokens."""
+    telemetry = telemetry or disabled(role)
+    engine = SessionEngine(telemetry.backend(backend), role, limits)
+    telemetry.watch(engine)
     gate = Gate([f"/{service_name}/OpenSession"])
-    server, bound, engine = model_server(backend, role, host, port, telemetry, security, limits, [gate])
+    interceptors = [*telemetry.server_interceptors(), gate]
+    server, bound = make_server(host, port, security=security, interceptors=interceptors)
     add_servicer(engine, server)
     reaper = Reaper(engine, engine.limits.idle_ttl)
     return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper]), bound

@@ -1,5 +1,6 @@
 """Caps on what a service holds and admits: a model service's open sessions, KV-cache
-tokens and idle time; the orchestrator's concurrent and queued requests; the drain bound.
+tokens and idle time; the orchestrator's concurrent and queued requests; the drain bound;
+how long the orchestrator waits for a lost service (orchestrator.recovery applies it).
 
 A request that would go past a cap is refused with RESOURCE_EXHAUSTED before anything is
 allocated or changed, so overload never becomes an out-of-memory crash. The KV budget is
@@ -45,6 +46,20 @@ def _at_least(config, **minimum) -> None:
 
 
 DRAIN_TIMEOUT = 20.0  # seconds a draining server waits for in-flight work (CLI default)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How long and how often the orchestrator tries to reach a lost model service again."""
+
+    wait_seconds: float = 180.0  # longest wait for a lost service when the request sets no deadline
+    first_backoff: float = 0.05  # seconds between the first attempts; doubles each time
+    max_backoff: float = 0.5
+    probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
+    connect_seconds: float = 2.0  # how long one attempt waits for a fresh channel to connect
+    # Of a request's deadline, what is left (at most a tenth) for the UNAVAILABLE to reach the
+    # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
+    answer_margin: float = 1.0
 
 
 class KVBudget:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.v1 import model_pb2
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,10 +23,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    # The wire form, both ways: the only place that knows both shapes.
     @classmethod
-    def from_proto(cls, msg) -> SamplingParams:
+    def from_proto(cls, msg: model_pb2.SamplingParams) -> SamplingParams:
         top_p = msg.top_p if 0.0 < msg.top_p < 1.0 else 1.0
         return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p)
+
+    def to_proto(self) -> model_pb2.SamplingParams:
+        return model_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

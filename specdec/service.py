@@ -7,7 +7,9 @@ describe, tokenizer), so each service's servicer adds only its one verb.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,9 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specdec import validation
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
-from specdec.limits import SessionLimits
 from specdec.security import ServerSecurity, bind, server_interceptors
-from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -37,27 +37,37 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            inner = handler.unary_unary
+        return wrap_handler(handler, lambda context: _errors_to_status(context, method))
 
-            def unary(request, context):
-                try:
-                    return inner(request, context)
-                except Exception as err:  # noqa: BLE001 - the last line of defence
-                    _abort(context, method, err)
 
-            return handler._replace(unary_unary=unary)
-        if handler.unary_stream:
-            inner_stream = handler.unary_stream
+@contextmanager
+def _errors_to_status(context, method: str):
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - the last line of defence
+        _abort(context, method, err)
 
-            def stream(request, context):
-                try:
-                    yield from inner_stream(request, context)
-                except Exception as err:  # noqa: BLE001
-                    _abort(context, method, err)
 
-            return handler._replace(unary_stream=stream)
-        return handler
+def wrap_handler(handler: grpc.RpcMethodHandler, guard: Callable) -> grpc.RpcMethodHandler:
+    """Run a unary or server-streaming handler inside `guard(context)`, a context manager;
+    for a stream, until its last message is sent or the stream is closed."""
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        def unary(request, context):
+            with guard(context):
+                return inner(request, context)
+
+        return handler._replace(unary_unary=unary)
+    if handler.unary_stream:
+        inner_stream = handler.unary_stream
+
+        def stream(request, context):
+            with guard(context):
+                yield from inner_stream(request, context)
+
+        return handler._replace(unary_stream=stream)
+    return handler
 
 
 def _abort(context, method: str, err: Exception):
@@ -106,29 +116,6 @@ def make_server(
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     return server, bound
-
-
-def model_server(
-    backend,
-    role: str,
-    host: str,
-    port: int,
-    telemetry: Telemetry | None = None,
-    security: ServerSecurity | None = None,
-    limits: SessionLimits | None = None,
-    interceptors=(),
-):
-    """A server and a SessionEngine for a model service, observed by `telemetry` when given.
-
-    `interceptors` go inside telemetry's. Returns (server, bound port, engine); the caller
-    adds its servicer and starts it.
-    """
-    telemetry = telemetry or disabled(role)
-    engine = SessionEngine(telemetry.backend(backend), role, limits)
-    telemetry.watch(engine)
-    interceptors = [*telemetry.server_interceptors(), *interceptors]
-    server, bound = make_server(host, port, security=security, interceptors=interceptors)
-    return server, bound, engine
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from specdec.errors import InvalidArgument
 
 MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
+DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
 
 
 def sampling(msg, field: str = "sampling") -> None:

@@ -23,10 +23,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
         ref = request.session
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
-            # Checked before the commit, so a refused request changes nothing.
-            length = len(session.tokens) + len(request.append_tokens) + len(request.draft_token_ids)
-            self.engine.reserve(session, length, "append_tokens + draft_token_ids")
-            self.engine.commit(session, list(request.append_tokens))
+            extra = len(request.draft_token_ids)
+            self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
             scores = score(
                 self.engine,
                 session,
@@ -63,4 +61,6 @@ def serve(
     def add_servicer(engine, server):
         model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
 
-    return serve_model(backend, "target", SERVICE_NAME, add_servicer, host, port, limits, telemetry, security)
+    return serve_model(
+        backend, "target", SERVICE_NAME, add_servicer, host, port, limits=limits, telemetry=telemetry, security=security
+    )

@@ -21,12 +21,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from draft_service.server import serve as serve_draft
-from orchestrator.server import connect
-from orchestrator.server import serve as serve_orchestrator
+from deploy import hosting
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
+from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
-from target_service.server import serve as serve_target
 
 ROOT = Path(__file__).resolve().parent.parent
 # Greedy decoding of the tiny target from this prompt meets no EOS for ~490 tokens.
@@ -104,14 +103,18 @@ def pipeline(draft_backend, target_backend, limits=None, admission=None, target_
     """The three services in this process (or the target at `target_address` instead);
     stopped however the test ends."""
     servers = {}
+    limits = limits or SessionLimits()
     try:
-        servers["draft"], draft_port = serve_draft(draft_backend, limits=limits)
+        servers["draft"], draft_port = hosting.serve_model(ModelServiceConfig("draft", limits=limits), draft_backend)
         if target_address is None:
-            servers["target"], target_port = serve_target(target_backend, limits=limits)
+            target = ModelServiceConfig("target", limits=limits)
+            servers["target"], target_port = hosting.serve_model(target, target_backend)
             target_address = f"127.0.0.1:{target_port}"
         addresses = {"draft": f"127.0.0.1:{draft_port}", "target": target_address}
-        pair = connect(addresses["draft"], addresses["target"])
-        servers["orchestrator"], orch_port = serve_orchestrator(pair, admission=admission)
+        config = OrchestratorConfig(admission=admission or AdmissionLimits())
+        servers["orchestrator"], orch_port, _ = hosting.start_orchestrator(
+            addresses["draft"], addresses["target"], config
+        )
         addresses["orchestrator"] = f"127.0.0.1:{orch_port}"
         orchestrator = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(addresses["orchestrator"]))
         yield Pipeline(orchestrator, *model_stubs(addresses["draft"], addresses["target"]), servers, addresses)
@@ -127,11 +130,11 @@ def slow_pipeline(tiny_backends, delay: float = 0.01, **kw):
 
 @contextlib.contextmanager
 def cli_process(*args: str, ready_file: Path, log: Path, blocked_signals=()):
-    """`python -m specdec.cli ARGS --ready-file F` as a child process; yields (proc, address).
+    """`python -m cli ARGS --ready-file F` as a child process; yields (proc, address).
     It starts with `blocked_signals` blocked, as under a parent that blocks them (a mask is
     inherited through exec; a launcher sets it, since preexec_fn is unsafe in a threaded
     parent). Killed at the end if it is still running."""
-    cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", "0", "--ready-file", str(ready_file)]
+    cmd = [sys.executable, "-m", "cli", *args, "--port", "0", "--ready-file", str(ready_file)]
     if blocked_signals:
         block = f"import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {sorted(map(int, blocked_signals))})"
         cmd = [sys.executable, "-c", f"{block}; os.execv(sys.executable, sys.argv[1:])", *cmd]

@@ -12,7 +12,7 @@ from bench.run import alpha_from_tokens_per_round, theoretical_speedup
 
 
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
-    cmd = [sys.executable, "-m", "specdec.cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
+    cmd = [sys.executable, "-m", "cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
     cmd += ["--out", str(tmp_path)]  # the summarisation passages exceed the tiny models' context
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

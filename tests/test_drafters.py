@@ -11,7 +11,7 @@ from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, best_lookahead, expected_speedup
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
-from specdec.v1 import model_pb2
+from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
@@ -45,7 +45,7 @@ def test_ngram_lookup():
 def test_greedy_equals_target_only(drafter, adaptive):
     target_probs = random_markov(12, 31)
     draft, target = pair(target_probs, random_markov(12, 32), drafter)
-    greedy = model_pb2.SamplingParams()
+    greedy = SamplingParams()
     spec, stats, _ = run(draft, target, greedy, 150, k=5, adaptive=adaptive)
     plain, _, _ = run(draft, target, greedy, 150, speculate=False)
     assert spec == plain and stats.draft_tokens > 0
@@ -55,7 +55,7 @@ def test_greedy_equals_target_only(drafter, adaptive):
 def test_distribution_through_the_loop(drafter, adaptive):
     target_probs = random_markov(6, 41, alpha=0.3)  # peaked rows: n-grams repeat often
     draft, target = pair(target_probs, random_markov(6, 42), drafter)
-    tokens, stats, _ = run(draft, target, model_pb2.SamplingParams(temperature=1.0), 25_000, adaptive=adaptive)
+    tokens, stats, _ = run(draft, target, SamplingParams(temperature=1.0), 25_000, adaptive=adaptive)
     assert markov_chisquare([2, *tokens], target_probs) > 1e-3
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
@@ -120,6 +120,6 @@ def test_a_draft_step_feeds_only_its_newest_token():
     draft_backend.forward = counting_forward
     target = TargetServicer(SessionEngine(MarkovBackend(random_markov(12, seed=5)), "target"))
     draft = DraftServicer(SessionEngine(draft_backend, "draft"), MODEL)
-    _, stats, ks = run(Direct(draft), Direct(target), model_pb2.SamplingParams(temperature=1.0), 300, k=5)
+    _, stats, ks = run(Direct(draft), Direct(target), SamplingParams(temperature=1.0), 300, k=5)
     assert stats.accepted_tokens > 0.9 * stats.draft_tokens  # the same model: rounds run long
     assert sum(fed) <= 2 + sum(k + 1 for k in ks)  # the prompt [0, 1, 2] prefills 2 tokens

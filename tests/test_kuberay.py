@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdec.cli import build_parser
+from cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kuberay").glob("*.yaml"))

@@ -18,7 +18,7 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec import models
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
-from specdec.v1 import model_pb2
+from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer
 from tests.standins import Direct, SupportMarkovBackend
 from tests.stats import markov_chisquare
@@ -49,7 +49,7 @@ def test_greedy_equals_target_only(llama_draft):
     for text in ("List three colours.", "Write a haiku about rain."):
         prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         prompt = list(prompt["input_ids"] if not isinstance(prompt, list) else prompt)
-        greedy = model_pb2.SamplingParams()
+        greedy = SamplingParams()
         spec = run(draft, target, prompt, greedy, 40, k=4)
         plain = run(draft, target, prompt, greedy, 40, k=4, speculate=False)
         assert spec.generated == plain.generated
@@ -61,7 +61,7 @@ def test_distribution_through_the_loop(llama_draft):
     support = [504, 260, 30, 28, 314]  # a handful of ordinary tokens of the SmolLM2 vocabulary
     small = np.random.default_rng(0).dirichlet(np.ones(len(support)), size=len(support))
     target = Direct(TargetServicer(SessionEngine(SupportMarkovBackend(backend.vocab_size, support, small), "target")))
-    loop = run(draft, target, [support[0]], model_pb2.SamplingParams(temperature=1.0), 3000, k=2)
+    loop = run(draft, target, [support[0]], SamplingParams(temperature=1.0), 3000, k=2)
     tokens = [support[0], *loop.generated]
     index = {t: i for i, t in enumerate(support)}
     assert set(tokens) <= set(support)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import loadtest
+from bench import loadtest
 from specdec.security import SecurityError
 
 

@@ -12,7 +12,6 @@ from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.v1 import model_pb2
 from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
@@ -42,9 +41,9 @@ def kernel_after_transform(probs, params: SamplingParams) -> np.ndarray:
 @pytest.mark.parametrize(
     "vocab,k,sampling",
     [
-        (8, 3, model_pb2.SamplingParams(temperature=1.0)),
-        (8, 1, model_pb2.SamplingParams(temperature=0.7, top_k=5)),
-        (50, 4, model_pb2.SamplingParams(temperature=1.3, top_p=0.9)),
+        (8, 3, SamplingParams(temperature=1.0)),
+        (8, 1, SamplingParams(temperature=0.7, top_k=5)),
+        (50, 4, SamplingParams(temperature=1.3, top_p=0.9)),
     ],
 )
 def test_loop_preserves_target_distribution(vocab, k, sampling):
@@ -52,7 +51,7 @@ def test_loop_preserves_target_distribution(vocab, k, sampling):
     draft, target, draft_engine, target_engine = pair(target_probs, draft_probs)
     tokens, stats = run(draft, target, sampling, k, N_TOKENS, seed=5)
     assert len(tokens) == N_TOKENS + 1
-    params = SamplingParams.from_proto(sampling)
+    params = sampling
     assert markov_chisquare(tokens, kernel_after_transform(target_probs, params)) > 1e-3
     assert markov_chisquare(tokens, kernel_after_transform(draft_probs, params)) < 1e-3
     assert 0 < stats.accepted_tokens < stats.draft_tokens  # rejections happened
@@ -61,7 +60,7 @@ def test_loop_preserves_target_distribution(vocab, k, sampling):
 
 def test_loop_sampling_is_reproducible():
     draft, target, *_ = pair(random_markov(8, 1), random_markov(8, 2))
-    sampling = model_pb2.SamplingParams(temperature=1.0)
+    sampling = SamplingParams(temperature=1.0)
     a, _ = run(draft, target, sampling, 3, 300, seed=7)
     b, _ = run(draft, target, sampling, 3, 300, seed=7)
     c, _ = run(draft, target, sampling, 3, 300, seed=8)
@@ -72,7 +71,7 @@ def test_loop_sampling_is_reproducible():
 def test_loop_greedy_is_target_argmax_chain(k):
     target_probs, draft_probs = random_markov(20, 3), random_markov(20, 4)
     draft, target, *_ = pair(target_probs, draft_probs)
-    tokens, stats = run(draft, target, model_pb2.SamplingParams(), k, 200, seed=0)
+    tokens, stats = run(draft, target, SamplingParams(), k, 200, seed=0)
     expected = [0]
     while len(expected) < len(tokens):
         expected.append(int(np.argmax(target_probs[expected[-1]])))
@@ -83,7 +82,7 @@ def test_loop_greedy_is_target_argmax_chain(k):
 def test_target_only_matches_distribution():
     target_probs = random_markov(8, 21)
     draft, target, *_ = pair(target_probs, random_markov(8, 22))
-    sampling = model_pb2.SamplingParams(temperature=1.0)
+    sampling = SamplingParams(temperature=1.0)
     tokens, stats = run(draft, target, sampling, 4, 20_000, seed=1, speculate=False)
     assert stats.draft_tokens == 0 and stats.rounds == 20_000
     assert markov_chisquare(tokens, target_probs) > 1e-3

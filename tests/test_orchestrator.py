@@ -118,7 +118,7 @@ def test_mismatched_pair_is_refused(tiny_models, tiny_backends):
 
 
 def test_cli_generate_json_starts_three_processes(tiny_models):
-    cmd = [sys.executable, "-m", "specdec.cli", "generate", "hello", "--json", "--max-tokens", "24", "--raw"]
+    cmd = [sys.executable, "-m", "cli", "generate", "hello", "--json", "--max-tokens", "24", "--raw"]
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -133,7 +133,7 @@ def test_cli_generate_json_starts_three_processes(tiny_models):
 
 
 def test_cli_reports_errors_in_one_line(tiny_models):
-    cmd = [sys.executable, "-m", "specdec.cli", "generate", "hello", "--address", "127.0.0.1:1", "--timeout", "2"]
+    cmd = [sys.executable, "-m", "cli", "generate", "hello", "--address", "127.0.0.1:1", "--timeout", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.startswith("specdec: error: ") and "Traceback" not in out.stderr

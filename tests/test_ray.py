@@ -32,8 +32,9 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from specdec import security
 from specdec.models import ModelSpec
+from specdec.sampling import SamplingParams
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity
-from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
@@ -210,7 +211,7 @@ def driver_pair(packed):
 @pytest.mark.parametrize("trial", range(TRIALS))
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_killed_service_actor_mid_generation(packed, driver_pair, reference, role, trial):
-    config = LoopConfig(sampling=model_pb2.SamplingParams(), max_new_tokens=NEW_TOKENS, lookahead=3)
+    config = LoopConfig(sampling=SamplingParams(), max_new_tokens=NEW_TOKENS, lookahead=3)
     uninterrupted = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config)
     rounds = list(uninterrupted.rounds())
     # A round after which the killed service is called again (the last rounds may not draft).

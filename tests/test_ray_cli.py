@@ -20,7 +20,7 @@ pytestmark = pytest.mark.real_model
 
 
 def specdec(*args, env, timeout=600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "specdec.cli", *args]
+    cmd = [sys.executable, "-m", "cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 

@@ -114,7 +114,7 @@ def test_seeded_sampling_is_reproducible(pipeline):
 
 
 def test_cli_json_reports_high_greedy_acceptance():
-    cmd = [sys.executable, "-m", "specdec.cli", "generate", "Write a short poem about the sea.", "--json"]
+    cmd = [sys.executable, "-m", "cli", "generate", "Write a short poem about the sea.", "--json"]
     out = subprocess.run(cmd + ["--max-tokens", "64"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

@@ -20,16 +20,17 @@ import pytest
 
 from draft_service.server import serve as serve_draft
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from orchestrator.recovery import RecoveryConfig
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.errors import Unavailable
+from specdec.limits import RecoveryConfig
+from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
-GREEDY = model_pb2.SamplingParams()
-SAMPLING = model_pb2.SamplingParams(temperature=1.0, top_k=12)
+GREEDY = SamplingParams()
+SAMPLING = SamplingParams(temperature=1.0, top_k=12)
 
 
 def run(pair, sampling=GREEDY, n=40, kill_after=None, restart=lambda: None, timeout=None):
@@ -130,7 +131,7 @@ class ServiceProcess:
     def __init__(self, role, model, workdir, port=0):
         self.ready = workdir / f"{role}.ready"
         self.ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "specdec.cli", f"{role}-service", "--port", str(port)]
+        cmd = [sys.executable, "-m", "cli", f"{role}-service", "--port", str(port)]
         cmd += ["--model", model, "--dtype", "float32", "--ready-file", str(self.ready)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -18,11 +18,12 @@ import pytest
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli import main as cli
 from deploy.local import LocalPipeline, PipelineConfig
 from draft_service.server import serve as serve_draft
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec import cli, security
+from specdec import security
 from specdec.models import ModelSpec
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
 from specdec.service import CHANNEL_OPTIONS, make_server
@@ -315,7 +316,7 @@ def run_cli(*args: str, env_token: str | None = None) -> subprocess.CompletedPro
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k == "SPECDEC_CACHE"}
     if env_token:
         env[security.TOKEN_ENV] = env_token
-    cmd = [sys.executable, "-m", "specdec.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from draft_service.server import serve as serve_draft
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from specdec.sampling import SamplingParams
 from specdec.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.server import serve as serve_target
@@ -98,7 +99,7 @@ def test_expected_length_mismatch_is_rejected(stubs):
 
 
 def run_loop(draft, target, prompt, k, n, speculate=True, after_round=None):
-    config = LoopConfig(sampling=GREEDY, max_new_tokens=n, lookahead=k, speculate=speculate)
+    config = LoopConfig(sampling=SamplingParams(), max_new_tokens=n, lookahead=k, speculate=speculate)
     loop = SpeculativeLoop(draft, target, prompt, config)
     for _ in loop.rounds():
         if after_round:

@@ -308,7 +308,7 @@ def test_telemetry_off_adds_nothing():
 
 def test_a_bad_otel_setting_is_one_error_line():
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "zipkin"}
-    cmd = [sys.executable, "-m", "specdec.cli", "orchestrator", "--port", "0", "--target-address", "127.0.0.1:1"]
+    cmd = [sys.executable, "-m", "cli", "orchestrator", "--port", "0", "--target-address", "127.0.0.1:1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("specdec: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'")

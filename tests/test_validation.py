@@ -230,7 +230,7 @@ def test_model_service_refuses_bad_input_and_changes_nothing(services, session, 
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "specdec.cli", *args]
+    cmd = [sys.executable, "-m", "cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

@@ -1,11 +1,11 @@
 """`specdec ray up|down|status`: the command-line side of deploy.ray_deploy.
 
-Like specdec.cli, this reads argv and the environment and nothing below it does; ray is
-imported only when a command runs, so `specdec --help` and the client path stay light.
-Without --address, `up` starts a local cluster (deploy.ray_cluster) and records it in
+Ray is imported only when a command runs (deploy.ray_deploy and deploy.ray_cluster import
+it inside their functions), so `specdec --help` and the client path stay light. Without
+--address, `up` starts a local cluster (deploy.ray_cluster) and records it in
 $SPECDEC_CACHE/ray/NAME.json, where `status` and `down` find it; its actors bind loopback.
-specdec.cli adds the TLS and token flags to `up` and builds their settings, as it does for
-the services it runs itself.
+`up` takes the same TLS, token and limit flags as the services run by `specdec serve`, and
+the same composition (deploy.hosting) builds them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from cli import options
+from deploy import ray_cluster, ray_deploy
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec import models
 
 DESCRIPTION = """\
@@ -75,6 +78,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
     up.add_argument("--no-dashboard", action="store_true", help="local cluster only: start it without the dashboard")
     up.add_argument("--quiet", action="store_true", help="print only the orchestrator address")
+    options.add_drafter_flag(up)
+    options.add_server_security_flags(up)
+    options.add_client_security_flags(up, "service-", "the model services")
+    options.add_limit_flags(up, "all")
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
@@ -89,11 +96,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="specdec", help="deployment name (default specdec)")
 
 
-def run(args, server_security=None, service_security=None) -> int:
-    """Run a `ray` command; `up` takes the servers' and the orchestrator's service-link security."""
-    if args.ray_command == "up":
-        return cmd_up(args, server_security, service_security)
-    return {"down": cmd_down, "status": cmd_status}[args.ray_command](args)
+def run(args) -> int:
+    return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.ray_command](args)
 
 
 def _state_file(name: str) -> Path:
@@ -109,25 +113,35 @@ def _device(device: str | None, gpus: float) -> str:
     return device or ("cuda:0" if gpus > 0 else "cpu")
 
 
-def cmd_up(args, server_security=None, service_security=None) -> int:
-    from deploy import ray_cluster, ray_deploy
-    from specdec.security import ClientSecurity, ServerSecurity
-
+def cmd_up(args) -> int:
+    """`up` secures its three servers and the orchestrator's service links as `orchestrator`
+    does (TLS, mTLS, token; plaintext on the cluster's network only if allowed)."""
+    server_security = options.server_security(args, check_host=False)  # the actors bind their nodes' addresses
+    limits = options.session_limits(args)
     config = ray_deploy.RayDeployConfig(
         name=args.name,
-        target=models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
-        draft=models.ModelSpec(args.draft_model, _device(args.draft_device, args.draft_gpus), args.draft_dtype),
+        target=ModelServiceConfig(
+            "target",
+            models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
+            limits=limits,
+        ),
+        draft=ModelServiceConfig(
+            "draft",
+            models.ModelSpec(args.draft_model, _device(args.draft_device, args.draft_gpus), args.draft_dtype),
+            args.drafter,
+            limits,
+        ),
         target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),
         placement=args.placement,
-        drafter=args.drafter,
+        orchestrator=OrchestratorConfig(admission=options.admission_limits(args)),
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,
         port=args.port,
         max_restarts=args.max_restarts,
         start_timeout=args.timeout,
-        server_security=server_security or ServerSecurity(),
-        service_security=service_security or ClientSecurity(),
+        server_security=server_security,
+        service_security=options.service_client_security(args, server_security),
         loopback=not args.address,  # a local cluster is this machine
     )
     log = _log(args)
@@ -157,8 +171,6 @@ def _connect_existing(args) -> tuple[object, Path]:
 
     Token auth is switched on before ray is first imported: Ray reads RAY_AUTH_MODE then.
     """
-    from deploy import ray_cluster, ray_deploy
-
     state = _state_file(args.name)
     cluster = None if args.address else ray_cluster.load(state)
     if not args.address and cluster is None:
@@ -170,8 +182,6 @@ def _connect_existing(args) -> tuple[object, Path]:
 
 
 def cmd_down(args) -> int:
-    from deploy import ray_cluster, ray_deploy
-
     cluster, state = _connect_existing(args)
     import ray  # only now: Ray reads RAY_AUTH_MODE when it is first imported
 
@@ -185,8 +195,6 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from deploy import ray_deploy
-
     _connect_existing(args)
     rows = ray_deploy.status(args.name)
     placement = ray_deploy.placement(args.name)

@@ -1,0 +1,113 @@
+"""`specdec bench` (bench.run) and `specdec loadtest` (bench.loadtest): the measuring commands."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from bench import loadtest
+from bench.run import BenchConfig
+from bench.run import main as run_bench
+from cli import options
+from cli.generate import local_pipeline
+from specdec import models, security
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="benchmark specdec against target-only and assisted generation",
+        description="Side by side on bench/prompts.json: (a) transformers target-only generate, (b) transformers "
+        "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
+        "adaptive lookahead, per drafter. Prints a table, writes results.json and speedup.png.",
+    )
+    b.add_argument(
+        "--quick", action="store_true", help="a small run: first 2 prompts (of --kinds), 32 tokens, greedy, k in {2, 4}"
+    )
+    b.add_argument("--drafters", default="model,ngram,llamacpp", help="comma list of model, ngram, llamacpp")
+    b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
+    b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")
+    b.add_argument("--temperatures", default="0,0.7", help="comma list (default 0,0.7)")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
+    b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
+    b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
+    options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
+    options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
+
+
+def add_loadtest_parser(sub) -> None:
+    lt = sub.add_parser(
+        "loadtest",
+        help="a bounded load test: N requests, C at a time, within a time limit",
+        description="Send --requests Generate calls, --concurrency at a time, all ending by --time-limit; "
+        "report throughput, p50/p99 latency and errors. Loopback targets only unless --allow-remote. "
+        "Without --address, starts the three local processes first (not timed).",
+    )
+    lt.add_argument("--address", help="HOST:PORT of a running orchestrator")
+    lt.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
+    lt.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
+    lt.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    lt.add_argument(
+        "--prompt", default="Explain speculative decoding in three sentences.", help="prompt of every request"
+    )
+    lt.add_argument("--max-tokens", type=int, default=64, help="tokens per request at most (default 64)")
+    lt.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    options.add_lookahead_flag(lt)
+    lt.add_argument("--json", action="store_true", help="print one JSON object")
+    lt.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
+    options.add_pair_flags(lt)
+    options.add_client_security_flags(lt)
+
+
+def bench(args) -> int:
+    def floats(text):
+        return tuple(float(x) for x in text.split(",") if x)
+
+    config = BenchConfig(
+        target=options.model_spec(args, "target-"),
+        draft=options.model_spec(args, "draft-"),
+        drafters=tuple(d for d in args.drafters.split(",") if d),
+        ks=tuple(int(k) for k in floats(args.ks)),
+        adaptive=not args.no_adaptive,
+        temperatures=floats(args.temperatures),
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
+        hf_baselines=not args.no_hf,
+        out=args.out,
+    )
+    if args.quick:
+        config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
+    run_bench(config)
+    return 0
+
+
+def load_test(args) -> int:
+    config = loadtest.LoadTestConfig(args.requests, args.concurrency, args.time_limit)
+    client = options.client_security(args)
+    if args.address:
+        loadtest.check_target(args.address, args.allow_remote)
+        return _load_test_at(args.address, args, client, config)
+    with local_pipeline(args, client) as pipeline:
+        return _load_test_at(pipeline.address, args, client, config)
+
+
+def _load_test_at(address: str, args, client: security.ClientSecurity, config: loadtest.LoadTestConfig) -> int:
+    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
+    request = orchestrator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        chat_template=True,
+        sampling=model_pb2.SamplingParams(temperature=args.temperature),
+        max_new_tokens=args.max_tokens,
+        speculation=orchestrator_pb2.SpeculationParams(lookahead=args.lookahead),
+    )
+    report = loadtest.run(lambda timeout: len(stub.Generate(request, timeout=timeout).token_ids), config)
+    print(json.dumps(report.as_dict()) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
+COMMANDS = {"bench": bench, "loadtest": load_test}

@@ -1,0 +1,118 @@
+"""`specdec generate`: one request to a running orchestrator, or to three local processes
+started for it. A client: it imports grpc and the stubs, never torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cli import options
+from deploy.local import LocalPipeline
+from specdec import security
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    g = sub.add_parser(
+        "generate",
+        help="generate text (starts local services unless --address is given)",
+        description="Generate a continuation of PROMPT. Without --address, starts the draft, "
+        "target and orchestrator as three local processes, generates, and stops them.",
+    )
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--address", help="HOST:PORT of a running orchestrator")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0: random)")
+    options.add_lookahead_flag(g)
+    g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
+    g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
+    options.add_pair_flags(g)
+    options.add_client_security_flags(g)
+    return g
+
+
+def run(args) -> int:
+    client = options.client_security(args)
+    if args.address:
+        return _generate_at(args.address, args, client)
+    with local_pipeline(args, client, quiet=args.json) as pipeline:
+        return _generate_at(pipeline.address, args, client)
+
+
+def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -> LocalPipeline:
+    """The three services as local processes for this client; they require its token, if any."""
+    if client.uses_tls:
+        raise security.SecurityError("--tls* flags apply with --address; local services talk over loopback")
+    log = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    return LocalPipeline(options.pipeline_config(args, auth_token=client.token), log=log)
+
+
+def request(args) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        chat_template=not args.raw,
+        sampling=model_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        seed=args.seed,
+        max_new_tokens=args.max_tokens,
+        stop_strings=args.stop,
+        speculation=orchestrator_pb2.SpeculationParams(
+            lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
+        ),
+    )
+
+
+def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
+    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
+    req = request(args)
+    if args.stream and not args.json:
+        stats = finish = None
+        for chunk in stub.GenerateStream(req, timeout=args.timeout):
+            print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                stats, finish = chunk.stats, chunk.finish_reason
+        print()
+        _print_stats(stats, finish)
+        return 0
+    response = stub.Generate(req, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(_response_json(response), ensure_ascii=False))
+    else:
+        print(response.text)
+        _print_stats(response.stats, response.finish_reason)
+    return 0
+
+
+def _response_json(response) -> dict:
+    s = response.stats
+    return {
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "finish_reason": response.finish_reason,
+        "stats": {
+            "rounds": s.rounds,
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "tokens_per_second": s.tokens_per_second,
+            "wall_seconds": s.wall_seconds,
+        },
+    }
+
+
+def _print_stats(s, finish: str) -> None:
+    print(
+        f"[{s.generated_tokens} tokens in {s.wall_seconds:.2f} s = {s.tokens_per_second:.1f} tok/s | "
+        f"{s.rounds} rounds, acceptance {s.acceptance_rate:.1%} of {s.draft_tokens} drafts, "
+        f"{s.mean_accepted_length:.2f} tokens/round | finish: {finish}]",
+        file=sys.stderr,
+    )

@@ -1,0 +1,75 @@
+"""`specdec`: the parser of every command, and how a failure becomes one line and exit code 1.
+
+The client path (`generate --address`) imports grpc and the stubs, not torch: the commands
+that host a model import it when they run (cli.serving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from cli import bench, generate, ray, serving
+from specdec.errors import SpecdecError
+
+EPILOG = """\
+examples:
+  specdec generate "Write a haiku about GPUs"          # local draft+target+orchestrator, default pair
+  specdec generate "Hi" --json --max-tokens 32         # one JSON object with text and stats
+  specdec serve --port 50051                           # the three services, until Ctrl-C
+  specdec generate "Hi" --address 127.0.0.1:50051      # use a running orchestrator
+  specdec target-service --host 0.0.0.0 --port 50061 --tls-cert b.pem --tls-key b.key   # one service per host
+  specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
+  specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
+  specdec loadtest --address 127.0.0.1:50051 --requests 64 --concurrency 16 --time-limit 300
+  specdec ray up --draft-gpus 1 --target-gpus 1        # as Ray actors (see specdec ray up --help)
+
+TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS),
+--tls-client-ca (mTLS) and --auth-token-file (or $SPECDEC_AUTH_TOKEN); clients take
+--tls-ca, --tls-cert/--tls-key and --auth-token-file. Plaintext only on loopback unless
+--allow-insecure.
+"""
+
+COMMANDS = {"generate": generate.run, **serving.COMMANDS, **bench.COMMANDS, "ray": ray.run}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec",
+        description="Distributed speculative decoding: a draft model proposes, a target model "
+        "verifies, and the output is distributed exactly as the target alone would sample it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub)
+    serving.add_serve_parser(sub)
+    serving.add_service_parsers(sub)
+    bench.add_bench_parser(sub)
+    serving.add_orchestrator_parser(sub)
+    bench.add_loadtest_parser(sub)
+    ray.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except grpc.RpcError as err:
+        print(f"specdec: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except SpecdecError as err:
+        print(f"specdec: error: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError, ValueError) as err:
+        print(f"specdec: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The option groups the commands share, defined once, and the settings built from them.
+
+Models, drafters, servers, limits, telemetry and TLS / token flags; then the frozen
+configs those flags become (specdec.security, specdec.limits, deploy.local, deploy.hosting).
+Tokens are read here from their files or from $SPECDEC_AUTH_TOKEN / $SPECDEC_SERVICE_AUTH_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from deploy.local import PipelineConfig
+from draft_service import METHODS as DRAFTERS
+from specdec import models, security, validation
+from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+
+
+def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -> None:
+    p.add_argument(
+        f"--{prefix}model",
+        default=models.DEFAULT_ALIAS,
+        help=f"hub id, local path, or '{models.DEFAULT_ALIAS}' (the embedded default; default)",
+    )
+    p.add_argument(f"--{prefix}device", default="cpu", help="torch device: cpu or cuda:N (default cpu)")
+    p.add_argument(f"--{prefix}dtype", default=dtype, choices=models.DTYPES, help=f"weight dtype (default {dtype})")
+
+
+def add_pair_flags(p: argparse.ArgumentParser) -> None:
+    """The target and draft models of a local pipeline, and its drafter."""
+    add_model_flags(p, models.DEFAULT_TARGET_DTYPE, "target-")
+    add_model_flags(p, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    add_drafter_flag(p)
+
+
+def add_drafter_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        default="model",
+        choices=DRAFTERS,
+        help="model: a transformers draft model (default); ngram: model-free prompt lookup over the "
+        "session's tokens (the draft model only gives the tokenizer); llamacpp: a GGUF run by llama.cpp "
+        "(needs llama-cpp-python; the default alias runs the embedded Q4_1 GGUF)",
+    )
+
+
+def add_lookahead_flag(p: argparse.ArgumentParser, text: str = "draft tokens per round") -> None:
+    d = validation.DEFAULT_LOOKAHEAD
+    p.add_argument("--lookahead", type=int, default=d, help=f"{text}, 1..{validation.MAX_LOOKAHEAD} (default {d})")
+
+
+def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """Limits and shutdown: a model service's session caps ("model"), the orchestrator's
+    admission ("orchestrator"), or both ("all", for commands that start all three)."""
+    a, s = AdmissionLimits(), SessionLimits()
+    orchestrator = [
+        ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
+        ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
+    ]
+    model = [
+        ("--max-sessions", int, s.max_sessions, "sessions open at once"),
+        ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
+        ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
+    ]
+    flags = {"orchestrator": orchestrator, "model": model, "all": orchestrator + model}[role]
+    if role != "all":
+        flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
+    for flag, kind, default, text in flags:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+
+
+def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=port, help=f"port to bind; 0 picks a free one (default {port})")
+    p.add_argument("--ready-file", type=Path, help='write {"address": ...} here once serving')
+    add_metrics_flag(p, "serve Prometheus metrics on this port at /metrics (0 picks a free one; default: off)")
+
+
+def add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=None, help=text + "; traces: see OTEL_* in the README")
+
+
+def add_server_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS and authentication (server)")
+    g.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM certificate (chain) to serve TLS with")
+    g.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-client-ca", type=Path, metavar="FILE", help="PEM CA; require client certificates it signed (mTLS)"
+    )
+    g.add_argument(
+        "--auth-token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"require 'authorization: Bearer <token>' on every call; token in FILE (default: ${security.TOKEN_ENV})",
+    )
+    g.add_argument("--allow-insecure", action="store_true", help="allow plaintext gRPC with non-loopback addresses")
+
+
+def add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", peer: str = "the orchestrator") -> None:
+    g = p.add_argument_group(f"TLS and authentication (client of {peer})")
+    g.add_argument(f"--{prefix}tls", action="store_true", help=f"connect to {peer} over TLS, system root CAs")
+    g.add_argument(
+        f"--{prefix}tls-ca", type=Path, metavar="FILE", help="PEM CA that signed the server's certificate (TLS)"
+    )
+    g.add_argument(f"--{prefix}tls-cert", type=Path, metavar="FILE", help="PEM client certificate, for mutual TLS")
+    g.add_argument(f"--{prefix}tls-key", type=Path, metavar="FILE", help="PEM private key of the client certificate")
+    g.add_argument(f"--{prefix}tls-server-name", metavar="NAME", help="name to verify in the server's certificate")
+    default = f"${security.SERVICE_TOKEN_ENV}, else the orchestrator's own" if prefix else f"${security.TOKEN_ENV}"
+    g.add_argument(
+        f"--{prefix}auth-token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"send the bearer token read from FILE (default: {default})",
+    )
+    if not prefix:  # a server's --allow-insecure covers its own client links too
+        g.add_argument("--allow-insecure", action="store_true", help="allow plaintext gRPC to a non-loopback --address")
+
+
+# -- settings from the flags -------------------------------------------------------------------
+def model_spec(args, prefix: str = "") -> models.ModelSpec:
+    def arg(name):
+        return getattr(args, prefix.replace("-", "_") + name)
+
+    return models.ModelSpec(arg("model"), arg("device"), arg("dtype"))
+
+
+def session_limits(args) -> SessionLimits:
+    return SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)
+
+
+def admission_limits(args) -> AdmissionLimits:
+    return AdmissionLimits(args.max_concurrent, args.max_queue)
+
+
+def pipeline_config(args, **kw) -> PipelineConfig:
+    return PipelineConfig(
+        target=model_spec(args, "target-"), draft=model_spec(args, "draft-"), drafter=args.drafter, **kw
+    )
+
+
+def tls_files(args) -> security.ServerTLSFiles:
+    return security.ServerTLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def server_security(args, check_host: bool = True) -> security.ServerSecurity:
+    """The server's TLS files and token, checked now: a bad setting fails before a model loads."""
+    token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
+    settings = tls_files(args).load(token, args.allow_insecure)
+    if check_host:
+        security.check_bind(args.host, settings)
+    return settings
+
+
+def client_security(
+    args, prefix: str = "", token_env: str = security.TOKEN_ENV, default_token: str | None = None
+) -> security.ClientSecurity:
+    def arg(name):
+        return getattr(args, prefix.replace("-", "_") + name)
+
+    return security.ClientSecurity(
+        tls=arg("tls"),
+        root_ca=security.read_pem(arg("tls_ca")),
+        cert_chain=security.read_pem(arg("tls_cert")),
+        private_key=security.read_pem(arg("tls_key")),
+        server_name=arg("tls_server_name"),
+        token=security.read_token(arg("auth_token_file"), os.environ.get(token_env)) or default_token,
+        allow_insecure=args.allow_insecure,
+    )
+
+
+def service_client_security(args, server: security.ServerSecurity) -> security.ClientSecurity:
+    """How the orchestrator reaches the model services: the --service-* flags, and by default its own token."""
+    return client_security(args, "service-", security.SERVICE_TOKEN_ENV, server.token)

@@ -1,0 +1,161 @@
+"""The commands that serve: `draft-service`, `target-service`, `orchestrator` (one server in
+this process) and `serve` (all three as local processes); signals, drain and the ready file.
+
+deploy.hosting, which imports torch and the models, is imported inside the commands that
+host something, so `specdec --help` and the client commands stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from cli import options
+from deploy.local import LocalPipeline
+from specdec import models
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
+    s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
+    options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
+    options.add_pair_flags(s)
+    options.add_server_security_flags(s)
+
+
+def add_service_parsers(sub) -> None:
+    d = sub.add_parser("draft-service", help="run the draft model service alone")
+    options.add_server_flags(d, 50062)
+    options.add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
+    options.add_drafter_flag(d)
+    options.add_server_security_flags(d)
+    options.add_limit_flags(d, "model")
+    t = sub.add_parser("target-service", help="run the target model service alone")
+    options.add_server_flags(t, 50061)
+    options.add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
+    options.add_server_security_flags(t)
+    options.add_limit_flags(t, "model")
+
+
+def add_orchestrator_parser(sub) -> None:
+    o = sub.add_parser("orchestrator", help="run the orchestrator alone, against running services")
+    options.add_server_flags(o, 50051)
+    o.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
+    o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
+    options.add_server_security_flags(o)
+    options.add_client_security_flags(o, "service-", "the model services")
+    options.add_limit_flags(o, "orchestrator")
+
+
+def model_service(args, role: str) -> int:
+    limits = options.session_limits(args)  # checked before a model loads
+    spec = options.model_spec(args)
+    server_security = options.server_security(args)
+    telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
+    from deploy import hosting  # torch and the model: only for the commands that host one
+
+    config = hosting.ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits)
+    server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
+    what = f"{role} service ({args.model})"
+    return serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry, args.drain_timeout)
+
+
+def orchestrator(args) -> int:
+    admission = options.admission_limits(args)
+    server_security = options.server_security(args)
+    client = options.service_client_security(args, server_security)
+    telemetry = _telemetry(args, "orchestrator")
+    from deploy import hosting  # the orchestrator imports transformers for its tokenizer
+
+    config = hosting.OrchestratorConfig(admission=admission)
+    server, port, _ = hosting.start_orchestrator(
+        args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
+    )
+    address = f"{args.host}:{port}"
+    return serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
+
+
+def serve(args) -> int:
+    server_security = options.server_security(args)  # fails here, before any process starts
+    config = options.pipeline_config(
+        args,
+        host=args.host,
+        port=args.port,
+        tls=options.tls_files(args),
+        auth_token=server_security.token,
+        allow_insecure=args.allow_insecure,
+        metrics_port=args.metrics_port,
+    )
+    stop = stop_on_signal()
+    with LocalPipeline(config, log=_log) as pipeline:
+        _log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
+        wait(stop)
+        _log("specdec: stopping")
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _telemetry(args, role: str):
+    from specdec import telemetry  # the OpenTelemetry SDK: only for the commands that serve
+
+    return telemetry.setup(role, args.metrics_port, args.host)
+
+
+# -- signals and drain -------------------------------------------------------------------------
+def stop_on_signal() -> threading.Event:
+    """An event set by SIGTERM or SIGINT. The signals are unblocked in this (the main) thread:
+    a parent may have started us with them blocked, and a blocked SIGTERM never arrives."""
+    stop = threading.Event()
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    return stop
+
+
+def wait(stop: threading.Event) -> None:
+    """Wait for `stop`, waking twice a second: Python runs a signal handler only when the main
+    thread runs, and a signal the kernel hands to another thread does not wake a plain wait()."""
+    while not stop.wait(0.5):
+        pass
+
+
+def serve_until_signal(
+    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
+    in-flight work finished within drain_timeout) and stop; exit code 0."""
+    stop = stop_on_signal()
+    ready = {"address": address}
+    if telemetry is not None and telemetry.metrics_address:
+        ready["metrics_address"] = telemetry.metrics_address
+        _log(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics")
+    if ready_file:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ready))
+        tmp.rename(ready_file)
+    _log(f"specdec: {what} serving on {address}")
+    wait(stop)
+    _log(f"specdec: {what} draining (up to {drain_timeout:g} s)")
+    if not server.drain(drain_timeout):
+        _log(f"specdec: {what}: drain timed out; stopping with work in flight")
+    server.stop(grace=1).wait()
+    if telemetry is not None:
+        telemetry.shutdown()  # flushes the last spans and metrics
+    return 0
+
+
+COMMANDS = {
+    "serve": serve,
+    "draft-service": lambda a: model_service(a, "draft"),
+    "target-service": lambda a: model_service(a, "target"),
+    "orchestrator": orchestrator,
+}

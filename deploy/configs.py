@@ -1,0 +1,40 @@
+"""What deploy builds, as frozen configs: a model service and an orchestrator.
+
+Shared by deploy.hosting (which builds them), deploy.ray_deploy and the command line. Light
+on purpose (no torch): the CLI and a Ray driver import it to describe what runs elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_service import METHODS as DRAFTERS
+from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
+from specdec.models import ModelSpec
+
+ROLES = ("draft", "target")
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """What a model service is: its role, its model, how it drafts, what it holds at most."""
+
+    role: str  # "draft" or "target"
+    spec: ModelSpec = field(default_factory=ModelSpec)
+    drafter: str = "model"  # draft only: a method of draft_service.drafters
+    limits: SessionLimits = field(default_factory=SessionLimits)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """What the orchestrator admits and how it waits for a lost service."""
+
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    connect_seconds: float = 60.0  # how long startup waits for each service to answer

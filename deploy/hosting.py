@@ -1,0 +1,84 @@
+"""One composition: a model service or an orchestrator, built from one frozen config.
+
+The command line (`specdec draft-service`, `target-service`, `orchestrator`), the Ray actors
+(deploy.ray_actors) and the test harness start their servers here and nowhere else, so what a
+service is made of (its backend, drafter, session limits, admission limits, recovery
+settings, security and telemetry) cannot drift between them.
+
+The configs are deploy.configs (light, for the CLI and the Ray driver); this module imports
+the services and the orchestrator, which import torch, so the CLI imports it only in the
+commands that host something. It reads no argv or environment: telemetry and security come
+in built.
+"""
+
+from __future__ import annotations
+
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
+from draft_service import drafters
+from draft_service.server import serve as serve_draft
+from orchestrator.generation import ModelPair
+from orchestrator.recovery import Address
+from orchestrator.server import connect
+from orchestrator.server import serve as serve_orchestrator
+from specdec.backend import HFBackend
+from specdec.lifecycle import Served
+from specdec.security import ClientSecurity, ServerSecurity
+from specdec.telemetry import Telemetry
+from target_service.server import serve as serve_target
+
+
+def start_model_service(
+    config: ModelServiceConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+) -> tuple[Served, int]:
+    """Load the config's model (or drafter) and serve it; returns (server, bound port)."""
+    if config.role == "draft":
+        backend, drafter = drafters.make(config.drafter, config.spec)
+    else:
+        backend, drafter = HFBackend(config.spec), None
+    return serve_model(config, backend, host, port, drafter, security, telemetry)
+
+
+def serve_model(
+    config: ModelServiceConfig,
+    backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    drafter: drafters.Drafter | None = None,
+    security: ServerSecurity | None = None,
+    telemetry: Telemetry | None = None,
+) -> tuple[Served, int]:
+    """Serve an already built backend in the config's role (the harness passes its tiny models);
+    `drafter` defaults to the model drafter."""
+    common = {"security": security, "telemetry": telemetry, "limits": config.limits}
+    if config.role == "draft":
+        return serve_draft(backend, host, port, drafter or drafters.MODEL, **common)
+    return serve_target(backend, host, port, **common)
+
+
+def start_orchestrator(
+    draft: Address | None,
+    target: Address,
+    config: OrchestratorConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: ServerSecurity | None = None,
+    service_security: ClientSecurity | None = None,
+    telemetry: Telemetry | None = None,
+) -> tuple[Served, int, ModelPair]:
+    """Connect to the two services (no draft: target-only) and serve the client API;
+    returns (server, bound port, the connected pair)."""
+    config = config or OrchestratorConfig()
+    pair = connect(
+        draft,
+        target,
+        wait_seconds=config.connect_seconds,
+        security=service_security,
+        telemetry=telemetry,
+        recovery=config.recovery,
+    )
+    server, bound = serve_orchestrator(pair, host, port, security, telemetry=telemetry, admission=config.admission)
+    return server, bound, pair
