@@ -227,16 +227,17 @@ class SpeculativeLoop:
             accepted = rule.accepted_length(draft_probs, scores.draft_token_target_probs, accept_u)
             if accepted != scores.row_position:
                 raise SpecdecError(f"target returned row {scores.row_position}, the rule needs {accepted}")
-            target_row = wire.decode_row(scores.row)
-            if accepted == k:  # every draft passed: the bonus token
-                last = rule.sample(target_row, final_u)
-            else:  # first rejection: the recovered token, from the residual
+
+            def draft_row():  # on a rejection: the draft's row at that position, for the residual
+                nonlocal draft_time
                 row, row_time = self._call(
                     self.draft.stub.ProposalRow,
                     model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=accepted),
                 )
                 draft_time += row_time
-                last = rule.sample(rule.residual(target_row, wire.decode_row(row)), final_u)
+                return wire.decode_row(row)
+
+            last = rule.final_token(accepted, k, wire.decode_row(scores.row), draft_row, final_u)
         committed = drafts[:accepted] + [last]
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time

@@ -5,7 +5,9 @@ A session holds its committed tokens and a cache of keys/values for a prefix of
 - `cached` (the tokens whose keys/values the cache holds) agrees with the committed tokens
   wherever both are defined;
 - between requests the cache holds at most len(tokens) - 1 committed tokens: the last
-  committed token is fed again with the next block, as in seed 003.
+  committed token is fed again with the next block: its keys and values are then computed
+  in the same multi-token forward as the drafts after it, whose numerics differ in the last
+  bits from a one-token forward, and acceptance stays high.
 Rollback and discarding a rejected speculative tail are truncations (O(1) per layer):
 no copies, no re-prefill.
 

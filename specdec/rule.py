@@ -17,6 +17,8 @@ Distributions are numpy arrays; they need not be normalised (sampling normalises
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -26,12 +28,12 @@ def accepted_length(draft_token_probs, target_token_probs, accept_uniforms) -> i
     draft_token_probs: [k] draft_probs[i][x_i]; target_token_probs: [k] target_probs[i][x_i];
     accept_uniforms: [k] in [0, 1). Accept x_i iff u_i * draft <= target (u_i <= ratio).
     """
-    q = np.asarray(draft_token_probs, dtype=np.float64)
-    p = np.asarray(target_token_probs, dtype=np.float64)
+    draft = np.asarray(draft_token_probs, dtype=np.float64)
+    target = np.asarray(target_token_probs, dtype=np.float64)
     u = np.asarray(accept_uniforms, dtype=np.float64)
-    assert q.shape == p.shape == u.shape and q.ndim == 1, (q.shape, p.shape, u.shape)
-    rejected = np.flatnonzero(u * q > p)
-    return int(rejected[0]) if rejected.size else len(q)
+    assert draft.shape == target.shape == u.shape and draft.ndim == 1, (draft.shape, target.shape, u.shape)
+    rejected = np.flatnonzero(u * draft > target)
+    return int(rejected[0]) if rejected.size else len(draft)
 
 
 def greedy_accepted_length(draft_token_ids, target_argmax_ids) -> int:
@@ -46,10 +48,10 @@ def greedy_accepted_length(draft_token_ids, target_argmax_ids) -> int:
 
 def residual(target_probs, draft_probs) -> np.ndarray:
     """norm(max(0, target_probs - draft_probs)), both [vocab]; the recovered token's law."""
-    p = np.asarray(target_probs, dtype=np.float64)
-    q = np.asarray(draft_probs, dtype=np.float64)
-    assert p.shape == q.shape and p.ndim == 1, (p.shape, q.shape)
-    res = np.maximum(p / p.sum() - q / q.sum(), 0.0)
+    target = np.asarray(target_probs, dtype=np.float64)
+    draft = np.asarray(draft_probs, dtype=np.float64)
+    assert target.shape == draft.shape and target.ndim == 1, (target.shape, draft.shape)
+    res = np.maximum(target / target.sum() - draft / draft.sum(), 0.0)
     total = res.sum()
     if not total > 0.0:
         # Only reachable if the caller rejected a token the rule would have accepted.
@@ -69,10 +71,24 @@ def sample(probs, uniform: float) -> int:
     return idx
 
 
+def final_token(accepted: int, k: int, target_row, draft_row: Callable[[], np.ndarray], final_uniform: float) -> int:
+    """The round's last committed token: the bonus token when all k drafts were accepted, else
+    the recovered token from the residual at the first rejected position.
+
+    target_row: [vocab] target_probs at position `accepted`; draft_row(): [vocab] draft_probs
+    at that position, asked for only on a rejection (the orchestrator fetches it over the wire).
+    """
+    if accepted == k:
+        return sample(target_row, final_uniform)
+    return sample(residual(target_row, draft_row()), final_uniform)
+
+
 def speculative_step(
     draft_token_ids, draft_probs, target_probs, accept_uniforms, final_uniform: float
 ) -> tuple[int, int]:
-    """One round of the rule over full rows.
+    """One round of the rule over full rows, composed of the calls the distributed round makes:
+    accepted_length (the target service's scorer, and the orchestrator) then final_token (the
+    orchestrator). The statistical tests drive this composition.
 
     draft_token_ids: [k]; draft_probs: [k, vocab]; target_probs: [k + 1, vocab];
     accept_uniforms: [k]; final_uniform: the uniform of the recovered or bonus sample.
@@ -84,9 +100,7 @@ def speculative_step(
     k = len(draft_token_ids)
     assert draft_probs.shape[0] == k and target_probs.shape[0] == k + 1
     idx = np.arange(k)
-    q_at = draft_probs[idx, draft_token_ids] / draft_probs.sum(axis=1)
-    p_at = target_probs[idx, draft_token_ids] / target_probs[:k].sum(axis=1)
-    n = accepted_length(q_at, p_at, accept_uniforms)
-    if n == k:
-        return n, sample(target_probs[k], final_uniform)
-    return n, sample(residual(target_probs[n], draft_probs[n]), final_uniform)
+    draft_at = draft_probs[idx, draft_token_ids] / draft_probs.sum(axis=1)
+    target_at = target_probs[idx, draft_token_ids] / target_probs[:k].sum(axis=1)
+    n = accepted_length(draft_at, target_at, accept_uniforms)
+    return n, final_token(n, k, target_probs[n], lambda: draft_probs[n], final_uniform)

@@ -3,8 +3,8 @@
 Owns: the server and client security settings (frozen dataclasses), building server
 credentials and binding ports, the loopback-only rule for plaintext, the server interceptor
 that checks `authorization: Bearer <token>` on every method, and the client channels that
-carry TLS credentials and the token. It reads the files it is pointed at; argv and the
-environment are read only by the CLI.
+carry TLS credentials and the token. It reads the files it is pointed at and no argv or
+environment: the command line (cli.options) reads the token variables and passes them in.
 
 Decisions:
 - Plaintext is allowed only on loopback addresses, for servers (bind) and clients (connect)
