@@ -1,6 +1,7 @@
 """`specdec ray up`, then `specdec generate --address`, `ray status` and `ray down`, each a
 separate process as a user runs them: a local Ray cluster that `up` starts (token
-authentication on) and the embedded default pair (SmolLM2-135M-Instruct)."""
+authentication on) and the embedded default pair (SmolLM2-135M-Instruct). `up` applies the
+same limit flags as `serve` (checked with --max-sessions)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import subprocess
 import sys
 import uuid
 
+import grpc
 import pytest
 
 from deploy import ray_cluster
 from specdec import models
+from specdec.v1 import model_pb2, model_pb2_grpc
 
 pytestmark = pytest.mark.real_model
 
@@ -24,13 +27,28 @@ def specdec(*args, env, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def assert_max_sessions(endpoint: str, role: str, limit: int) -> None:
+    stub_class = model_pb2_grpc.DraftServiceStub if role == "draft" else model_pb2_grpc.TargetServiceStub
+    stub = stub_class(grpc.insecure_channel(endpoint))
+    ids = [f"limit-{role}-{i}" for i in range(limit + 1)]
+    try:
+        for sid in ids[:limit]:
+            stub.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[1, 2, 3]), timeout=60)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(model_pb2.OpenSessionRequest(session_id=ids[-1], prompt_token_ids=[1, 2, 3]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions 2" in err.value.details()
+    finally:
+        for sid in ids[:limit]:
+            stub.CloseSession(model_pb2.CloseSessionRequest(session_id=sid), timeout=60)
+
+
 def test_ray_up_then_generate_status_and_down():
     name = f"test-{uuid.uuid4().hex[:8]}"
     # Token auth with a token of our own, so that Ray writes none to ~/.ray.
     env = {**os.environ, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     state = models.cache_dir() / "ray" / f"{name}.json"
     try:
-        up = specdec("ray", "up", "--name", name, "--port", "0", "--no-dashboard", env=env)
+        up = specdec("ray", "up", "--name", name, "--port", "0", "--no-dashboard", "--max-sessions", "2", env=env)
         assert up.returncode == 0, up.stderr
         address = up.stdout.split()[-1]
         assert address.startswith("127.0.0.1:")  # a local cluster's actors serve on loopback
@@ -49,6 +67,10 @@ def test_ray_up_then_generate_status_and_down():
         assert all(a["state"] == "ALIVE" and a["restarts"] == 0 and a["pid"] for a in actors.values())
         assert actors["orchestrator"]["endpoint"] == address
         assert actors["draft"]["node_id"] == actors["target"]["node_id"]
+
+        # The services were built with `up`'s limits: the third session is refused at once.
+        for role in ("draft", "target"):
+            assert_max_sessions(actors[role]["endpoint"], role, 2)
 
         # The cluster refuses a wrong token (and Ray gives up on it after 2 s instead of 20).
         wrong = {**env, "RAY_AUTH_TOKEN": "0" * 32, "RAY_gcs_rpc_server_connect_timeout_s": "2"}

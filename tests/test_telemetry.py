@@ -324,15 +324,13 @@ def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_pat
 
     class ServiceActor:
         def __init__(self, role: str, model: str):
+            from deploy import hosting
+            from deploy.configs import ModelServiceConfig
             from specdec import telemetry
-            from specdec.backend import HFBackend
 
-            if role == "draft":
-                from draft_service.server import serve
-            else:
-                from target_service.server import serve
             self.telemetry = telemetry.setup(role)
-            self.server, self.port = serve(HFBackend(ModelSpec(model, "cpu", "float32")), telemetry=self.telemetry)
+            config = ModelServiceConfig(role, ModelSpec(model, "cpu", "float32"))
+            self.server, self.port = hosting.start_model_service(config, telemetry=self.telemetry)
 
         def address(self) -> str:
             return f"127.0.0.1:{self.port}"
