@@ -38,3 +38,4 @@ class OrchestratorConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
+    overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset

@@ -80,5 +80,7 @@ def start_orchestrator(
         telemetry=telemetry,
         recovery=config.recovery,
     )
-    server, bound = serve_orchestrator(pair, host, port, security, telemetry=telemetry, admission=config.admission)
+    server, bound = serve_orchestrator(
+        pair, host, port, security, telemetry=telemetry, admission=config.admission, overlap=config.overlap
+    )
     return server, bound, pair

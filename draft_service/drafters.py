@@ -16,7 +16,7 @@ from draft_service import METHODS, ngram, proposer
 
 @dataclass(frozen=True)
 class Drafter:
-    # (engine, session, k, params, uniforms) -> (token ids, draft probs of them)
+    # (engine, session, k, params, uniforms, assumed) -> (token ids, draft probs of them)
     propose: Callable
     # (session, position) -> [vocab] draft distribution of the last proposal
     proposal_row: Callable

@@ -32,16 +32,24 @@ def lookup(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_N
 
 
 def propose(
-    engine: SessionEngine, session: Session, k: int, params: SamplingParams, uniforms: list[float]
+    engine: SessionEngine,
+    session: Session,
+    k: int,
+    params: SamplingParams,
+    uniforms: list[float],
+    assumed: list[int] = (),
 ) -> tuple[list[int], list[float]]:
-    """At most k tokens; draft probs of 1 (sampling mode), one-hot rows for ProposalRow."""
-    drafts = lookup(session.tokens, k)
+    """At most k tokens after the committed ones and `assumed`; draft probs of 1 (sampling
+    mode), one-hot rows for ProposalRow (the assumed tokens' too: they are point masses)."""
+    assumed = list(assumed)
+    drafts = lookup(session.tokens + assumed, k)
     if params.greedy or not drafts:
         session.proposal_rows = None
         return drafts, []
-    rows = torch.zeros(len(drafts), engine.backend.vocab_size)
-    rows[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
-    session.proposal_rows = rows
+    held = assumed + drafts
+    rows = torch.zeros(len(held), engine.backend.vocab_size)
+    rows[torch.arange(len(held)), torch.tensor(held)] = 1.0
+    session.proposal_rows, session.proposal_start = rows, len(session.tokens)
     return drafts, [1.0] * len(drafts)
 
 

@@ -22,14 +22,17 @@ def propose(
     k: int,
     params: SamplingParams,
     uniforms: list[float],
+    assumed: list[int] = (),
 ) -> tuple[list[int], list[float]]:
-    """Propose k tokens after the committed sequence: (token ids, draft probs of them)."""
+    """Propose k tokens after the committed sequence and `assumed` (tokens taken as given, not
+    committed: an overlapped round's continuation): (token ids, draft probs of them)."""
     assert k >= 1 and (params.greedy or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
+    assumed = list(assumed)
     drafts: list[int] = []
     token_probs: list[float] = []
     rows = []
     for i in range(k):
-        logits = engine.forward(session, drafts, 1)[0]
+        logits = engine.forward(session, assumed + drafts, 1)[0]
         if params.greedy:
             token = int(torch.argmax(logits))
         else:
@@ -38,15 +41,31 @@ def propose(
             token_probs.append(float(row[token]))
             rows.append(row)
         drafts.append(token)
-    session.proposal_rows = torch.stack(rows) if rows else None
+    keep_rows(session, len(assumed), torch.stack(rows) if rows else None)
     return drafts, token_probs
 
 
+def keep_rows(session: Session, offset: int, rows: torch.Tensor | None) -> None:
+    """Hold a proposal's rows, which start `offset` positions after the committed tokens, and
+    the rows the session already holds for the positions before them (the proposal this one
+    continues), so ProposalRow can read either."""
+    start = len(session.tokens)
+    held = session.proposal_rows
+    if rows is not None and offset and held is not None:
+        first = start - session.proposal_start
+        if first >= 0 and first + offset <= held.shape[0]:
+            rows = torch.cat([held[first : first + offset], rows])
+            offset = 0
+    session.proposal_rows, session.proposal_start = rows, start + offset
+
+
 def proposal_row(session: Session, position: int) -> np.ndarray:
-    """The draft distribution at a position of the last (sampling-mode) proposal."""
+    """The draft distribution at `position` after the committed tokens (sampling mode)."""
     rows = session.proposal_rows
     if rows is None:
         raise FailedPrecondition("the session has no sampling-mode proposal to read")
-    if not 0 <= position < rows.shape[0]:
-        raise OutOfRange(f"position {position} is outside 0..{rows.shape[0] - 1}")
-    return rows[position].float().cpu().numpy()
+    index = len(session.tokens) + position - session.proposal_start
+    if not 0 <= index < rows.shape[0]:
+        first = session.proposal_start - len(session.tokens)
+        raise OutOfRange(f"position {position} is outside {first}..{first + rows.shape[0] - 1}")
+    return rows[index].float().cpu().numpy()

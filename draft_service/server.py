@@ -28,13 +28,15 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         ref = request.session
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
-            self.engine.open_round(session, request.append_tokens, request.k, "append_tokens + k")
+            extra = len(request.assumed_tokens) + request.k
+            self.engine.open_round(session, request.append_tokens, extra, "append_tokens + assumed_tokens + k")
             tokens, probs = self.drafter.propose(
                 self.engine,
                 session,
                 request.k,
                 SamplingParams.from_proto(request.sampling),
                 list(request.uniforms),
+                list(request.assumed_tokens),
             )
             return model_pb2.ProposeResponse(
                 token_ids=tokens,

@@ -88,7 +88,8 @@ def _chat_ids(tok, messages) -> list[int]:
     return list(ids)
 
 
-def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
+def loop_config(pair: ModelPair, request, prompt_len: int, overlap: bool = True) -> LoopConfig:
+    """The loop's settings for a request; `overlap` is the default for a request that leaves it unset."""
     s = request.sampling
     validation.sampling(s, "sampling")
     max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -108,23 +109,30 @@ def loop_config(pair: ModelPair, request, prompt_len: int) -> LoopConfig:
         lookahead=lookahead,
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive,
+        overlap=spec.overlap if spec.HasField("overlap") else overlap,
         seed=request.seed or random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
 
 
 def generate(
-    pair: ModelPair, request, timeout=None, observe=None, active: Callable[[], bool] = lambda: True
+    pair: ModelPair,
+    request,
+    timeout=None,
+    observe=None,
+    active: Callable[[], bool] = lambda: True,
+    overlap: bool = True,
 ) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
     `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
     `active()` is asked after each round: once it is False (the client went away) the
-    generation stops and its sessions are closed.
+    generation stops and its sessions are closed. `overlap`: overlapped rounds for a request
+    that does not say.
     """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
-    config = loop_config(pair, request, len(ids))
+    config = loop_config(pair, request, len(ids), overlap)
     stop_strings = [s for s in request.stop_strings if s]
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout)

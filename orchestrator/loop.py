@@ -20,10 +20,13 @@ same committed state with the same random draws (orchestrator.recovery provides 
 
 from __future__ import annotations
 
+import contextvars
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +36,7 @@ from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
-from specdec.validation import DEFAULT_LOOKAHEAD
+from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -58,6 +61,7 @@ class LoopConfig:
     lookahead: int = DEFAULT_LOOKAHEAD  # k, or the largest k when adaptive
     speculate: bool = True
     adaptive: bool = False  # choose k per round (orchestrator.lookahead)
+    overlap: bool = False  # the draft proposes round r + 1 while the target verifies round r
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
 
@@ -75,6 +79,7 @@ class LoopStats:
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
     recoveries: int = 0  # sessions re-opened after a service lost them
+    overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
 
 
 @dataclass
@@ -85,6 +90,53 @@ class Round:
     proposed: int
     accepted: int
     finish_reason: str = ""  # "", "length" or "stop"
+
+
+@dataclass
+class _Proposal:
+    """Draft tokens for a round (or its continuation), as the draft service proposed them."""
+
+    tokens: list[int]
+    probs: list[float]  # sampling: draft_probs of each token
+    uniforms: list[float]  # sampling: the uniforms that drew them
+    lost: bool = False  # a continuation whose rows a restarted draft service lost: proposed again
+
+
+@dataclass(frozen=True)
+class _Draws:
+    """One round's uniforms, a fixed number whatever happens, so a seed replays a generation:
+    the drafts, their acceptance tests (one more for a continuation's first token), the
+    continuation's drafts, and the recovered or bonus token."""
+
+    draft: list[float]
+    accept: list[float]
+    continuation: list[float]
+    final: float
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator, lookahead: int, greedy: bool, overlap: bool) -> _Draws:
+        if greedy:
+            return cls([], [], [], 0.0)
+        if not overlap:  # the sequential rounds' draws, as they always were
+            u = rng.random(2 * lookahead + 1).tolist()
+            return cls(u[:lookahead], u[lookahead : 2 * lookahead], [], u[-1])
+        u = rng.random(3 * lookahead + 3).tolist()
+        n = lookahead + 1
+        return cls(u[:lookahead], u[lookahead : lookahead + n], u[lookahead + n : lookahead + 2 * n], u[-1])
+
+
+def _wait_quietly(future, timeout: float | None) -> None:
+    """Let a continuation finish before the round's own error goes up (no request of the
+    session is left in flight); its result and its error no longer matter."""
+    if future is not None:
+        try:
+            future.result(timeout=timeout)
+        except BaseException:  # noqa: BLE001, S110 - the round already failed with another error
+            pass
+
+
+# Continuations run here, beside the round's Score call; a thread is idle while its round waits.
+_CONTINUATIONS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="specdec-continuation")
 
 
 @dataclass
@@ -113,6 +165,9 @@ class SpeculativeLoop:
         self.rng = np.random.default_rng(config.seed)
         self.policy = AdaptiveLookahead(config.lookahead) if config.adaptive else None
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
+        self.overlap = config.overlap and self.draft is not None
+        self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
+        self._stats_lock = threading.Lock()
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -150,7 +205,8 @@ class SpeculativeLoop:
         """One RPC with what is left of the deadline: (response, seconds), bytes counted."""
         t0 = time.perf_counter()
         response = method(request, timeout=self._timeout())
-        self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
+        with self._stats_lock:  # a continuation calls from another thread
+            self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
         return response, time.perf_counter() - t0
 
     def _round(self) -> Round:
@@ -159,22 +215,24 @@ class SpeculativeLoop:
         remaining = cfg.max_new_tokens - len(self.generated)
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
-        wanted = self.policy.next_k() if self.policy else cfg.lookahead
-        k = min(wanted, remaining - 1) if self.draft is not None else 0
-        # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        if cfg.sampling.greedy:
-            draft_u = accept_u = []
-            final_u = 0.0
+        if self.draft is None:
+            k = 0
+        elif self._carried is not None:
+            k = len(self._carried.tokens)  # proposed last round, as its continuation
         else:
-            draws = self.rng.random(2 * cfg.lookahead + 1)
-            draft_u, accept_u, final_u = draws[:k], draws[cfg.lookahead : cfg.lookahead + k], draws[-1]
+            k = min(self._wanted_k(), remaining - 1)
+        # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
+        draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.sampling.greedy, overlap=self.overlap)
         for reopens in itertools.count():
             try:
-                return self._speculate(k, draft_u, accept_u, final_u, start)
+                return self._speculate(k, draws, start)
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
                     raise
                 self._reopen(lost.stub)
+
+    def _wanted_k(self) -> int:
+        return self.policy.next_k() if self.policy else self.config.lookahead
 
     def _reopen(self, stub) -> None:
         """Re-open the session on the side whose service lost it, holding the committed prefix."""
@@ -182,69 +240,121 @@ class SpeculativeLoop:
         committed = self.prompt + self.generated
         side.stub.reopen(self.session_id, committed, timeout=self._timeout())
         side.length, side.pending = len(committed), []
+        if side is self.draft and self._carried is not None:
+            self._carried.lost = True  # its rows went with the service: propose it again
         self.stats.recoveries += 1
 
-    def _speculate(self, k: int, draft_u, accept_u, final_u: float, start: float) -> Round:
-        cfg = self.config
-        drafts: list[int] = []
-        draft_probs: list[float] = []
-        draft_time = 0.0
-        if k > 0:
-            proposal, draft_time = self._call(
-                self.draft.stub.Propose,
-                model_pb2.ProposeRequest(
-                    session=self.draft.ref(self.session_id),
-                    append_tokens=self.draft.pending,
-                    k=k,
-                    sampling=self._sampling,
-                    uniforms=draft_u,
-                ),
-            )
-            self.stats.draft_compute_seconds += proposal.compute_seconds
-            self.draft.length, self.draft.pending = proposal.length, []
-            drafts, draft_probs = list(proposal.token_ids), list(proposal.token_probs)
-            # A model-free drafter may propose fewer than k (none when it finds no match).
-            k, accept_u = len(drafts), accept_u[: len(drafts)]
-
-        scores, target_time = self._call(
-            self.target.stub.Score,
-            model_pb2.ScoreRequest(
-                session=self.target.ref(self.session_id),
-                append_tokens=self.target.pending,
-                draft_token_ids=drafts,
+    def _propose(self, k: int, uniforms, assumed=()) -> tuple[_Proposal, float]:
+        """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds)."""
+        proposal, seconds = self._call(
+            self.draft.stub.Propose,
+            model_pb2.ProposeRequest(
+                session=self.draft.ref(self.session_id),
+                append_tokens=self.draft.pending,
+                k=k,
                 sampling=self._sampling,
-                draft_token_probs=draft_probs,
-                accept_uniforms=accept_u,
+                uniforms=uniforms[:k],
+                assumed_tokens=assumed,
             ),
         )
+        with self._stats_lock:
+            self.stats.draft_compute_seconds += proposal.compute_seconds
+        self.draft.length, self.draft.pending = proposal.length, []
+        return _Proposal(list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k])), seconds
+
+    def _speculate(self, k: int, draws: _Draws, start: float) -> Round:
+        cfg = self.config
+        # 1. This round's drafts: last round's continuation, or proposed now.
+        drafts = _Proposal([], [], [])
+        draft_time = 0.0
+        carried, next_carried = self._carried, None  # kept until the round succeeds: a retry reuses it
+        if carried is not None and not carried.lost:
+            drafts = carried
+            self.stats.overlapped_rounds += 1
+        elif k > 0:
+            drafts, draft_time = self._propose(k, carried.uniforms if carried is not None else draws.draft)
+        # A model-free drafter may propose fewer than k (none when it finds no match).
+        k = len(drafts.tokens)
+        accept_u = draws.accept[:k]
+
+        # 2. Overlapped: the draft continues past these drafts while the target scores them.
+        room = cfg.max_new_tokens - len(self.generated) - (k + 1)
+        k_next = min(self._wanted_k(), room - 1, MAX_LOOKAHEAD - 1) if self.overlap else 0
+        continuation = None
+        if k_next > 0:
+            ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
+            continuation = _CONTINUATIONS.submit(ctx.run, self._propose, k_next + 1, draws.continuation, drafts.tokens)
+        try:
+            scores, target_time = self._call(
+                self.target.stub.Score,
+                model_pb2.ScoreRequest(
+                    session=self.target.ref(self.session_id),
+                    append_tokens=self.target.pending,
+                    draft_token_ids=drafts.tokens,
+                    sampling=self._sampling,
+                    draft_token_probs=drafts.probs,
+                    accept_uniforms=accept_u,
+                ),
+            )
+        except BaseException:
+            _wait_quietly(continuation, self._timeout())
+            raise
+        after = None
+        if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
+            waited = time.perf_counter()
+            after, _ = continuation.result(timeout=self._timeout())
+            draft_time += time.perf_counter() - waited  # only the part the Score did not hide
         self.stats.target_compute_seconds += scores.compute_seconds
         self.target.length, self.target.pending = scores.length, []
 
+        # 3. The rule. All drafts accepted and a continuation: its first token is tested at the
+        # bonus position like any draft; accepted, the rest are the next round's drafts.
         if cfg.sampling.greedy:
-            accepted = rule.greedy_accepted_length(drafts, scores.argmax_token_ids)
-            last = scores.argmax_token_ids[accepted]
+            accepted = rule.greedy_accepted_length(drafts.tokens, scores.argmax_token_ids)
+            target_token = scores.argmax_token_ids[accepted]
         else:
-            accepted = rule.accepted_length(draft_probs, scores.draft_token_target_probs, accept_u)
+            accepted = rule.accepted_length(drafts.probs, scores.draft_token_target_probs, accept_u)
             if accepted != scores.row_position:
                 raise SpecdecError(f"target returned row {scores.row_position}, the rule needs {accepted}")
+            target_row = wire.decode_row(scores.row)
+        proposed = k
+        committed = drafts.tokens[:accepted]
+        passed = False
+        if accepted == k and after is not None and after.tokens:
+            first = after.tokens[0]
+            proposed += 1
+            if cfg.sampling.greedy:
+                passed = first == target_token
+            else:
+                passed = rule.accepted_length(after.probs[:1], [target_row[first]], draws.accept[k : k + 1]) == 1
+            if passed:
+                accepted += 1
+                committed.append(first)
+                if len(after.tokens) > 1:
+                    next_carried = _Proposal(after.tokens[1:], after.probs[1:], after.uniforms[1:])
+        if not passed:
+            if cfg.sampling.greedy:
+                last = target_token
+            else:
 
-            def draft_row():  # on a rejection: the draft's row at that position, for the residual
-                nonlocal draft_time
-                row, row_time = self._call(
-                    self.draft.stub.ProposalRow,
-                    model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=accepted),
-                )
-                draft_time += row_time
-                return wire.decode_row(row)
+                def draft_row():  # on a rejection: the draft's row at that position, for the residual
+                    nonlocal draft_time
+                    row, row_time = self._call(
+                        self.draft.stub.ProposalRow,
+                        model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=accepted),
+                    )
+                    draft_time += row_time
+                    return wire.decode_row(row)
 
-            last = rule.final_token(accepted, k, wire.decode_row(scores.row), draft_row, final_u)
-        committed = drafts[:accepted] + [last]
+                last = rule.final_token(accepted, proposed, target_row, draft_row, draws.final)
+            committed.append(last)
+        self._carried = next_carried
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time
         if self.policy and k > 0:
-            self.policy.update(k, accepted, draft_time, target_time)
+            self.policy.update(k, min(accepted, k), draft_time, target_time)
         self.stats.round_seconds += time.perf_counter() - start
-        return self._commit(committed, proposed=k, accepted=accepted)
+        return self._commit(committed, proposed=proposed, accepted=accepted)
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config

@@ -85,9 +85,10 @@ def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grp
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None):
+    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None, overlap: bool = True):
         self.pair = pair
         self.telemetry = telemetry or disabled()
+        self.overlap = overlap  # for requests that leave speculation.overlap unset
 
     def _chunks(self, request, context):
         chunks = generate(
@@ -96,6 +97,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             timeout=deadline_seconds(context),
             observe=self.telemetry.rounds,
             active=context.is_active,
+            overlap=self.overlap,
         )
         return self.telemetry.requests(chunks)
 
@@ -128,18 +130,20 @@ def serve(
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
     admission: AdmissionLimits | None = None,
+    overlap: bool = True,
 ):
     """Start the orchestrator on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; pass the same `telemetry`
     (specdec.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
-    generations running and queued. The server drains with server.drain() (specdec.lifecycle).
+    generations running and queued; `overlap` is the default of requests that leave
+    speculation.overlap unset. The server drains with server.drain() (specdec.lifecycle).
     """
     telemetry = telemetry or disabled()
     admission = admission or AdmissionLimits()
     return lifecycle.start(
         lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(pair, telemetry), server
+            OrchestratorServicer(pair, telemetry, overlap), server
         ),
         SERVICE_NAME,
         [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],

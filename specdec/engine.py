@@ -46,8 +46,10 @@ class Session:
     tokens: list[int]
     cache: Any
     cached: list[int] = field(default_factory=list)
-    # Draft only: the distributions of the last proposal, [k, vocab], for ProposalRow.
+    # Draft only: the distributions of the last proposal (and of the proposal it continued),
+    # [n, vocab], for ProposalRow; row 0 is at absolute position proposal_start.
     proposal_rows: torch.Tensor | None = None
+    proposal_start: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     kv_tokens: int = 0  # reserved in the engine's KV budget
     last_used: float = field(default_factory=time.monotonic)

@@ -63,6 +63,7 @@ def propose_request(request, vocab_size: int) -> None:
     lookahead(request.k, "k")
     sampling(request.sampling)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
+    token_ids(request.assumed_tokens, vocab_size, "assumed_tokens")
     if request.sampling.temperature > 0:
         uniforms(request.uniforms, request.k, "uniforms")
 

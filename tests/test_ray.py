@@ -27,6 +27,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from deploy import ray_deploy
+from deploy.configs import ModelServiceConfig
 from deploy.ray_actors import actor_endpoint
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
@@ -76,8 +77,8 @@ PLAINTEXT = {"server_security": ServerSecurity(allow_insecure=True), "service_se
 def config(tiny_models, name, placement, **security_settings):
     return ray_deploy.RayDeployConfig(
         name=name,
-        target=ModelSpec(tiny_models["target"], "cpu", "float32"),
-        draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+        target=ModelServiceConfig("target", ModelSpec(tiny_models["target"], "cpu", "float32")),
+        draft=ModelServiceConfig("draft", ModelSpec(tiny_models["draft"], "cpu", "float32")),
         placement=placement,
         port=0,
         placement_timeout=60,

@@ -49,18 +49,20 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms")
+    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     sampling: SamplingParams
     uniforms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
+    assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_ids", "token_probs", "length", "compute_seconds")

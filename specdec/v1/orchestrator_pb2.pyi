@@ -28,14 +28,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("lookahead", "disabled", "adaptive")
+    __slots__ = ("lookahead", "disabled", "adaptive", "overlap")
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     lookahead: int
     disabled: bool
     adaptive: bool
-    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation")
