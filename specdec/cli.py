@@ -93,6 +93,16 @@ def _add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help=text + "; traces: see OTEL_* in the README")
 
 
+def _add_http_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API and the playground on --host at this port; 0 picks a "
+        "free one (default: off). Same token and certificate as gRPC",
+    )
+
+
 def _add_server_security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS and authentication (server)")
     g.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM certificate (chain) to serve TLS with")
@@ -169,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
     _add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
+    _add_http_flag(s)
     _add_model_flags(s, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(s, models.DEFAULT_DRAFT_DTYPE, "draft-")
     _add_drafter_flag(s)
@@ -212,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(o, 50051)
     o.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
     o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
+    _add_http_flag(o)
     _add_server_security_flags(o)
     _add_client_security_flags(o, "service-", "the model services")
     _add_reliability_flags(o, "orchestrator")
@@ -382,12 +394,17 @@ def _wait(stop: threading.Event) -> None:
 
 
 def _serve_until_signal(
-    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
+    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0, http=None
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
-    in-flight work finished within drain_timeout) and stop; exit code 0."""
+    in-flight work finished within drain_timeout) and stop; exit code 0. `http`: the HTTP
+    front door (orchestrator.openai_api), stopped after the drain."""
     stop = _stop_on_signal()
     ready = {"address": address}
+    if http is not None:
+        ready["http_url"] = http.url
+        line = f"specdec: OpenAI-compatible API at {http.url}/v1, playground at {http.url}/"
+        print(line, file=sys.stderr, flush=True)
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
         print(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics", file=sys.stderr, flush=True)
@@ -400,6 +417,8 @@ def _serve_until_signal(
     print(f"specdec: {what} draining (up to {drain_timeout:g} s)", file=sys.stderr, flush=True)
     if not server.drain(drain_timeout):
         print(f"specdec: {what}: drain timed out; stopping with work in flight", file=sys.stderr, flush=True)
+    if http is not None:
+        http.stop()
     server.stop(grace=1).wait()
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics
@@ -450,7 +469,22 @@ def cmd_orchestrator(args) -> int:
     pair = connect(args.draft_address, args.target_address, security=client, telemetry=telemetry)
     server, port = serve(pair, args.host, args.port, server_security, telemetry=telemetry, admission=admission)
     address = f"{args.host}:{port}"
-    return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
+    http = None if args.http_port is None else _serve_http(args, port, server_security, client, telemetry, pair)
+    return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout, http)
+
+
+def _serve_http(args, grpc_port: int, server_security, service_client, telemetry, pair):
+    """The HTTP front door, a client of this process's gRPC port over loopback (TLS with our own
+    certificate when it serves TLS, and our token)."""
+    from orchestrator.openai_api import serve_http
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    own = security.ClientSecurity(root_ca=server_security.cert_chain, token=server_security.token)
+    addresses = {"draft": args.draft_address, "target": args.target_address}
+    services = {name: security.channel(a, service_client) for name, a in addresses.items() if a}
+    return serve_http(
+        f"{host}:{grpc_port}", args.host, args.http_port, own, server_security, telemetry, pair.model_name, services
+    )
 
 
 def cmd_serve(args) -> int:
@@ -465,11 +499,14 @@ def cmd_serve(args) -> int:
         auth_token=server_security.token,
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     stop = _stop_on_signal()
     with LocalPipeline(config, log=log) as pipeline:
         log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
+        if pipeline.http_url:
+            log(f"specdec: OpenAI-compatible API at {pipeline.http_url}/v1, playground at {pipeline.http_url}/")
         _wait(stop)
         log("specdec: stopping")
     return 0
