@@ -230,6 +230,9 @@ def test_token_is_required_on_every_route_but_health(stack):
                 status, reply = http_json(http.url + path, body, token)
                 assert (status, reply["error"]["type"]) == (401, "authentication_error"), (path, token)
         assert http_json(http.url + "/health")[0] == 200
+        for page in ("/", "/playground.js"):  # static; the page sends the token it is given
+            with urllib.request.urlopen(http.url + page, timeout=10) as response:
+                assert response.status == 200 and response.read()
         for path, body in routes[:3]:
             assert http_json(http.url + path, body, "s3cret")[0] == 200
         with pytest.raises(openai.AuthenticationError):
