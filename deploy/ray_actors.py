@@ -85,6 +85,7 @@ class OrchestratorHost(_Host):
         security: ServerSecurity,
         service_security: ClientSecurity,
         loopback: bool,
+        http_port: int | None = None,
     ):
         from orchestrator.server import connect, serve
         from specdec import telemetry
@@ -99,6 +100,21 @@ class OrchestratorHost(_Host):
             recovery=recovery,
         )
         self.server, self.port = serve(self.pair, self.host, port, security, self.telemetry)
+        self.http = None
+        if http_port is not None:  # a client of the gRPC port above (its /health: the orchestrator's)
+            from orchestrator.openai_api import serve_http
+
+            own = ClientSecurity(root_ca=security.cert_chain, token=security.token)
+            model = self.pair.model_name
+            self.http = serve_http(self.endpoint(), self.host, http_port, own, security, self.telemetry, model)
+
+    def where(self) -> dict:
+        return {**super().where(), "http_url": self.http.url if self.http else None}
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.http is not None:
+            self.http.stop()
+        super().stop(grace)
 
     def reopens(self) -> dict[str, int]:
         """Sessions re-opened after each service lost them, since this actor started."""

@@ -70,6 +70,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="let Ray place the orchestrator on any node (default: the head node)",
     )
     up.add_argument("--port", type=int, default=50051, help="orchestrator port; 0 picks a free one (default 50051)")
+    up.add_argument(
+        "--http-port", type=int, help="the orchestrator's OpenAI-compatible HTTP API on this port (default: off)"
+    )
     up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
     up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
@@ -124,6 +127,7 @@ def cmd_up(args, server_security=None, service_security=None) -> int:
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,
         port=args.port,
+        http_port=args.http_port,
         max_restarts=args.max_restarts,
         start_timeout=args.timeout,
         server_security=server_security or ServerSecurity(),

@@ -64,6 +64,7 @@ class RayDeployConfig:
     orchestrator_cpus: float = 0.0
     orchestrator_on_head: bool = True
     port: int = 50051  # orchestrator port; 0 picks a free one (which moves if the actor restarts)
+    http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; None: off
     max_restarts: int = -1  # per service actor; -1: no limit
     placement_timeout: float = 120.0
     start_timeout: float = 600.0
@@ -96,6 +97,7 @@ class RayDeployConfig:
 class Deployment:
     name: str
     address: str  # the orchestrator's HOST:PORT, for clients
+    http_url: str | None = None  # its HTTP API, when config.http_port is set
 
 
 def actor_name(name: str, role: str) -> str:
@@ -187,14 +189,18 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 config.server_security,
                 config.service_security,
                 config.loopback,
+                config.http_port,
             )
         )
-        address = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]["endpoint"]
+        where = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
+        address = where["endpoint"]
     except BaseException:
         down(name)
         raise
     log(f"specdec: deployment {name!r} up in {time.perf_counter() - t0:.1f} s; orchestrator at {address}")
-    return Deployment(name, address)
+    if where.get("http_url"):
+        log(f"specdec: OpenAI-compatible API at {where['http_url']}/v1, playground at {where['http_url']}/")
+    return Deployment(name, address, where.get("http_url"))
 
 
 def down(name: str, grace: float = 5.0) -> list[str]:
