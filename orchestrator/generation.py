@@ -148,7 +148,7 @@ def generate(
             finish = step.finish_reason
             text = tok.decode(loop.generated, skip_special_tokens=True)
             marks += _round_marks(tok, loop.generated, step, len(text))
-            counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + min(step.accepted, len(step.token_ids)))
+            counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + step.accepted)
             search_from = max(0, emitted - hold)
             cut = _find_stop(text, stop_strings, search_from)
             if cut is not None:

@@ -20,7 +20,7 @@ from deploy.local import LocalPipeline, PipelineConfig
 from orchestrator.openai_api import serve_http
 from specdec.limits import AdmissionLimits
 from specdec.models import ModelSpec
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity
+from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
 from specdec.v1 import orchestrator_pb2
 from tests.certs import make_pki
 from tests.harness import NO_EOS_PROMPT, pipeline, slow_pipeline, wait_until
@@ -303,10 +303,12 @@ def test_admission_full_is_429_and_draining_is_503(tiny_backends):
 
 
 # -- the command line, telemetry ---------------------------------------------------------
-def test_an_http_request_is_the_root_of_one_trace_across_the_three_processes(tiny_models, monkeypatch):
-    """`--http-port` through deploy.local (what `specdec serve --http-port` runs): the HTTP
-    request's server span is the trace's root; the gRPC stream, the rounds and the services'
-    calls are in its trace."""
+def test_serve_http_port_with_tls_and_a_token_one_trace_across_the_three_processes(tiny_models, monkeypatch, tmp_path):
+    """`--http-port` through deploy.local (what `specdec serve --http-port` runs), with TLS and a
+    token: HTTPS with the orchestrator's certificate, the token required, /health over all three;
+    the HTTP request's server span is the trace's root, the gRPC stream, the rounds and the
+    services' calls are in its trace."""
+    pki = make_pki(tmp_path, "serve")
     with OtlpReceiver() as receiver:
         for key, value in {
             "OTEL_SERVICE_NAME": "",
@@ -321,13 +323,21 @@ def test_an_http_request_is_the_root_of_one_trace_across_the_three_processes(tin
             target=ModelSpec(tiny_models["target"], "cpu", "float32"),
             draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
             http_port=0,
+            tls=ServerTLSFiles(pki.server_cert, pki.server_key),
+            auth_token="t0ken",
             start_timeout=180,
         )
         pipeline = LocalPipeline(config, log=lambda *_: None)
         try:
             pipeline.start()
-            assert pipeline.http_url.startswith("http://127.0.0.1:")
-            client = openai.OpenAI(base_url=pipeline.http_url + "/v1", api_key="unused", max_retries=0)
+            url = pipeline.http_url
+            assert url.startswith("https://127.0.0.1:")
+            context = ssl.create_default_context(cafile=str(pki.ca))
+            status, health = http_json(url + "/health", context=context)
+            assert status == 200 and set(health["services"].values()) == {"SERVING"} and len(health["services"]) == 3
+            assert http_json(url + "/v1/models", context=context)[0] == 401
+            http_client = openai.DefaultHttpxClient(verify=context)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="t0ken", max_retries=0, http_client=http_client)
             (model,) = [m.id for m in client.models.list()]
             chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, stream=True))
             rounds = chunks[-1].specdec["rounds"]

@@ -54,6 +54,23 @@ def test_stream_equals_unary(pipeline):
         assert s.mean_accepted_length == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
 
 
+def test_chunks_split_their_text_by_origin_and_count_their_rounds(pipeline):
+    """TextSpan and RoundCounts: the spans cover each chunk's text; the counts add up to the stats."""
+    stub, _ = pipeline
+    for speculation in (orchestrator_pb2.SpeculationParams(), orchestrator_pb2.SpeculationParams(disabled=True)):
+        chunks = list(stub.GenerateStream(request(max_new_tokens=60, stop_strings=["zz"], speculation=speculation)))
+        for c in chunks:
+            assert sum(s.length for s in c.spans) == len(c.text)
+        s = chunks[-1].stats
+        counts = [(c.rounds.rounds, c.rounds.draft_tokens, c.rounds.accepted_tokens) for c in chunks]
+        assert tuple(map(sum, zip(*counts, strict=True))) == (s.rounds, s.draft_tokens, s.accepted_tokens)
+        drafted = sum(span.length for c in chunks for span in c.spans if span.drafted)
+        if speculation.disabled:
+            assert drafted == 0 and s.draft_tokens == 0
+        else:
+            assert 0 < drafted < sum(len(c.text) for c in chunks)
+
+
 def test_inputs_agree(pipeline):
     stub, pair = pipeline
     text = stub.Generate(request(prompt="abc", chat_template=True))
