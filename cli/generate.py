@@ -30,6 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_lookahead_flag(g)
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
     g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
+    options.add_overlap_flag(g, client=True)
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
@@ -57,6 +58,11 @@ def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -
 
 
 def request(args) -> orchestrator_pb2.GenerateRequest:
+    speculation = orchestrator_pb2.SpeculationParams(
+        lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
+    )
+    if args.no_overlap:
+        speculation.overlap = False
     return orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=not args.raw,
@@ -64,9 +70,7 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
         seed=args.seed,
         max_new_tokens=args.max_tokens,
         stop_strings=args.stop,
-        speculation=orchestrator_pb2.SpeculationParams(
-            lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
-        ),
+        speculation=speculation,
     )
 
 

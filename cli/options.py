@@ -81,6 +81,26 @@ def add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help=text + "; traces: see OTEL_* in the README")
 
 
+def add_http_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API and the playground on --host at this port; 0 picks a "
+        "free one (default: off). Same token and certificate as gRPC",
+    )
+
+
+def add_overlap_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
+    whose = "this request" if client else "requests that do not say (speculation.overlap)"
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help=f"sequential rounds for {whose}: the draft waits while the target verifies (default: overlapped, "
+        "the draft proposes the next round meanwhile; output unchanged)",
+    )
+
+
 def add_server_security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS and authentication (server)")
     g.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM certificate (chain) to serve TLS with")

@@ -73,6 +73,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="let Ray place the orchestrator on any node (default: the head node)",
     )
     up.add_argument("--port", type=int, default=50051, help="orchestrator port; 0 picks a free one (default 50051)")
+    up.add_argument(
+        "--http-port", type=int, help="the orchestrator's OpenAI-compatible HTTP API on this port (default: off)"
+    )
     up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
     up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
@@ -82,6 +85,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_server_security_flags(up)
     options.add_client_security_flags(up, "service-", "the model services")
     options.add_limit_flags(up, "all")
+    options.add_overlap_flag(up)
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
@@ -134,7 +138,9 @@ def cmd_up(args) -> int:
         target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),
         placement=args.placement,
-        orchestrator=OrchestratorConfig(admission=options.admission_limits(args)),
+        orchestrator=OrchestratorConfig(
+            admission=options.admission_limits(args), overlap=not args.no_overlap, http_port=args.http_port
+        ),
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,
         port=args.port,

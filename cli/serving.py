@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from cli import options
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline
 from specdec import models
 
@@ -25,6 +26,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
     options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
+    options.add_http_flag(s)
+    options.add_overlap_flag(s)
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
 
@@ -48,6 +51,8 @@ def add_orchestrator_parser(sub) -> None:
     options.add_server_flags(o, 50051)
     o.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
     o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
+    options.add_http_flag(o)
+    options.add_overlap_flag(o)
     options.add_server_security_flags(o)
     options.add_client_security_flags(o, "service-", "the model services")
     options.add_limit_flags(o, "orchestrator")
@@ -60,7 +65,7 @@ def model_service(args, role: str) -> int:
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
     from deploy import hosting  # torch and the model: only for the commands that host one
 
-    config = hosting.ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits)
+    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
     return serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry, args.drain_timeout)
@@ -73,12 +78,20 @@ def orchestrator(args) -> int:
     telemetry = _telemetry(args, "orchestrator")
     from deploy import hosting  # the orchestrator imports transformers for its tokenizer
 
-    config = hosting.OrchestratorConfig(admission=admission)
-    server, port, _ = hosting.start_orchestrator(
+    config = OrchestratorConfig(admission=admission, overlap=not args.no_overlap, http_port=args.http_port)
+    orchestrator = hosting.start_orchestrator(
         args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
     )
-    address = f"{args.host}:{port}"
-    return serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
+    address = f"{args.host}:{orchestrator.port}"
+    return serve_until_signal(
+        orchestrator.server,
+        address,
+        args.ready_file,
+        "orchestrator",
+        telemetry,
+        args.drain_timeout,
+        orchestrator.http,
+    )
 
 
 def serve(args) -> int:
@@ -91,10 +104,14 @@ def serve(args) -> int:
         auth_token=server_security.token,
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        overlap=not args.no_overlap,
     )
     stop = stop_on_signal()
     with LocalPipeline(config, log=_log) as pipeline:
         _log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
+        if pipeline.http_url:
+            _log(f"specdec: OpenAI-compatible API at {pipeline.http_url}/v1, playground at {pipeline.http_url}/")
         wait(stop)
         _log("specdec: stopping")
     return 0
@@ -129,12 +146,16 @@ def wait(stop: threading.Event) -> None:
 
 
 def serve_until_signal(
-    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
+    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0, http=None
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
-    in-flight work finished within drain_timeout) and stop; exit code 0."""
+    in-flight work finished within drain_timeout) and stop; exit code 0. `http`: the HTTP
+    front door (orchestrator.openai_api), stopped after the drain."""
     stop = stop_on_signal()
     ready = {"address": address}
+    if http is not None:
+        ready["http_url"] = http.url
+        _log(f"specdec: OpenAI-compatible API at {http.url}/v1, playground at {http.url}/")
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
         _log(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics")
@@ -147,6 +168,8 @@ def serve_until_signal(
     _log(f"specdec: {what} draining (up to {drain_timeout:g} s)")
     if not server.drain(drain_timeout):
         _log(f"specdec: {what}: drain timed out; stopping with work in flight")
+    if http is not None:
+        http.stop()
     server.stop(grace=1).wait()
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics

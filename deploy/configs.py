@@ -39,3 +39,4 @@ class OrchestratorConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
     overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port

@@ -13,16 +13,19 @@ in built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import ModelPair
+from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.backend import HFBackend
 from specdec.lifecycle import Served
-from specdec.security import ClientSecurity, ServerSecurity
+from specdec.security import ClientSecurity, ServerSecurity, channel
 from specdec.telemetry import Telemetry
 from target_service.server import serve as serve_target
 
@@ -59,6 +62,21 @@ def serve_model(
     return serve_target(backend, host, port, **common)
 
 
+@dataclass
+class Orchestrator:
+    """A started orchestrator: its gRPC server, the connected pair, and its HTTP front door."""
+
+    server: Served
+    port: int
+    pair: ModelPair
+    http: HTTPServer | None = None  # config.http_port set: the OpenAI-compatible API
+
+    def stop(self, grace: float | None = None):
+        if self.http is not None:
+            self.http.stop()
+        return self.server.stop(grace)
+
+
 def start_orchestrator(
     draft: Address | None,
     target: Address,
@@ -68,10 +86,12 @@ def start_orchestrator(
     security: ServerSecurity | None = None,
     service_security: ClientSecurity | None = None,
     telemetry: Telemetry | None = None,
-) -> tuple[Served, int, ModelPair]:
-    """Connect to the two services (no draft: target-only) and serve the client API;
-    returns (server, bound port, the connected pair)."""
+) -> Orchestrator:
+    """Connect to the two services (no draft: target-only), serve the client API, and with
+    config.http_port the HTTP front door (orchestrator.openai_api: a client of this gRPC port
+    over loopback, with the server's own certificate and token)."""
     config = config or OrchestratorConfig()
+    security = security or ServerSecurity()
     pair = connect(
         draft,
         target,
@@ -83,4 +103,20 @@ def start_orchestrator(
     server, bound = serve_orchestrator(
         pair, host, port, security, telemetry=telemetry, admission=config.admission, overlap=config.overlap
     )
-    return server, bound, pair
+    orchestrator = Orchestrator(server, bound, pair)
+    if config.http_port is not None:
+        loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        own = ClientSecurity(root_ca=security.cert_chain, token=security.token)
+        # The services join GET /health where their addresses are fixed (not a moving Ray actor's).
+        fixed = {"draft": draft, "target": target}
+        services = {
+            name: channel(a, service_security or ClientSecurity()) for name, a in fixed.items() if isinstance(a, str)
+        }
+        try:
+            orchestrator.http = serve_http(
+                f"{loopback}:{bound}", host, config.http_port, own, security, telemetry, pair.model_name, services
+            )
+        except BaseException:
+            server.stop(None)
+            raise
+    return orchestrator

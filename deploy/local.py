@@ -40,6 +40,8 @@ class PipelineConfig:
     allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
     # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
     metrics_port: int | None = None
+    http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
+    overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
 
 
 @dataclass
@@ -52,6 +54,7 @@ class LocalPipeline:
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
     metrics_addresses: dict = field(default_factory=dict)
+    http_url: str | None = None  # the orchestrator's HTTP API, when config.http_port is set
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -68,7 +71,9 @@ class LocalPipeline:
                 "orchestrator",
                 ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]]
                 + cfg.tls.flags()
-                + (["--allow-insecure"] if cfg.allow_insecure else []),
+                + (["--allow-insecure"] if cfg.allow_insecure else [])
+                + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
+                + ([] if cfg.overlap else ["--no-overlap"]),
                 cfg.port,
                 cfg.host,
             )
@@ -124,6 +129,7 @@ class LocalPipeline:
         self.addresses[name] = info["address"]
         if "metrics_address" in info:
             self.metrics_addresses[name] = info["metrics_address"]
+        self.http_url = info.get("http_url", self.http_url)
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"

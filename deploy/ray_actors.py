@@ -80,7 +80,7 @@ class OrchestratorHost(_Host):
 
         self._locate(loopback)
         self.telemetry = telemetry.setup("orchestrator")
-        self.server, self.port, self.pair = hosting.start_orchestrator(
+        self.orchestrator = hosting.start_orchestrator(
             actor_endpoint(draft),
             actor_endpoint(target),
             config,
@@ -90,6 +90,16 @@ class OrchestratorHost(_Host):
             service_security,
             self.telemetry,
         )
+        self.server, self.port, self.pair = self.orchestrator.server, self.orchestrator.port, self.orchestrator.pair
+
+    def where(self) -> dict:
+        http = self.orchestrator.http
+        return {**super().where(), "http_url": http.url if http else None}
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.orchestrator.http is not None:
+            self.orchestrator.http.stop()
+        super().stop(grace)
 
     def reopens(self) -> dict[str, int]:
         """Sessions re-opened after each service lost them, since this actor started."""

@@ -97,6 +97,7 @@ class RayDeployConfig:
 class Deployment:
     name: str
     address: str  # the orchestrator's HOST:PORT, for clients
+    http_url: str | None = None  # its HTTP API, when config.orchestrator.http_port is set
 
 
 def actor_name(name: str, role: str) -> str:
@@ -189,12 +190,15 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 config.loopback,
             )
         )
-        address = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]["endpoint"]
+        where = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
+        address = where["endpoint"]
     except BaseException:
         down(name)
         raise
     log(f"specdec: deployment {name!r} up in {time.perf_counter() - t0:.1f} s; orchestrator at {address}")
-    return Deployment(name, address)
+    if where.get("http_url"):
+        log(f"specdec: OpenAI-compatible API at {where['http_url']}/v1, playground at {where['http_url']}/")
+    return Deployment(name, address, where.get("http_url"))
 
 
 def down(name: str, grace: float = 5.0) -> list[str]:

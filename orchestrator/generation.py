@@ -11,7 +11,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
@@ -42,6 +42,7 @@ class ModelPair:
     max_context: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    model_name: str = ""  # the target's, as it describes itself (what GET /v1/models lists)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Chunk:
     text: str
     finish_reason: str = ""
     stats: orchestrator_pb2.GenerateStats | None = None
+    spans: list[tuple[int, bool]] = field(default_factory=list)  # (characters, drafted): see TextSpan
+    rounds: tuple[int, int, int] = (0, 0, 0)  # rounds, drafts proposed, drafts accepted: see RoundCounts
 
 
 def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> list[int]:
@@ -141,6 +144,8 @@ def generate(
     text = ""
     pending_ids: list[int] = []
     finish = ""
+    marks: list[tuple[int, bool]] = []  # (end in `text`, drafted) of each round's spans not yet sent
+    counts = (0, 0, 0)  # rounds, proposed, accepted since the last chunk
     rounds = loop.rounds() if observe is None else observe(loop)
     try:
         for step in rounds:
@@ -149,6 +154,8 @@ def generate(
             pending_ids += step.token_ids
             finish = step.finish_reason
             text = tok.decode(loop.generated, skip_special_tokens=True)
+            marks += _round_marks(tok, loop.generated, step, len(text))
+            counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + step.accepted)
             search_from = max(0, emitted - hold)
             cut = _find_stop(text, stop_strings, search_from)
             if cut is not None:
@@ -164,12 +171,38 @@ def generate(
             if text.endswith("\ufffd"):
                 ready = min(ready, len(text.rstrip("\ufffd")))
             if ready > emitted and pending_ids:
-                yield Chunk(pending_ids, text[emitted:ready])
-                emitted, pending_ids = ready, []
+                yield Chunk(pending_ids, text[emitted:ready], spans=_spans(marks, emitted, ready), rounds=counts)
+                marks = [m for m in marks if m[0] > ready]
+                emitted, pending_ids, counts = ready, [], (0, 0, 0)
     finally:
         rounds.close()  # closes the sessions even when the client went away
     wall = time.perf_counter() - start
-    yield Chunk(pending_ids, text[emitted:], finish, _stats(loop, len(ids), wall, config.seed))
+    spans = _spans(marks, emitted, len(text))
+    yield Chunk(pending_ids, text[emitted:], finish, _stats(loop, len(ids), wall, config.seed), spans, counts)
+
+
+def _round_marks(tok, generated: list[int], step, text_len: int) -> list[tuple[int, bool]]:
+    """Where the round's text ends, split into its accepted drafts and the target's own token
+    (which max_new_tokens or a stop token may have cut off)."""
+    drafted = min(step.accepted, len(step.token_ids))
+    if 0 < drafted < len(step.token_ids):
+        through_drafts = generated[: len(generated) - len(step.token_ids) + drafted]
+        drafts_end = len(tok.decode(through_drafts, skip_special_tokens=True))
+        return [(drafts_end, True), (text_len, False)]
+    return [(text_len, drafted > 0)]
+
+
+def _spans(marks: list[tuple[int, bool]], start: int, end: int) -> list[tuple[int, bool]]:
+    """text[start:end] as (length, drafted) runs; a decode that shrank (a character completed)
+    leaves no gap: what no mark covers counts as the target's."""
+    spans, at = [], start
+    for mark_end, drafted in marks:
+        if min(mark_end, end) > at:
+            spans.append((min(mark_end, end) - at, drafted))
+            at = min(mark_end, end)
+    if end > at:
+        spans.append((end - at, False))
+    return spans
 
 
 def _tokens_through_stop(tok, ids: list[int], last_round: int, stops, start: int) -> int:
@@ -192,7 +225,7 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_tokens=s.draft_tokens,
         accepted_tokens=s.accepted_tokens,
         acceptance_rate=s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0,
-        mean_accepted_length=(s.accepted_tokens + s.rounds) / s.rounds if s.rounds else 0.0,
+        mean_accepted_length=s.committed_tokens / s.rounds if s.rounds else 0.0,
         tokens_per_second=len(loop.generated) / wall if wall > 0 else 0.0,
         wall_seconds=wall,
         prompt_tokens=prompt_len,

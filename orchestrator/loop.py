@@ -72,6 +72,7 @@ class LoopStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
+    committed_tokens: int = 0  # what the rounds committed, before stop handling
     draft_seconds: float = 0.0  # waiting on the draft service
     target_seconds: float = 0.0  # waiting on the target service
     draft_compute_seconds: float = 0.0  # of which the draft service reported computing
@@ -90,6 +91,9 @@ class Round:
     proposed: int
     accepted: int
     finish_reason: str = ""  # "", "length" or "stop"
+    # Tokens the rule committed, before stop handling: the accepted drafts and the recovered or
+    # bonus token (none when a continuation's first token took the bonus position).
+    committed: int = 0
 
 
 @dataclass
@@ -358,6 +362,7 @@ class SpeculativeLoop:
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config
+        ruled = len(committed)
         stops = cfg.stop_token_ids
         finish = ""
         for i, token in enumerate(committed):
@@ -375,8 +380,9 @@ class SpeculativeLoop:
         s.rounds += 1
         s.draft_tokens += proposed
         s.accepted_tokens += accepted
+        s.committed_tokens += ruled
         s.generated_tokens = len(self.generated)
-        return Round(committed, proposed, accepted, finish)
+        return Round(committed, proposed, accepted, finish, ruled)
 
     def truncate(self, keep: int) -> None:
         """End the generation at its first `keep` tokens (a stop string found in the text):

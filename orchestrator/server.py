@@ -61,6 +61,7 @@ def connect(
         max_context=max_context,
         vocab_size=target_info.vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
+        model_name=target_info.model_name,
     )
 
 
@@ -119,7 +120,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     return orchestrator_pb2.GenerateChunk(
-        token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason, stats=chunk.stats
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason,
+        stats=chunk.stats,
+        spans=[orchestrator_pb2.TextSpan(length=n, drafted=d) for n, d in chunk.spans],
+        rounds=orchestrator_pb2.RoundCounts(
+            rounds=chunk.rounds[0], draft_tokens=chunk.rounds[1], accepted_tokens=chunk.rounds[2]
+        ),
     )
 
 

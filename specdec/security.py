@@ -153,11 +153,11 @@ def host_of(address: str) -> str:
 
 
 # -- server ------------------------------------------------------------------------------
-def check_bind(host: str, security: ServerSecurity) -> None:
+def check_bind(host: str, security: ServerSecurity, protocol: str = "gRPC") -> None:
     """Plaintext is served on loopback only, unless explicitly allowed."""
     if not (security.tls or is_loopback(host) or security.allow_insecure):
         raise SecurityError(
-            f"refusing to serve plaintext gRPC on non-loopback address {host}: give --tls-cert and "
+            f"refusing to serve plaintext {protocol} on non-loopback address {host}: give --tls-cert and "
             "--tls-key, or --allow-insecure to accept it on a trusted network"
         )
 
@@ -200,6 +200,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if len(values) != 1 or not isinstance(values[0], str):
             return False
         return hmac.compare_digest(_digest(values[0]), self._digest)
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """An `authorization` value is `Bearer <token>` (constant time; the HTTP port's check)."""
+    return hmac.compare_digest(_digest(header), _digest(f"Bearer {token}"))
 
 
 def _digest(value: str) -> bytes:

@@ -221,6 +221,33 @@ class Telemetry:
             channel = intercept_channel(channel, client_interceptor(tracer_provider=self._tracer_provider))
         return channel
 
+    # -- HTTP (orchestrator.openai_api) ---------------------------------------------------
+    def asgi(self, app):
+        """The app, with a server span per HTTP request (the root of the request's trace) and
+        OpenTelemetry's HTTP server metrics; /health is left out."""
+        if not self.enabled:
+            return app
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+        return OpenTelemetryMiddleware(
+            app,
+            excluded_urls="health",
+            tracer_provider=self._tracer_provider,
+            meter_provider=self._meter_provider,
+            exclude_spans=["receive", "send"],  # not one span per SSE chunk
+        )
+
+    def trace_metadata(self) -> list[tuple[str, str]]:
+        """gRPC metadata carrying the current trace context (W3C traceparent), for a call made
+        without the instrumented channel; empty when not tracing."""
+        if not self.tracing:
+            return []
+        from opentelemetry import propagate
+
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return list(carrier.items())
+
     # -- model services ------------------------------------------------------------------
     def backend(self, backend):
         """The backend, with a span and metrics around each forward pass and cache crop."""
@@ -271,7 +298,7 @@ class Telemetry:
                         return
                     span.set_attributes(_round_attributes(step))
                 m.round_duration.record(time.perf_counter() - t0)
-                m.accepted_length.record(step.accepted + 1)  # accepted drafts + the recovered or bonus token
+                m.accepted_length.record(step.committed)  # accepted drafts + the recovered or bonus token
                 m.draft_tokens.add(step.proposed)
                 m.accepted_tokens.add(step.accepted)
                 if step.proposed:

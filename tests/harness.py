@@ -112,10 +112,9 @@ def pipeline(draft_backend, target_backend, limits=None, admission=None, target_
             target_address = f"127.0.0.1:{target_port}"
         addresses = {"draft": f"127.0.0.1:{draft_port}", "target": target_address}
         config = OrchestratorConfig(admission=admission or AdmissionLimits())
-        servers["orchestrator"], orch_port, _ = hosting.start_orchestrator(
-            addresses["draft"], addresses["target"], config
-        )
-        addresses["orchestrator"] = f"127.0.0.1:{orch_port}"
+        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
+        servers["orchestrator"] = orchestrator.server
+        addresses["orchestrator"] = f"127.0.0.1:{orchestrator.port}"
         orchestrator = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(addresses["orchestrator"]))
         yield Pipeline(orchestrator, *model_stubs(addresses["draft"], addresses["target"]), servers, addresses)
     finally:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
+import urllib.request
 import uuid
 
 import grpc
@@ -48,10 +50,32 @@ def test_ray_up_then_generate_status_and_down():
     env = {**os.environ, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     state = models.cache_dir() / "ray" / f"{name}.json"
     try:
-        up = specdec("ray", "up", "--name", name, "--port", "0", "--no-dashboard", "--max-sessions", "2", env=env)
+        up = specdec(
+            "ray",
+            "up",
+            "--name",
+            name,
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--no-dashboard",
+            "--max-sessions",
+            "2",
+            env=env,
+        )
         assert up.returncode == 0, up.stderr
         address = up.stdout.split()[-1]
         assert address.startswith("127.0.0.1:")  # a local cluster's actors serve on loopback
+
+        # The orchestrator actor's HTTP API (orchestrator.openai_api).
+        (http_url,) = re.findall(r"OpenAI-compatible API at (http://127\.0\.0\.1:\d+)/v1", up.stderr)
+        with urllib.request.urlopen(http_url + "/v1/models", timeout=30) as response:
+            (model,) = [m["id"] for m in json.loads(response.read())["data"]]
+        body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8}).encode()
+        request = urllib.request.Request(http_url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            assert 0 < json.loads(response.read())["usage"]["completion_tokens"] <= 8
 
         prompt = "Write a haiku about GPUs"
         out = specdec("generate", prompt, "--address", address, "--json", "--max-tokens", "24", env=env)

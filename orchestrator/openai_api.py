@@ -1,0 +1,506 @@
+"""The orchestrator's OpenAI-compatible HTTP front door: POST /v1/chat/completions and
+/v1/completions (JSON or server-sent events), GET /v1/models, GET /health, and the playground
+page at / (orchestrator/static).
+
+Owns: OpenAI request JSON -> GenerateRequest, GenerateResponse / GenerateChunk -> OpenAI JSON and
+SSE chunks, gRPC status -> HTTP status and OpenAI's error shape (one table), the bearer-token
+check and TLS of the HTTP port, and the uvicorn server in a thread (serve_http).
+
+It generates nothing itself. Each request goes to the orchestrator's own gRPC API over loopback,
+so admission (429), drain (503), auth, limits, validation and stop handling are the gRPC
+server's: one loop, two front doors. This module refuses up front only what the gRPC API
+has no field for (n > 1, penalties, logprobs, tools, ...), so that no parameter is silently
+ignored. A request sets a GenerateRequest field only when the client gave the parameter.
+
+Streams: one SSE chunk per GenerateChunk (one per committed round), then `data: [DONE]`. A
+client that goes away cancels the gRPC call, and the orchestrator closes the sessions at the
+next round. Stream calls go over the plain channel with the trace context injected by hand: the
+OpenTelemetry client interceptor wraps a stream call in a generator that cannot be cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse
+from starlette.routing import Route
+
+from specdec import security
+from specdec.telemetry import Telemetry, disabled
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+STATIC = Path(__file__).parent / "static"
+PAGE_FILES = ("playground.html", "playground.js")  # the playground, served as they are
+HEALTH_TIMEOUT = 2.0  # seconds for each gRPC health check behind GET /health
+
+# gRPC status -> (HTTP status, OpenAI error type)
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The field a gRPC message names first -> the OpenAI parameter ("prompt": the endpoint's input).
+PARAMS = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "speculation.lookahead": "speculation.lookahead",
+    "max_new_tokens": "max_tokens",
+    "token_ids": "prompt",
+    "prompt": "prompt",
+    "messages": "messages",
+}
+# Parameters without a GenerateRequest field: accepted only at the value that changes nothing.
+NEUTRAL = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "logit_bias": {},
+    "echo": False,
+    "suffix": "",
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besides COMMON)
+    "chat": ("messages", {"messages", "max_completion_tokens", "speculation"}),
+    "completions": ("prompt", {"prompt", "speculation"}),
+}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error to send in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        code = {404: "model_not_found", 401: "invalid_api_key"}.get(self.status)
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status)
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError, endpoint: str) -> APIError:
+        status, kind = STATUS.get(err.code(), (500, "server_error"))
+        message, param = err.details() or err.code().name, None
+        if status == 400:
+            field = message.split(" ", 1)[0].rstrip(":")
+            param = PARAMS.get(field)
+            if param == "prompt":
+                param = ENDPOINTS[endpoint][0]
+            if param:
+                message = param + message[len(field) :]
+        return cls(status, message, param, kind)
+
+
+# -- requests ----------------------------------------------------------------------------
+def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrator_pb2.GenerateRequest, dict]:
+    """The GenerateRequest for an OpenAI request body, and the stream options
+    ({"stream": bool, "include_usage": bool}). Raises APIError (400, 404) naming the parameter."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # null means "not given" in OpenAI's API
+    input_param, own = ENDPOINTS[endpoint]
+    for name, value in body.items():
+        if name in NEUTRAL:
+            if value != NEUTRAL[name]:
+                raise APIError(400, f"{name}={json.dumps(value)} is not supported by specdec", name)
+        elif name not in COMMON | own | IGNORED:
+            raise APIError(400, f"unknown parameter {name!r}", name)
+    if body.get("model") != model:
+        if "model" not in body:
+            raise APIError(400, "model is required", "model")
+        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}", "model")
+
+    request = orchestrator_pb2.GenerateRequest()
+    if input_param not in body:
+        raise APIError(400, f"{input_param} is required", input_param)
+    if endpoint == "chat":
+        request.messages.messages.extend(_messages(body["messages"]))
+    else:
+        _set_prompt(request, body["prompt"])
+    max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_name in body:
+        request.max_new_tokens = _integer(body, max_name, 0, 2**31 - 1)
+    for name in ("temperature", "top_p"):
+        if name in body:
+            setattr(request.sampling, name, _number(body, name))
+    if "top_k" in body:
+        request.sampling.top_k = _integer(body, "top_k", -(2**31), 2**31 - 1)
+    if "seed" in body:
+        request.seed = _integer(body, "seed", 0, 2**64 - 1)
+    if "stop" in body:
+        stop = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise APIError(400, "stop must be a string or a list of strings", "stop")
+        request.stop_strings.extend(stop)
+    if "speculation" in body:
+        _set_speculation(request.speculation, body["speculation"])
+    return request, _stream_options(body)
+
+
+def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        out.append(orchestrator_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), i)))
+    return out
+
+
+def _content(content, i: int) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _set_prompt(request, prompt) -> None:
+    """A string, or token ids; a list of one of them (one prompt: n = 1)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise APIError(400, "prompt must be a string or a list of token ids (one prompt)", "prompt")
+
+
+def _set_speculation(msg, value) -> None:
+    if not isinstance(value, dict) or set(value) - {"lookahead", "adaptive", "disabled"}:
+        raise APIError(400, "speculation takes lookahead, adaptive and disabled", "speculation")
+    if "lookahead" in value:
+        msg.lookahead = _integer(value, "lookahead", 0, 2**31 - 1, "speculation.")
+    for name in ("adaptive", "disabled"):
+        if name in value:
+            if not isinstance(value[name], bool):
+                raise APIError(400, f"speculation.{name} must be true or false", f"speculation.{name}")
+            setattr(msg, name, value[name])
+
+
+def _stream_options(body: dict) -> dict:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options", {})
+    if options and not stream:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(400, "stream_options takes include_usage", "stream_options")
+    return {"stream": stream, "include_usage": bool(options.get("include_usage", False))}
+
+
+def _integer(body: dict, name: str, low: int, high: int, prefix: str = "") -> int:
+    value = body[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise APIError(400, f"{prefix}{name} must be an integer in {low}..{high}", prefix + name)
+    return value
+
+
+def _number(body: dict, name: str) -> float:
+    value = body[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise APIError(400, f"{name} must be a number", name)
+    return float(value)
+
+
+# -- responses ---------------------------------------------------------------------------
+def usage(stats: orchestrator_pb2.GenerateStats) -> dict:
+    n, m = stats.prompt_tokens, stats.generated_tokens
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def speculation_stats(stats: orchestrator_pb2.GenerateStats) -> dict:
+    """The extension field `specdec` of a response (and of a stream's last chunk)."""
+    return {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "tokens_per_second": stats.tokens_per_second,
+        "wall_seconds": stats.wall_seconds,
+        "seed": stats.seed,
+    }
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What every response and chunk of one request shares."""
+
+    endpoint: str
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def start(cls, endpoint: str, model: str) -> Completion:
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    def response(self, r: orchestrator_pb2.GenerateResponse) -> dict:
+        if self.endpoint == "chat":
+            choice, kind = {"message": {"role": "assistant", "content": r.text}}, "chat.completion"
+        else:
+            choice, kind = {"text": r.text}, "text_completion"
+        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": r.finish_reason}
+        return self._object(kind, [choice], usage=usage(r.stats), specdec=speculation_stats(r.stats))
+
+    def chunk(self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool) -> dict:
+        if self.endpoint == "chat":
+            delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+            choice, kind = {"delta": delta}, "chat.completion.chunk"
+        else:
+            choice, kind = {"text": c.text}, "text_completion"
+        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": c.finish_reason or None}
+        r = c.rounds
+        extension = {
+            "spans": [[s.length, s.drafted] for s in c.spans],
+            "tokens": len(c.token_ids),
+            "round_counts": {"rounds": r.rounds, "draft_tokens": r.draft_tokens, "accepted_tokens": r.accepted_tokens},
+        }
+        if c.finish_reason:
+            extension.update(speculation_stats(c.stats))
+        extra = {"usage": None} if include_usage else {}
+        return self._object(kind, [choice], specdec=extension, **extra)
+
+    def usage_chunk(self, stats: orchestrator_pb2.GenerateStats) -> dict:
+        kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        return self._object(kind, [], usage=usage(stats))
+
+
+# -- the app -----------------------------------------------------------------------------
+class Gateway:
+    """The routes, over a channel to the orchestrator's gRPC API."""
+
+    def __init__(self, channel: grpc.Channel, model: str, telemetry: Telemetry, health: Mapping[str, grpc.Channel]):
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        self.model = model
+        self.telemetry = telemetry
+        self.health_stubs = {name: health_pb2_grpc.HealthStub(ch) for name, ch in health.items()}
+
+    async def chat(self, request: Request):
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request):
+        return await self._complete(request, "completions")
+
+    async def _complete(self, request: Request, endpoint: str):
+        try:
+            body = await request.json()
+        except ValueError:
+            return APIError(400, "the request body is not valid JSON").response()
+        try:
+            generate, options = generate_request(body, endpoint, self.model)
+        except APIError as err:
+            return err.response()
+        completion = Completion.start(endpoint, self.model)
+        metadata = self.telemetry.trace_metadata()
+        if not options["stream"]:
+            try:
+                response = await anyio.to_thread.run_sync(lambda: self.stub.Generate(generate, metadata=metadata))
+            except grpc.RpcError as err:
+                return APIError.from_rpc(err, endpoint).response()
+            return JSONResponse(completion.response(response))
+        call = self.stub.GenerateStream(generate, metadata=metadata)
+        try:  # the first chunk before answering: a refusal (400, 429, 503) is then a status
+            first = await _next(call)
+        except grpc.RpcError as err:
+            return APIError.from_rpc(err, endpoint).response()
+        except BaseException:
+            call.cancel()
+            raise
+        return EventSourceResponse(self._events(call, first, completion, options["include_usage"]), ping=15)
+
+    async def _events(self, call, chunk, completion: Completion, include_usage: bool):
+        try:
+            first = True
+            while chunk is not None:
+                yield json.dumps(completion.chunk(chunk, first, include_usage))
+                if chunk.finish_reason:
+                    if include_usage:
+                        yield json.dumps(completion.usage_chunk(chunk.stats))
+                    break
+                first = False
+                chunk = await _next(call)
+            yield "[DONE]"
+        except grpc.RpcError as err:  # after the status line went out: an error event
+            yield json.dumps(APIError.from_rpc(err, completion.endpoint).body())
+        finally:
+            call.cancel()  # a client gone away: the orchestrator frees the sessions at the next round
+
+    async def models(self, request: Request):
+        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "specdec"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request):
+        """200 when the orchestrator and both services report SERVING, else 503; each one's status."""
+
+        def check(stub) -> str:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as err:
+                return err.code().name
+
+        statuses = {}
+        for name, stub in self.health_stubs.items():
+            statuses[name] = await anyio.to_thread.run_sync(check, stub)
+        ok = all(s == "SERVING" for s in statuses.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "services": statuses}, 200 if ok else 503)
+
+    async def page(self, request: Request):
+        name = request.path_params.get("name", "playground.html")
+        if name not in PAGE_FILES:
+            return APIError(404, f"no such page: /{name}", None, "not_found_error").response()
+        return FileResponse(STATIC / name)
+
+
+async def _next(call) -> orchestrator_pb2.GenerateChunk | None:
+    """The stream's next chunk, waited for in a worker thread; None at its end. Cancelling the
+    waiting task leaves the thread to the gRPC call, which call.cancel() then ends."""
+    return await anyio.to_thread.run_sync(next, call, None, abandon_on_cancel=True)
+
+
+class BearerAuth:
+    """ASGI middleware: `Authorization: Bearer <token>` on every route but /health and the
+    playground's static files (a browser cannot send a header to load a page; the page asks for
+    the token and sends it with its API calls)."""
+
+    OPEN = {"/health", "/", *(f"/{name}" for name in PAGE_FILES)}
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        values = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+        if len(values) == 1 and security.bearer_matches(values[0], self.token):
+            return await self.app(scope, receive, send)
+        error = APIError(401, "missing or invalid bearer token (Authorization: Bearer)", None, "authentication_error")
+        await error.response()(scope, receive, send)
+
+
+def app(
+    channel: grpc.Channel,
+    model: str,
+    token: str | None = None,
+    telemetry: Telemetry | None = None,
+    health: Mapping[str, grpc.Channel] | None = None,
+):
+    """The ASGI app over `channel` (to the orchestrator's gRPC API, carrying the token); `health`
+    names the channels whose gRPC health GET /health reports (the orchestrator's and the services')."""
+    telemetry = telemetry or disabled()
+    gateway = Gateway(channel, model, telemetry, health or {"orchestrator": channel})
+    routes = [
+        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/", gateway.page, methods=["GET"]),
+        Route("/{name:str}", gateway.page, methods=["GET"]),
+    ]
+    asgi = Starlette(routes=routes)
+    if token:
+        asgi = BearerAuth(asgi, token)
+    return telemetry.asgi(asgi)
+
+
+# -- the server --------------------------------------------------------------------------
+@dataclass
+class HTTPServer:
+    """A running HTTP front door; stop() ends it (streams still open are cut)."""
+
+    url: str
+    _server: uvicorn.Server
+    _thread: threading.Thread
+    _channel: grpc.Channel
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._channel.close()
+
+
+def serve_http(
+    grpc_address: str,
+    host: str,
+    port: int,
+    client_security: security.ClientSecurity,
+    server_security: security.ServerSecurity,
+    telemetry: Telemetry | None = None,
+    model: str = "specdec",
+    services: Mapping[str, grpc.Channel] | None = None,
+) -> HTTPServer:
+    """Serve the HTTP API on host:port (0: a free port) in a thread, for the orchestrator at
+    `grpc_address` (reached with `client_security`: its TLS and token). `server_security` gives
+    the HTTP port its TLS certificate and the token clients must send; plaintext only on loopback
+    unless it allows otherwise. `services` (name -> channel) join the orchestrator in GET /health."""
+    security.check_bind(host, server_security, "HTTP")
+    if server_security.client_ca is not None:
+        raise security.SecurityError("the HTTP port does not do mutual TLS: HTTP clients authenticate with the token")
+    channel = security.channel(grpc_address, client_security)
+    health = {"orchestrator": channel, **(services or {})}
+    asgi = app(channel, model, server_security.token, telemetry, health)
+    config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off")
+    with tempfile.TemporaryDirectory() as tmp:  # uvicorn reads PEM files; ServerSecurity holds bytes
+        if server_security.tls:
+            config.ssl_certfile, config.ssl_keyfile = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+            config.ssl_certfile.write_bytes(server_security.cert_chain)
+            config.ssl_keyfile.touch(0o600)
+            config.ssl_keyfile.write_bytes(server_security.private_key)
+        config.load()
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    scheme = "https" if server_security.tls else "http"
+    shown = f"[{host}]" if ":" in host else host
+    return HTTPServer(f"{scheme}://{shown}:{bound}", server, thread, channel)

@@ -1,0 +1,358 @@
+"""The OpenAI-compatible HTTP API (orchestrator.openai_api) against the three services on
+loopback, driven by the real `openai` package: the same text as the gRPC API, seeds, stop
+strings, usage, streaming, every refused parameter, tokens, TLS, admission, drain, and a
+client that goes away mid-stream."""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from deploy.local import LocalPipeline, PipelineConfig
+from orchestrator.openai_api import serve_http
+from specdec.limits import AdmissionLimits
+from specdec.models import ModelSpec
+from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
+from specdec.v1 import orchestrator_pb2
+from tests.certs import make_pki
+from tests.harness import NO_EOS_PROMPT, pipeline, slow_pipeline, wait_until
+from tests.otlp import OtlpReceiver
+
+MODEL = "tiny-target"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def start_http(p, **kw):
+    services = {name: grpc.insecure_channel(p.addresses[name]) for name in ("draft", "target")}
+    kw.setdefault("server_security", ServerSecurity())
+    address = p.addresses["orchestrator"]
+    return serve_http(address, "127.0.0.1", 0, ClientSecurity(), model=MODEL, services=services, **kw)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_backends):
+    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+        http = start_http(p)
+        try:
+            yield p, http
+        finally:
+            http.stop()
+
+
+def client_for(http, api_key: str = "unused", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http.url}/v1", api_key=api_key, max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return client_for(stack[1])
+
+
+def grpc_messages() -> orchestrator_pb2.ChatMessages:
+    return orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(**m) for m in MESSAGES])
+
+
+def http_json(url: str, body: dict | None = None, token: str | None = None, context=None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (no body) or POST."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=context) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+# -- the same generation as the gRPC API -------------------------------------------------
+def test_chat_greedy_text_equals_grpc(stack, client):
+    p, _ = stack
+    ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=grpc_messages(), max_new_tokens=40))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats.prompt_tokens, len(ref.token_ids))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.specdec["rounds"] == ref.stats.rounds and r.specdec["draft_tokens"] > 0
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [ref.finish_reason]
+    # One chunk per committed round; the spans cover each chunk's text and show accepted drafts.
+    assert 1 < len(chunks) <= ref.stats.rounds
+    spans = [s for c in chunks for s in c.specdec["spans"]]
+    for c in chunks:
+        assert sum(n for n, _ in c.specdec["spans"]) == len(c.choices[0].delta.content or "")
+    assert any(drafted for _, drafted in spans) and not all(drafted for _, drafted in spans)
+    assert sum(c.specdec["round_counts"]["rounds"] for c in chunks) == ref.stats.rounds
+    assert sum(c.specdec["round_counts"]["accepted_tokens"] for c in chunks) == ref.stats.accepted_tokens
+
+
+def test_completions_text_and_token_ids_equal_grpc(stack, client):
+    p, _ = stack
+    ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=30))
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=30)
+    assert r.object == "text_completion" and r.choices[0].text == ref.text
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+    ids = orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT)
+    ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=50))
+    r = client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=50, temperature=0)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(NO_EOS_PROMPT), 50)
+    chunks = list(client.completions.create(model=MODEL, prompt=[NO_EOS_PROMPT], max_tokens=50, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+
+
+def test_seed_reproduces_the_grpc_sample(stack, client):
+    p, _ = stack
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=1.0, top_p=0.95)
+    first = client.chat.completions.create(seed=1234, **kw)
+    again = client.chat.completions.create(seed=1234, **kw)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.specdec["seed"] == 1234
+    request = orchestrator_pb2.GenerateRequest(messages=grpc_messages(), max_new_tokens=40, seed=1234)
+    request.sampling.temperature, request.sampling.top_p = 1.0, 0.95
+    assert p.orchestrator.Generate(request).text == first.choices[0].message.content
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    assert len(others) > 1  # the seed is used, not ignored
+
+
+def test_stop_ends_the_text_before_the_stop_string(stack, client):
+    p, _ = stack
+    ids = orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT)
+    full = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=60)).text
+    stop = full[25:28]
+    expected = full[: full.find(stop)]
+    request = orchestrator_pb2.GenerateRequest(token_ids=ids, max_new_tokens=60, stop_strings=[stop, "@@"])
+    ref = p.orchestrator.Generate(request)
+    assert ref.text == expected
+    r = client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=60, stop=[stop, "@@"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=60, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_include_usage_sends_the_usage_chunk(stack, client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=30)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    assert all(c.usage is None for c in client.chat.completions.create(stream=True, **kw))
+
+
+def test_models_and_health(stack, client):
+    _, http = stack
+    assert [m.id for m in client.models.list()] == [MODEL]
+    status, body = http_json(f"{http.url}/health")
+    assert status == 200
+    assert body == {"status": "ok", "services": dict.fromkeys(("orchestrator", "draft", "target"), "SERVING")}
+
+
+# -- refusals ----------------------------------------------------------------------------
+BAD = [  # (endpoint, parameters, status, param)
+    ("chat", {"n": 2}, 400, "n"),
+    ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat", {"frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("chat", {"logprobs": True}, 400, "logprobs"),
+    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("completions", {"best_of": 2}, 400, "best_of"),
+    ("chat", {"repetition_penalty": 1.1}, 400, "repetition_penalty"),
+    ("chat", {"temperature": -1}, 400, "temperature"),
+    ("chat", {"temperature": "hot"}, 400, "temperature"),
+    ("chat", {"top_p": 1.5}, 400, "top_p"),
+    ("chat", {"top_k": -1}, 400, "top_k"),
+    ("chat", {"max_tokens": "ten"}, 400, "max_tokens"),
+    ("chat", {"max_tokens": 100000}, 400, "messages"),  # beyond the model's context
+    ("completions", {"max_tokens": 100000}, 400, "prompt"),
+    ("chat", {"seed": -1}, 400, "seed"),
+    ("chat", {"stop": 5}, 400, "stop"),
+    ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"speculation": {"lookahead": 99}}, 400, "speculation.lookahead"),
+    ("chat", {"speculation": {"depth": 2}}, 400, "speculation"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("completions", {"prompt": [999999]}, 400, "prompt"),  # outside the vocabulary
+    ("completions", {"prompt": ["one", "two"]}, 400, "prompt"),
+    ("chat", {"model": "gpt-4o"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("endpoint, params, status, param", BAD, ids=[f"{e}-{list(p)[0]}" for e, p, _, _ in BAD])
+def test_bad_parameter_gets_its_status_and_names_it(stack, endpoint, params, status, param):
+    _, http = stack
+    body = {"model": MODEL, "max_tokens": 8}
+    body.update({"messages": MESSAGES} if endpoint == "chat" else {"prompt": "hello"})
+    body.update(params)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    got, reply = http_json(http.url + path, body)
+    assert (got, reply["error"]["param"]) == (status, param), reply
+    assert reply["error"]["message"] and reply["error"]["type"]
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_sdk_raises_the_matching_errors(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-0.5)
+    assert err.value.param == "temperature" and err.value.message.startswith("Error code: 400")
+    assert "temperature must be finite and >= 0" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def test_token_is_required_on_every_route_but_health(stack):
+    p, _ = stack
+    http = start_http(p, server_security=ServerSecurity(token="s3cret"))
+    try:
+        routes = [
+            ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}),
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}),
+            ("/v1/models", None),
+            ("/v1/no-such-route", None),
+            ("/no-such-page", None),
+        ]
+        for path, body in routes:
+            for token in (None, "wrong", "s3cre"):
+                status, reply = http_json(http.url + path, body, token)
+                assert (status, reply["error"]["type"]) == (401, "authentication_error"), (path, token)
+        assert http_json(http.url + "/health")[0] == 200
+        for page in ("/", "/playground.js"):  # static; the page sends the token it is given
+            with urllib.request.urlopen(http.url + page, timeout=10) as response:
+                assert response.status == 200 and response.read()
+        for path, body in routes[:3]:
+            assert http_json(http.url + path, body, "s3cret")[0] == 200
+        with pytest.raises(openai.AuthenticationError):
+            client_for(http, "wrong").models.list()
+        assert client_for(http, "s3cret").completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
+    finally:
+        http.stop()
+
+
+def test_tls_with_the_same_certificate_files_and_plaintext_only_on_loopback(stack, tmp_path):
+    p, _ = stack
+    pki = make_pki(tmp_path, "http")
+    tls = ServerSecurity(cert_chain=pki.read("server_cert"), private_key=pki.read("server_key"), token="t0k")
+    http = start_http(p, server_security=tls)
+    try:
+        assert http.url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        assert http_json(http.url + "/v1/models", token="t0k", context=context)[0] == 200
+        with pytest.raises(urllib.error.URLError):  # a client that does not trust the CA
+            http_json(http.url + "/health", context=ssl.create_default_context())
+    finally:
+        http.stop()
+    with pytest.raises(SecurityError, match="plaintext HTTP on non-loopback"):
+        serve_http(p.addresses["orchestrator"], "0.0.0.0", 0, ClientSecurity(), ServerSecurity())
+
+
+# -- admission, drain, a client that goes away -------------------------------------------
+def long_stream(client):
+    return client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=400, stream=True)
+
+
+def test_closing_a_stream_after_the_first_chunk_frees_both_sessions(tiny_backends):
+    with slow_pipeline(tiny_backends) as p:
+        http = start_http(p)
+        try:
+            stream = long_stream(client_for(http))
+            next(iter(stream))
+            assert p.open_sessions() == (1, 1)
+            stream.close()
+            assert p.sessions_freed_within(1.0)
+        finally:
+            http.stop()
+
+
+def test_admission_full_is_429_and_draining_is_503(tiny_backends):
+    admission = AdmissionLimits(max_concurrent=1, max_queue=0)
+    with slow_pipeline(tiny_backends, admission=admission) as p:
+        http = start_http(p)
+        client = client_for(http)
+        try:
+            stream = long_stream(client)
+            next(iter(stream))
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+            assert err.value.status_code == 429
+            drain = threading.Thread(target=p.servers["orchestrator"].drain, args=(30,))
+            drain.start()
+            assert wait_until(lambda: http_json(http.url + "/health")[0] == 503, 5)
+            assert http_json(http.url + "/health")[1]["services"]["orchestrator"] == "NOT_SERVING"
+            with pytest.raises(openai.InternalServerError) as err:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+            assert err.value.status_code == 503
+            stream.close()
+            drain.join(30)
+            assert not drain.is_alive()
+        finally:
+            http.stop()
+
+
+# -- the command line, telemetry ---------------------------------------------------------
+def test_serve_http_port_with_tls_and_a_token_one_trace_across_the_three_processes(tiny_models, monkeypatch, tmp_path):
+    """`--http-port` through deploy.local (what `specdec serve --http-port` runs), with TLS and a
+    token: HTTPS with the orchestrator's certificate, the token required, /health over all three;
+    the HTTP request's server span is the trace's root, the gRPC stream, the rounds and the
+    services' calls are in its trace."""
+    pki = make_pki(tmp_path, "serve")
+    with OtlpReceiver() as receiver:
+        for key, value in {
+            "OTEL_SERVICE_NAME": "",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_BSP_SCHEDULE_DELAY": "600000",
+        }.items():
+            monkeypatch.setenv(key, value)
+        config = PipelineConfig(
+            target=ModelSpec(tiny_models["target"], "cpu", "float32"),
+            draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+            http_port=0,
+            tls=ServerTLSFiles(pki.server_cert, pki.server_key),
+            auth_token="t0ken",
+            start_timeout=180,
+        )
+        pipeline = LocalPipeline(config, log=lambda *_: None)
+        try:
+            pipeline.start()
+            url = pipeline.http_url
+            assert url.startswith("https://127.0.0.1:")
+            context = ssl.create_default_context(cafile=str(pki.ca))
+            status, health = http_json(url + "/health", context=context)
+            assert status == 200 and set(health["services"].values()) == {"SERVING"} and len(health["services"]) == 3
+            assert http_json(url + "/v1/models", context=context)[0] == 401
+            http_client = openai.DefaultHttpxClient(verify=context)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="t0ken", max_retries=0, http_client=http_client)
+            (model,) = [m.id for m in client.models.list()]
+            chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, stream=True))
+            rounds = chunks[-1].specdec["rounds"]
+            for proc in pipeline.procs.values():  # SIGTERM flushes the spans
+                proc.send_signal(signal.SIGTERM)
+            assert {name: proc.wait(timeout=120) for name, proc in pipeline.procs.items()} == dict.fromkeys(
+                ("draft", "target", "orchestrator"), 0
+            )
+        finally:
+            pipeline.stop()
+        spans = receiver.spans
+    (root,) = [s for s in spans if s.name.startswith("POST /v1/chat/completions")]
+    assert root.service == "specdec-orchestrator" and root.parent_id == "" and root.kind == 2  # SERVER
+    trace = [s for s in spans if s.trace_id == root.trace_id]
+    (stream,) = [s for s in trace if s.name == "/specdec.v1.Orchestrator/GenerateStream"]
+    assert stream.parent_id == root.span_id and stream.kind == 2
+    assert len([s for s in trace if s.name == "specdec.round"]) == rounds
+    assert {s.service for s in trace} == {"specdec-orchestrator", "specdec-draft", "specdec-target"}

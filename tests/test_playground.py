@@ -1,0 +1,95 @@
+"""The playground page (orchestrator/static) in a real browser: headless Chromium, driven by
+Selenium, against the three services on loopback. It submits a prompt, waits for the streamed
+reply, checks the shaded rounds and the statistics, and saves a screenshot
+(bench-results/playground.png, and the test's tmp folder)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from orchestrator.openai_api import serve_http
+from specdec.security import ClientSecurity, ServerSecurity
+from specdec.v1 import orchestrator_pb2
+from tests.harness import ROOT, pipeline
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run does)",
+)
+MODEL = "tiny-target"
+PROMPT = "tell me about speculative decoding."
+MAX_TOKENS = 60
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(dir=tmp_path)  # a fresh profile; the machine may have no internet
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1280,800",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_backends, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+        http = serve_http(p.addresses["orchestrator"], "127.0.0.1", 0, ClientSecurity(), ServerSecurity(), model=MODEL)
+        try:
+            browser.get(http.url + "/")
+            wait = WebDriverWait(browser, 60)
+            wait.until(lambda b: b.find_element(By.ID, "model").text == MODEL)
+            for field, value in (("prompt", PROMPT), ("max_tokens", str(MAX_TOKENS))):
+                box = browser.find_element(By.ID, field)
+                box.clear()
+                box.send_keys(value)
+            browser.find_element(By.ID, "send").click()
+            wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
+            assert browser.find_element(By.ID, "error").text == ""
+            reply = browser.find_element(By.ID, "reply")
+            text = browser.execute_script("return arguments[0].textContent", reply)
+            rounds = reply.find_elements(By.CSS_SELECTOR, ".round")
+            drafted = reply.find_elements(By.CSS_SELECTOR, ".round > .drafted")
+            supplied = reply.find_elements(By.CSS_SELECTOR, ".round > .target")
+            stats = {n: browser.find_element(By.ID, f"stat-{n}").text for n in ("rounds", "tokens", "acceptance")}
+            for path in (tmp_path / "playground.png", ROOT / "bench-results" / "playground.png"):
+                path.parent.mkdir(exist_ok=True)
+                assert browser.save_screenshot(str(path))
+            print(f"screenshot: {ROOT / 'bench-results' / 'playground.png'}")
+        finally:
+            http.stop()
+        # The page shows what the gRPC API returns for the same request (greedy: the same text).
+        messages = orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(role="user", content=PROMPT)])
+        ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=messages, max_new_tokens=MAX_TOKENS))
+    assert text == ref.text
+    # A box per committed round with text: the target's token closes each; accepted drafts lead some.
+    assert stats["rounds"] == str(ref.stats.rounds) and 1 < len(rounds) <= ref.stats.rounds
+    assert len(supplied) == len(rounds) and len(drafted) > 0
+    drafted_text = sum(len(e.get_attribute("textContent")) for e in drafted)
+    assert 0 < drafted_text < len(text)
+    assert stats["tokens"] == str(MAX_TOKENS)
+    assert stats["acceptance"] == f"{100 * ref.stats.acceptance_rate:.1f} %"
