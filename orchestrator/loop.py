@@ -303,13 +303,13 @@ class SpeculativeLoop:
         except BaseException:
             _wait_quietly(continuation, self._timeout())
             raise
+        self.stats.target_compute_seconds += scores.compute_seconds
+        self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
         after = None
         if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
             waited = time.perf_counter()
             after, _ = continuation.result(timeout=self._timeout())
             draft_time += time.perf_counter() - waited  # only the part the Score did not hide
-        self.stats.target_compute_seconds += scores.compute_seconds
-        self.target.length, self.target.pending = scores.length, []
 
         # 3. The rule. All drafts accepted and a continuation: its first token is tested at the
         # bonus position like any draft; accepted, the rest are the next round's drafts.

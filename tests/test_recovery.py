@@ -33,9 +33,9 @@ GREEDY = SamplingParams()
 SAMPLING = SamplingParams(temperature=1.0, top_k=12)
 
 
-def run(pair, sampling=GREEDY, n=40, kill_after=None, restart=lambda: None, timeout=None):
+def run(pair, sampling=GREEDY, n=40, kill_after=None, restart=lambda: None, timeout=None, overlap=False):
     """Generate n tokens; after round `kill_after`, call `restart` (between two rounds)."""
-    config = LoopConfig(sampling=sampling, max_new_tokens=n, lookahead=3, seed=5)
+    config = LoopConfig(sampling=sampling, max_new_tokens=n, lookahead=3, seed=5, overlap=overlap)
     loop = SpeculativeLoop(pair.draft, pair.target, PROMPT, config, timeout=timeout)
     for i, _ in enumerate(loop.rounds()):
         if i == kill_after:
@@ -73,12 +73,16 @@ def services(tiny_backends):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 @pytest.mark.parametrize("lost", ["draft", "target"])
-def test_restarted_service_gives_the_uninterrupted_output(services, lost, sampling):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_restarted_service_gives_the_uninterrupted_output(services, lost, sampling, overlap):
+    """Overlapped: a restarted draft service loses the continuation the next round was to use;
+    the round proposes it again with the same uniforms."""
     pair = connect(services["draft"].address, services["target"].address)
-    reference = run(pair, sampling)
+    reference = run(pair, sampling, overlap=overlap)
     assert reference.stats.recoveries == 0
+    assert not overlap or reference.stats.overlapped_rounds > 0
     for kill_after in (0, 4):
-        loop = run(pair, sampling, kill_after=kill_after, restart=services[lost].restart)
+        loop = run(pair, sampling, kill_after=kill_after, restart=services[lost].restart, overlap=overlap)
         # A seeded sampling run equal to the uninterrupted one shows the round's draws were reused.
         assert loop.generated == reference.generated
         assert loop.stats.recoveries == 1 and loop.stats.rounds == reference.stats.rounds
