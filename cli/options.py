@@ -11,10 +11,11 @@ import argparse
 import os
 from pathlib import Path
 
-from deploy.local import PipelineConfig
+from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from specdec import models, security, validation
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+from specdec.placement import parse_cpus
 
 
 def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -> None:
@@ -28,10 +29,25 @@ def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") ->
 
 
 def add_pair_flags(p: argparse.ArgumentParser) -> None:
-    """The target and draft models of a local pipeline, and its drafter."""
+    """The target and draft models of a local pipeline, their cores and threads, and the drafter."""
     add_model_flags(p, models.DEFAULT_TARGET_DTYPE, "target-")
     add_model_flags(p, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    add_placement_flags(p, "target-")
+    add_placement_flags(p, "draft-")
     add_drafter_flag(p)
+
+
+def add_placement_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    who = f"the {prefix[:-1]} service" if prefix else "the service"
+    p.add_argument(
+        f"--{prefix}cpus",
+        metavar="LIST",
+        help=f"CPU cores {who} may use, as taskset lists them (0 or 0,2 or 0-3): on one machine each service "
+        "owns its cores, as each owns its GPU in a GPU pair (default: all it was started with)",
+    )
+    p.add_argument(
+        f"--{prefix}threads", type=int, metavar="N", help=f"threads of {who}'s forwards (default: one per core)"
+    )
 
 
 def add_drafter_flag(p: argparse.ArgumentParser) -> None:
@@ -155,8 +171,21 @@ def admission_limits(args) -> AdmissionLimits:
 
 def pipeline_config(args, **kw) -> PipelineConfig:
     return PipelineConfig(
-        target=model_spec(args, "target-"), draft=model_spec(args, "draft-"), drafter=args.drafter, **kw
+        target=model_spec(args, "target-"),
+        draft=model_spec(args, "draft-"),
+        drafter=args.drafter,
+        draft_placement=placement(args, "draft-"),
+        target_placement=placement(args, "target-"),
+        **kw,
     )
+
+
+def placement(args, prefix: str = "") -> Placement:
+    """A service's cores and threads as flags name them; the list is checked here, applied by the service."""
+    cpus, threads = (getattr(args, prefix.replace("-", "_") + name) for name in ("cpus", "threads"))
+    if cpus is not None:
+        parse_cpus(cpus)
+    return Placement(cpus, threads)
 
 
 def tls_files(args) -> security.ServerTLSFiles:

@@ -60,6 +60,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         up.add_argument(f"--{role}-dtype", default=dtype, choices=models.DTYPES, help=f"{role} dtype (default {dtype})")
         up.add_argument(f"--{role}-cpus", type=float, default=1.0, help=f"CPUs reserved for the {role} (default 1)")
         up.add_argument(f"--{role}-gpus", type=float, default=0.0, help=f"GPUs reserved for the {role} (default 0)")
+        up.add_argument(
+            f"--{role}-threads", type=int, help=f"threads of the {role}'s forwards (default: one per CPU it reserves)"
+        )
     up.add_argument(
         "--placement",
         choices=("pack", "spread"),
@@ -113,6 +116,11 @@ def _log(args):
     return (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
+def _threads(cpus: float) -> int | None:
+    """An actor's threads by default: the CPUs Ray reserves for it (Ray does not pin cores)."""
+    return max(1, int(cpus)) if cpus > 0 else None
+
+
 def _device(device: str | None, gpus: float) -> str:
     return device or ("cuda:0" if gpus > 0 else "cpu")
 
@@ -128,12 +136,14 @@ def cmd_up(args) -> int:
             "target",
             models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
             limits=limits,
+            threads=args.target_threads or _threads(args.target_cpus),
         ),
         draft=ModelServiceConfig(
             "draft",
             models.ModelSpec(args.draft_model, _device(args.draft_device, args.draft_gpus), args.draft_dtype),
             args.drafter,
             limits,
+            threads=args.draft_threads or _threads(args.draft_cpus),
         ),
         target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),

@@ -17,6 +17,7 @@ from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline
 from specdec import models
+from specdec.placement import parse_cpus
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -37,11 +38,13 @@ def add_service_parsers(sub) -> None:
     options.add_server_flags(d, 50062)
     options.add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
     options.add_drafter_flag(d)
+    options.add_placement_flags(d)
     options.add_server_security_flags(d)
     options.add_limit_flags(d, "model")
     t = sub.add_parser("target-service", help="run the target model service alone")
     options.add_server_flags(t, 50061)
     options.add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
+    options.add_placement_flags(t)
     options.add_server_security_flags(t)
     options.add_limit_flags(t, "model")
 
@@ -65,7 +68,8 @@ def model_service(args, role: str) -> int:
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
     from deploy import hosting  # torch and the model: only for the commands that host one
 
-    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits)
+    cpus = None if args.cpus is None else parse_cpus(args.cpus)
+    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits, cpus, args.threads)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
     return serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry, args.drain_timeout)

@@ -23,8 +23,12 @@ class ModelServiceConfig:
     spec: ModelSpec = field(default_factory=ModelSpec)
     drafter: str = "model"  # draft only: a method of draft_service.drafters
     limits: SessionLimits = field(default_factory=SessionLimits)
+    cpus: tuple[int, ...] | None = None  # the cores it may use (CPU affinity); None: as started
+    threads: int | None = None  # threads of its forwards; None: one per core it may use
 
     def __post_init__(self):
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
         if self.drafter not in DRAFTERS:

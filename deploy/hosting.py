@@ -23,6 +23,7 @@ from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
+from specdec import placement
 from specdec.backend import HFBackend
 from specdec.lifecycle import Served
 from specdec.security import ClientSecurity, ServerSecurity, channel
@@ -37,7 +38,9 @@ def start_model_service(
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
 ) -> tuple[Served, int]:
-    """Load the config's model (or drafter) and serve it; returns (server, bound port)."""
+    """Pin the process to the config's cores and threads, load its model (or drafter) and serve
+    it; returns (server, bound port)."""
+    placement.apply(config.cpus, config.threads)
     if config.role == "draft":
         backend, drafter = drafters.make(config.drafter, config.spec)
     else:

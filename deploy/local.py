@@ -28,6 +28,18 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
+class Placement:
+    cpus: str | None = None
+    threads: int | None = None
+
+    def flags(self) -> list[str]:
+        return [
+            *(["--cpus", self.cpus] if self.cpus else []),
+            *(["--threads", str(self.threads)] if self.threads else []),
+        ]
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
@@ -42,6 +54,9 @@ class PipelineConfig:
     metrics_port: int | None = None
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
+    # Each model service's cores (a list as taskset writes it, "0-1") and threads; None: all / one per core.
+    draft_placement: Placement = field(default_factory=lambda: Placement())
+    target_placement: Placement = field(default_factory=lambda: Placement())
 
 
 @dataclass
@@ -62,8 +77,11 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         t0 = time.perf_counter()
         try:
-            self._spawn("draft", "draft-service", [*_model_args(cfg.draft), "--drafter", cfg.drafter], 0, LOOPBACK)
-            self._spawn("target", "target-service", _model_args(cfg.target), 0, LOOPBACK)
+            draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *cfg.draft_placement.flags()]
+            self._spawn("draft", "draft-service", draft_args, 0, LOOPBACK)
+            self._spawn(
+                "target", "target-service", [*_model_args(cfg.target), *cfg.target_placement.flags()], 0, LOOPBACK
+            )
             for name in ("draft", "target"):
                 self._wait(name)
             self._spawn(

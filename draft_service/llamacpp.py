@@ -11,13 +11,12 @@ position's logits are computed (a draft needs no more).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specdec import models
+from specdec import models, placement
 from specdec.backend import tokenizer_files, vocab_digest
 
 DEFAULT_CONTEXT = 4096
@@ -54,7 +53,7 @@ class LlamaCppBackend:
         return self._llama(
             model_path=str(self.path),
             n_ctx=self.n_ctx,
-            n_threads=os.cpu_count(),
+            n_threads=placement.threads(),  # the service's threads (specdec.placement), not every core
             n_gpu_layers=self.n_gpu_layers,
             logits_all=False,
             verbose=False,

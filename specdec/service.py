@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec import validation
+from specdec import placement, validation
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
 from specdec.security import ServerSecurity, bind, server_interceptors
@@ -175,6 +175,8 @@ class SessionServicer:
             eos_token_ids=backend.eos_token_ids,
             role=self.engine.role,
             open_sessions=self.engine.open_sessions,
+            cpus=placement.usable_cores(),
+            threads=placement.threads(),
         )
 
     def GetTokenizer(self, request, context):
