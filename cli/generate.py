@@ -35,6 +35,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="then generate again with the target alone (--no-speculation, same services) and print the speedup",
+    )
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
     options.add_pair_flags(g)
     options.add_client_security_flags(g)
@@ -87,11 +92,26 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
         _print_stats(stats, finish)
         return 0
     response = stub.Generate(req, timeout=args.timeout)
+    alone = None
+    if args.compare:
+        req.speculation.disabled = True
+        alone = stub.Generate(req, timeout=args.timeout)
     if args.json:
-        print(json.dumps(_response_json(response), ensure_ascii=False))
-    else:
-        print(response.text)
-        _print_stats(response.stats, response.finish_reason)
+        out = _response_json(response)
+        if alone is not None:
+            out["target_alone"] = _response_json(alone)
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    print(response.text)
+    _print_stats(response.stats, response.finish_reason)
+    if alone is not None:
+        fast, slow = response.stats.tokens_per_second, alone.stats.tokens_per_second
+        same = "the same text" if alone.text == response.text else "a different sample (sampling)"
+        print(
+            f"[speculative decoding {fast:.1f} tok/s vs the target alone {slow:.1f} tok/s: "
+            f"{fast / slow if slow else 0:.2f}x speedup; {same}]",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -69,7 +69,7 @@ def model_service(args, role: str) -> int:
     from deploy import hosting  # torch and the model: only for the commands that host one
 
     cpus = None if args.cpus is None else parse_cpus(args.cpus)
-    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "model"), limits, cpus, args.threads)
+    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "auto"), limits, cpus, args.threads)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
     return serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry, args.drain_timeout)

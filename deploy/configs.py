@@ -21,7 +21,7 @@ class ModelServiceConfig:
 
     role: str  # "draft" or "target"
     spec: ModelSpec = field(default_factory=ModelSpec)
-    drafter: str = "model"  # draft only: a method of draft_service.drafters
+    drafter: str = "auto"  # draft only: a method of draft_service.drafters
     limits: SessionLimits = field(default_factory=SessionLimits)
     cpus: tuple[int, ...] | None = None  # the cores it may use (CPU affinity); None: as started
     threads: int | None = None  # threads of its forwards; None: one per core it may use

@@ -43,7 +43,7 @@ class Placement:
 class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
-    drafter: str = "model"  # model | ngram | llamacpp (draft_service.drafters)
+    drafter: str = "auto"  # auto | model | ngram | llamacpp (draft_service.drafters)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0

@@ -3,15 +3,20 @@
 - model: a transformers causal LM, k autoregressive steps (draft_service.proposer);
 - ngram: model-free prompt lookup over the session's tokens (draft_service.ngram);
 - llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
-  (draft_service.llamacpp; needs the optional llama-cpp-python package).
+  (draft_service.llamacpp; needs the optional llama-cpp-python package);
+- auto (the default): llamacpp for the embedded default (its Q4_1 GGUF drafts several times
+  faster than the bf16 copy on a CPU, which is what makes speculation pay there), model for
+  anything else or without llama-cpp-python.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from draft_service import METHODS, ngram, proposer
+from specdec import models
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ NGRAM = Drafter(ngram.propose, proposer.proposal_row)
 
 def make(method: str, spec):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one."""
+    if method == "auto":
+        method = auto(spec)
     if method == "model":
         from specdec.backend import HFBackend
 
@@ -39,3 +46,10 @@ def make(method: str, spec):
 
         return LlamaCppBackend(spec), MODEL
     raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")
+
+
+def auto(spec) -> str:
+    """The drafter `auto` stands for, given the draft model."""
+    if spec.model in models.ALIASES and importlib.util.find_spec("llama_cpp") is not None:
+        return "llamacpp"
+    return "model"
