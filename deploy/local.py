@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec import models, security
+from specdec import models, placement, security
 
 LOOPBACK = "127.0.0.1"
 
@@ -101,6 +101,21 @@ class LocalPipeline:
             raise
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
+
+    def _placements(self) -> tuple[Placement, Placement]:
+        """As configured; with neither given and both on the CPU, disjoint cores for each, as a
+        GPU pair gives each service its own device (specdec.placement.split_for_pair)."""
+        cfg = self.config
+        given = (cfg.draft_placement, cfg.target_placement)
+        on_cpu = all(spec.device == "cpu" for spec in (cfg.draft, cfg.target))
+        split = placement.split_for_pair(placement.usable_cores())
+        if any(p.cpus for p in given) or not on_cpu or split is None:
+            return given
+        cores = [Placement(placement.format_cpus(c), p.threads) for c, p in zip(split, given, strict=True)]
+        self.log(
+            f"specdec: draft on cores {cores[0].cpus}, target on cores {cores[1].cpus} (--draft-cpus/--target-cpus)"
+        )
+        return cores[0], cores[1]
 
     @property
     def address(self) -> str:

@@ -19,6 +19,15 @@ Each round picks the k in 1..k_max that maximises S with these estimated from th
   another k (half the usual one) and the fit has its two points.
 Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
 exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
+
+Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
+tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
+drafts were proposed that way starts at once, which happens when all k drafts and the
+continuation's first token are accepted (alpha^(k+1)); otherwise it first waits for k fresh
+drafts. Tokens per second in steady state:
+    R(k) = E[tokens] / (max(T1 + b k, (k + 1) d) + (1 - alpha^(k+1)) k d),
+with E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) as before. Its best k makes the draft's
+continuation end about when the verify does, less where rejections waste the drafting.
 """
 
 from __future__ import annotations
@@ -40,9 +49,21 @@ def best_lookahead(alpha: float, cost_ratio: float, k_max: int) -> int:
     return max(range(1, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio))
 
 
+def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
+    """R(k) above: tokens per second of overlapped rounds; draft, t1, slope in seconds."""
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    carried = alpha ** (k + 1)
+    return tokens / (max(t1 + slope * k, (k + 1) * draft) + (1 - carried) * k * draft)
+
+
+def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: float, k_max: int) -> int:
+    return max(range(1, k_max + 1), key=lambda k: overlapped_rate(alpha, k, draft, t1, slope))
+
+
 @dataclass
 class AdaptiveLookahead:
     k_max: int
+    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k)
     accepted: float = 0.0
     rejections: float = 0.0
     draft_seconds: float = 0.0
@@ -64,6 +85,8 @@ class AdaptiveLookahead:
         t1, slope = line
         alpha = self.accepted / (self.accepted + self.rejections)
         draft_per_token = self.draft_seconds / self.draft_tokens
+        if self.overlap:
+            return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
         return best_lookahead(alpha, (draft_per_token + slope) / t1, self.k_max)
 
     def verify_cost(self) -> tuple[float, float] | None:
@@ -77,12 +100,16 @@ class AdaptiveLookahead:
         t1 = mean_t - slope * (mean_n - 1)
         return (t1, slope) if t1 > 0 else (mean_t, 0.0)
 
-    def update(self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+    def update(
+        self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int | None = None
+    ) -> None:
+        """One round: drafts verified and accepted, the draft's seconds for `drafted` tokens
+        (default: the proposed ones; overlapped, also the continuation's), the target's seconds."""
         d = DECAY
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         self.draft_seconds = d * self.draft_seconds + draft_seconds
-        self.draft_tokens = d * self.draft_tokens + proposed
+        self.draft_tokens = d * self.draft_tokens + (proposed if drafted is None else drafted)
         f, n = FIT_DECAY, proposed + 1  # tokens the target scored
         self.fit_w = f * self.fit_w + 1
         self.fit_n = f * self.fit_n + n

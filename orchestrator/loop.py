@@ -167,7 +167,7 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
-        self.policy = AdaptiveLookahead(config.lookahead) if config.adaptive else None
+        self.policy = AdaptiveLookahead(config.lookahead, config.overlap) if config.adaptive else None
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self.overlap = config.overlap and self.draft is not None
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
@@ -270,13 +270,15 @@ class SpeculativeLoop:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
         drafts = _Proposal([], [], [])
-        draft_time = 0.0
+        draft_time = fresh = continued = 0.0
         carried, next_carried = self._carried, None  # kept until the round succeeds: a retry reuses it
+        drafted = 0  # tokens the draft proposed in this round (for the policy's cost per token)
         if carried is not None and not carried.lost:
             drafts = carried
             self.stats.overlapped_rounds += 1
         elif k > 0:
-            drafts, draft_time = self._propose(k, carried.uniforms if carried is not None else draws.draft)
+            drafts, fresh = self._propose(k, carried.uniforms if carried is not None else draws.draft)
+            draft_time, drafted = fresh, k
         # A model-free drafter may propose fewer than k (none when it finds no match).
         k = len(drafts.tokens)
         accept_u = draws.accept[:k]
@@ -308,7 +310,7 @@ class SpeculativeLoop:
         after = None
         if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
             waited = time.perf_counter()
-            after, _ = continuation.result(timeout=self._timeout())
+            after, continued = continuation.result(timeout=self._timeout())
             draft_time += time.perf_counter() - waited  # only the part the Score did not hide
 
         # 3. The rule. All drafts accepted and a continuation: its first token is tested at the
@@ -356,7 +358,11 @@ class SpeculativeLoop:
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time
         if self.policy and k > 0:
-            self.policy.update(k, min(accepted, k), draft_time, target_time)
+            if self.overlap:  # the draft's own time per token, hidden or not
+                drafted += k_next + 1 if continuation is not None else 0
+                self.policy.update(proposed, accepted, fresh + continued, target_time, drafted)
+            else:
+                self.policy.update(k, accepted, draft_time, target_time)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
 

@@ -14,8 +14,6 @@ import os
 import re
 from collections.abc import Iterable
 
-import torch
-
 
 def usable_cores() -> list[int]:
     """The cores this process may run on."""
@@ -45,6 +43,8 @@ def apply(cpus: Iterable[int] | None = None, threads: int | None = None) -> tupl
         if missing:
             raise ValueError(f"--cpus: no such core {sorted(missing)} on this machine")
         os.sched_setaffinity(0, wanted)
+    import torch  # here, not at the top: the CLI parses and splits core lists without torch
+
     cores = usable_cores()
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -54,4 +54,20 @@ def apply(cpus: Iterable[int] | None = None, threads: int | None = None) -> tupl
 
 def threads() -> int:
     """The thread count the service's forwards use (set by apply)."""
+    import torch  # as in apply()
+
     return torch.get_num_threads()
+
+
+def split_for_pair(cores: list[int]) -> tuple[list[int], list[int]] | None:
+    """Disjoint cores for a draft and a target on one machine: the target, the heavy model,
+    gets three quarters (at least one core each); None with a single core. Two services that
+    share cores slow each other down (llama.cpp's threads spin while they wait)."""
+    if len(cores) < 2:
+        return None
+    draft = max(1, len(cores) // 4)
+    return cores[:draft], cores[draft:]
+
+
+def format_cpus(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
