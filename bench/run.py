@@ -6,7 +6,12 @@ lists), for each temperature:
   (b) hf-assisted  transformers assisted generation in-process with the same draft model
                    (prompt lookup for the ngram drafter; none for llama.cpp);
   (c) specdec-off  specdec through gRPC with speculation off (target service only);
-  (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round).
+  (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round), with
+                   overlapped rounds (the draft proposes round r + 1 while the target
+                   verifies round r); specdec-seq: the same with sequential rounds.
+Next to (a), the one-process anchor on one core: hf-target-1core, the same `generate` pinned
+to the target's core with one thread (the services run on their own cores: the draft on the
+first quarter of the machine's, the target on the rest, or as --draft-cpus/--target-cpus say).
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), the acceptance
@@ -16,7 +21,8 @@ from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)
 (Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
 service compute time (draft ms per draft token, target ms per round), and orchestrator
 overhead per round (round time not spent computing in a model service).
-Writes results.json and speedup.png to --out and prints a table.
+Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
+round by round, sequential vs overlapped: bench.timeline) to --out and prints a table.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec import models
+from bench import timeline
+from deploy.local import LocalPipeline, PipelineConfig, Placement
+from specdec import models, placement
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 
@@ -49,6 +57,10 @@ class BenchConfig:
     seed: int = 1
     out: Path = Path("bench-results")
     hf_baselines: bool = True
+    overlap: tuple[bool, ...] = (True, False)  # overlapped rounds (specdec), sequential (specdec-seq)
+    draft_placement: Placement = field(default_factory=Placement)  # default: LocalPipeline's split
+    target_placement: Placement = field(default_factory=Placement)
+    timeline: bool = True
 
 
 @dataclass
@@ -72,8 +84,16 @@ def load_prompts(config: BenchConfig) -> list[dict]:
 
 
 # -- in-process transformers (a) and (b) ----------------------------------------------------
-def _hf_generate(model, ids, config: BenchConfig, temperature: float, **extra) -> dict:
+def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: bool = False, **extra) -> dict:
     import torch
+
+    if one_core:  # the one-process anchor: the target's core, one thread, then back as it was
+        cores, threads = placement.usable_cores(), torch.get_num_threads()
+        placement.apply([cores[-1]], 1)
+        try:
+            return _hf_generate(model, ids, config, temperature, **extra)
+        finally:
+            placement.apply(cores, threads)
 
     kwargs = dict(max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens, **extra)
     if temperature > 0:
@@ -90,10 +110,10 @@ def _hf_generate(model, ids, config: BenchConfig, temperature: float, **extra) -
 
 
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
-def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str) -> dict:
+def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True) -> dict:
     from specdec.v1 import model_pb2, orchestrator_pb2
 
-    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-")
+    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap)
     if k == "adaptive":
         spec.lookahead, spec.adaptive = max(config.ks), True
     elif k != "-":
@@ -155,7 +175,6 @@ def run(config: BenchConfig) -> dict:
     import grpc
     from tqdm import tqdm
 
-    from deploy.local import LocalPipeline, PipelineConfig
     from specdec.v1 import orchestrator_pb2_grpc
 
     prompts = load_prompts(config)
@@ -168,6 +187,7 @@ def run(config: BenchConfig) -> dict:
     for t in config.temperatures:
         if config.hf_baselines:
             plan.append((("hf-target", "-", t, "-"), "hf", {}))
+            plan.append((("hf-target-1core", "-", t, "-"), "hf", {"one_core": True}))
             if draft_model is not None:
                 plan.append((("hf-assisted", "model", t, "auto"), "hf", {"assistant_model": draft_model}))
             if "ngram" in config.drafters:
@@ -175,16 +195,25 @@ def run(config: BenchConfig) -> dict:
         for i, drafter in enumerate(config.drafters):
             if i == 0:
                 plan.append((("specdec-off", "-", t, "-"), drafter, {}))
-            plan += [(("specdec", drafter, t, k), drafter, {}) for k in ks]
+            for overlap in config.overlap:
+                method = "specdec" if overlap else "specdec-seq"
+                plan += [((method, drafter, t, k), drafter, {"overlap": overlap}) for k in ks]
 
     rows = {key: Row(*key) for key, _, _ in plan}
     bar = tqdm(total=len(plan) * len(prompt_ids) * config.repeats, desc="bench", unit="gen", dynamic_ncols=True)
     with ExitStack() as stack:
         stubs = {}  # every pipeline is up for the whole run, so methods can alternate
+        pipelines = {}
         for where in dict.fromkeys(w for _, w, _ in plan if w != "hf"):
-            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=where)
-            pipeline = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
-            stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
+            cfg = PipelineConfig(
+                target=config.target,
+                draft=config.draft,
+                drafter=where,
+                draft_placement=config.draft_placement,
+                target_placement=config.target_placement,
+            )
+            pipelines[where] = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
+            stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipelines[where].address))
         # Methods alternate prompt by prompt: this machine's speed drifts by up to 2x over
         # minutes, and a drift then slows every method alike instead of the ones run last.
         # The first pass, on one prompt, warms every method up and is dropped.
@@ -196,12 +225,29 @@ def run(config: BenchConfig) -> dict:
                     if where == "hf":
                         result = _hf_generate(target_model, ids, config, temperature, **extra)
                     else:
-                        result = _specdec_generate(stubs[where], ids, config, temperature, k)
+                        result = _specdec_generate(stubs[where], ids, config, temperature, k, **extra)
                     if rep > 0:
                         rows[key].runs.append(result | {"kind": prompt["kind"]})
                         bar.update(1)
-    bar.close()
-    return _summarise(config, rows)
+        bar.close()
+        timelines = _timelines(config, pipelines, prompt_ids[0]) if config.timeline and pipelines else {}
+    results = _summarise(config, rows)
+    results["timelines"] = timelines
+    return results
+
+
+def _timelines(config: BenchConfig, pipelines: dict, ids: list[int]) -> dict:
+    """Sequential and overlapped rounds of one generation (the llama.cpp drafter if it ran,
+    else the first), at the largest fixed k: busy spans of each service, round ends."""
+    drafter = "llamacpp" if "llamacpp" in pipelines else next(iter(pipelines))
+    addresses = pipelines[drafter].addresses
+    k = max(config.ks)
+    out = {}
+    for overlap in (False, True):
+        spans, ends = timeline.record(addresses["draft"], addresses["target"], ids, k, overlap, config.max_tokens)
+        title = f"{drafter} k={k} {'overlapped' if overlap else 'sequential'}"
+        out[title] = {"spans": [asdict(s) for s in spans], "round_ends": ends}
+    return out
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -239,7 +285,7 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
         if row.temperature in baseline:
             kinds = dict.fromkeys(r["kind"] for r in row.runs)
             entry["speedup_by_kind"] = {kind: paired_speedup(row, baseline[row.temperature], kind) for kind in kinds}
-        if row.method == "specdec" or row.method == "specdec-off":
+        if row.method in ("specdec", "specdec-seq", "specdec-off"):
             for key in (
                 "acceptance_rate",
                 "tokens_per_round",
@@ -252,7 +298,7 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
                 "overhead_fraction",
             ):
                 entry[key] = row.median(key)
-        if row.method == "specdec":
+        if row.method in ("specdec", "specdec-seq"):
             k = entry["drafts_per_round"]
             alpha = alpha_from_tokens_per_round(entry["tokens_per_round"], k)
             c = entry["cost_ratio"] if entry["cost_ratio"] == entry["cost_ratio"] else 0.0
@@ -261,8 +307,9 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
             if entry["speedup"]:
                 entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
         table.append(entry)
+    cores = placement.usable_cores()
     return {
-        "config": {**asdict(config), "out": str(config.out)},
+        "config": {**asdict(config), "out": str(config.out), "cores": cores},
         "environment": {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
@@ -338,18 +385,22 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results["config"]["temperatures"]), figsize=(6 * 2, 4), squeeze=False)
     for ax, t in zip(axes[0], results["config"]["temperatures"], strict=False):
         rows = [r for r in results["rows"] if r["temperature"] == t]
-        for drafter in dict.fromkeys(r["drafter"] for r in rows if r["method"] == "specdec"):
-            fixed = sorted((int(r["k"]), r["speedup"]) for r in rows
-                           if r["method"] == "specdec" and r["drafter"] == drafter and r["k"].isdigit())  # fmt: skip
-            line = ax.plot([k for k, _ in fixed], [s for _, s in fixed], marker="o", label=f"specdec {drafter}")[0]
-            for r in rows:
-                if r["method"] == "specdec" and r["drafter"] == drafter and r["k"] == "adaptive":
-                    ax.scatter([r["drafts_per_round"]], [r["speedup"]], marker="*", s=150, color=line.get_color(),
-                               label=f"specdec {drafter} adaptive")  # fmt: skip
+        for method in ("specdec", "specdec-seq"):
+            for drafter in dict.fromkeys(r["drafter"] for r in rows if r["method"] == method):
+                mine = [r for r in rows if r["method"] == method and r["drafter"] == drafter]
+                fixed = sorted((int(r["k"]), r["speedup"]) for r in mine if r["k"].isdigit())
+                style = "-" if method == "specdec" else "--"
+                label = f"{method} {drafter}"
+                line = ax.plot([k for k, _ in fixed], [s for _, s in fixed], style, marker="o", label=label)[0]
+                for r in mine:
+                    if r["k"] == "adaptive":
+                        ax.scatter([r["drafts_per_round"]], [r["speedup"]], marker="*", s=150, color=line.get_color(),
+                                   label=f"{label} adaptive")  # fmt: skip
         for r in rows:
-            if r["method"] in ("hf-assisted", "specdec-off"):
-                style = {"specdec-off": ("gray", "--"), "model": ("black", "--"), "ngram": ("black", ":")}
-                color, line = style["specdec-off" if r["method"] == "specdec-off" else r["drafter"]]
+            if r["method"] in ("hf-assisted", "specdec-off", "hf-target-1core"):
+                style = {"specdec-off": ("gray", "--"), "hf-target-1core": ("red", ":")}
+                style |= {"model": ("black", "--"), "ngram": ("black", ":")}
+                color, line = style[r["drafter"] if r["method"] == "hf-assisted" else r["method"]]
                 label = f"{r['method']} {r['drafter']}"
                 ax.axhline(r["speedup"], linestyle=line, linewidth=1, color=color, label=label)
         ax.axhline(1.0, color="red", linewidth=0.8, label="hf-target (a)")
@@ -368,5 +419,13 @@ def main(config: BenchConfig) -> dict:
     print(format_table(results))
     if kinds := format_kinds_table(results):
         print("\nspeedup over hf-target by prompt kind\n" + kinds)
-    print(f"\nwrote {config.out / 'results.json'} and {config.out / 'speedup.png'}")
+    written = [config.out / "results.json", config.out / "speedup.png"]
+    if results.get("timelines"):
+        recorded = results["timelines"].items()
+        timeline.plot(
+            {t: ([timeline.Span(**s) for s in v["spans"]], v["round_ends"]) for t, v in recorded},
+            config.out / "timeline.png",
+        )
+        written.append(config.out / "timeline.png")
+    print(f"\nwrote {', '.join(map(str, written))}")
     return results

@@ -7,8 +7,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import loadtest
-from bench.run import BenchConfig
-from bench.run import main as run_bench
 from cli import options
 from cli.generate import local_pipeline
 from specdec import models, security
@@ -34,9 +32,18 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
     b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
     b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    b.add_argument(
+        "--overlap",
+        choices=("both", "on", "off"),
+        default="both",
+        help="overlapped rounds (specdec rows), sequential (specdec-seq rows) or both (default)",
+    )
+    b.add_argument("--no-timeline", action="store_true", help="skip timeline.png (services busy, round by round)")
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    options.add_placement_flags(b, "target-")
+    options.add_placement_flags(b, "draft-")
 
 
 def add_loadtest_parser(sub) -> None:
@@ -64,6 +71,9 @@ def add_loadtest_parser(sub) -> None:
 
 
 def bench(args) -> int:
+    from bench.run import BenchConfig  # torch and the models: only for this command
+    from bench.run import main as run_bench
+
     def floats(text):
         return tuple(float(x) for x in text.split(",") if x)
 
@@ -79,6 +89,10 @@ def bench(args) -> int:
         prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
         hf_baselines=not args.no_hf,
         out=args.out,
+        overlap={"both": (True, False), "on": (True,), "off": (False,)}[args.overlap],
+        draft_placement=options.placement(args, "draft-"),
+        target_placement=options.placement(args, "target-"),
+        timeline=not args.no_timeline,
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)

@@ -19,9 +19,11 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["method"], r["drafter"], r["k"]): r for r in results["rows"]}
-    expected = {("hf-target", "-", "-"), ("hf-assisted", "model", "auto"), ("hf-assisted", "ngram", "10"),
-                ("specdec-off", "-", "-")}  # fmt: skip
-    expected |= {("specdec", d, k) for d in ("model", "ngram") for k in ("2", "4", "adaptive")}
+    expected = {("hf-target", "-", "-"), ("hf-target-1core", "-", "-"), ("hf-assisted", "model", "auto"),
+                ("hf-assisted", "ngram", "10"), ("specdec-off", "-", "-")}  # fmt: skip
+    expected |= {
+        (m, d, k) for m in ("specdec", "specdec-seq") for d in ("model", "ngram") for k in ("2", "4", "adaptive")
+    }
     assert set(rows) == expected
     for key, row in rows.items():
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0 and row["runs"] == 2, key
@@ -32,7 +34,13 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     # --quick takes one prompt of each of two kinds; the baseline's ratio to itself is exactly 1
     assert len(model_k4["speedup_by_kind"]) == 2
     assert set(rows[("hf-target", "-", "-")]["speedup_by_kind"].values()) == {1.0}
-    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in ("speedup.png", "timeline.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The timeline: both services busy in turn (sequential) and at once (overlapped).
+    lines = results["timelines"]
+    assert {t.split()[-1] for t in lines} == {"sequential", "overlapped"}
+    for line in lines.values():
+        assert {s["side"] for s in line["spans"]} == {"draft", "target"} and line["round_ends"]
     assert "tok/s" in out.stdout and "specdec" in out.stdout and "by prompt kind" in out.stdout
 
 
