@@ -23,7 +23,7 @@ from specdec import models
 class Drafter:
     # (engine, session, k, params, uniforms, assumed) -> (token ids, draft probs of them)
     propose: Callable
-    # (session, position) -> [vocab] draft distribution of the last proposal
+    # (session, position, token id or None) -> [vocab] draft distribution of the last proposal
     proposal_row: Callable
 
 

@@ -49,7 +49,7 @@ def propose(
     held = assumed + drafts
     rows = torch.zeros(len(held), engine.backend.vocab_size)
     rows[torch.arange(len(held)), torch.tensor(held)] = 1.0
-    session.proposal_rows, session.proposal_start = rows, len(session.tokens)
+    session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, len(session.tokens), held
     return drafts, [1.0] * len(drafts)
 
 

@@ -41,26 +41,28 @@ def propose(
             token_probs.append(float(row[token]))
             rows.append(row)
         drafts.append(token)
-    keep_rows(session, len(assumed), torch.stack(rows) if rows else None)
+    keep_rows(session, len(assumed), torch.stack(rows) if rows else None, drafts)
     return drafts, token_probs
 
 
-def keep_rows(session: Session, offset: int, rows: torch.Tensor | None) -> None:
-    """Hold a proposal's rows, which start `offset` positions after the committed tokens, and
-    the rows the session already holds for the positions before them (the proposal this one
-    continues), so ProposalRow can read either."""
+def keep_rows(session: Session, offset: int, rows: torch.Tensor | None, tokens: list[int]) -> None:
+    """Hold a proposal's rows (and the tokens they drew), which start `offset` positions after
+    the committed tokens, and those the session already holds for the positions before them
+    (the proposal this one continues), so ProposalRow can read either."""
     start = len(session.tokens)
     held = session.proposal_rows
     if rows is not None and offset and held is not None:
         first = start - session.proposal_start
         if first >= 0 and first + offset <= held.shape[0]:
             rows = torch.cat([held[first : first + offset], rows])
+            tokens = session.proposal_tokens[first : first + offset] + tokens
             offset = 0
-    session.proposal_rows, session.proposal_start = rows, start + offset
+    session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, start + offset, list(tokens)
 
 
-def proposal_row(session: Session, position: int) -> np.ndarray:
-    """The draft distribution at `position` after the committed tokens (sampling mode)."""
+def proposal_row(session: Session, position: int, token_id: int | None = None) -> np.ndarray:
+    """The draft distribution at `position` after the committed tokens (sampling mode); with
+    `token_id`, only if that is the token it drew there."""
     rows = session.proposal_rows
     if rows is None:
         raise FailedPrecondition("the session has no sampling-mode proposal to read")
@@ -68,4 +70,8 @@ def proposal_row(session: Session, position: int) -> np.ndarray:
     if not 0 <= index < rows.shape[0]:
         first = session.proposal_start - len(session.tokens)
         raise OutOfRange(f"position {position} is outside {first}..{first + rows.shape[0] - 1}")
+    if token_id is not None and session.proposal_tokens[index] != token_id:
+        raise FailedPrecondition(
+            f"position {position}: the draft proposed token {session.proposal_tokens[index]} there, not {token_id}"
+        )
     return rows[index].float().cpu().numpy()

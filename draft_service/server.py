@@ -48,7 +48,8 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
     def ProposalRow(self, request, context):
         ref = request.session
         with self.engine.session(ref.session_id, ref.expected_length) as session:
-            return wire.encode_row(self.drafter.proposal_row(session, request.position))
+            token = request.token_id if request.HasField("token_id") else None
+            return wire.encode_row(self.drafter.proposal_row(session, request.position, token))
 
 
 def serve(

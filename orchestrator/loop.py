@@ -347,7 +347,13 @@ class SpeculativeLoop:
                     nonlocal draft_time
                     row, row_time = self._call(
                         self.draft.stub.ProposalRow,
-                        model_pb2.ProposalRowRequest(session=self.draft.ref(self.session_id), position=accepted),
+                        # Positions count from the draft's committed length; commits it has not
+                        # been sent yet (carried drafts, no continuation this round) come first.
+                        model_pb2.ProposalRowRequest(
+                            session=self.draft.ref(self.session_id),
+                            position=len(self.draft.pending) + accepted,
+                            token_id=(drafts.tokens + after.tokens[:1] if after else drafts.tokens)[accepted],
+                        ),
                     )
                     draft_time += row_time
                     return wire.decode_row(row)

@@ -50,6 +50,7 @@ class Session:
     # [n, vocab], for ProposalRow; row 0 is at absolute position proposal_start.
     proposal_rows: torch.Tensor | None = None
     proposal_start: int = 0
+    proposal_tokens: list[int] = field(default_factory=list)  # the token each row drew
     lock: threading.Lock = field(default_factory=threading.Lock)
     kv_tokens: int = 0  # reserved in the engine's KV budget
     last_used: float = field(default_factory=time.monotonic)

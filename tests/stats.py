@@ -19,8 +19,13 @@ def markov_chisquare(tokens, kernel: np.ndarray, min_expected: float = 5.0) -> f
     expected count under `min_expected` are pooled per row so the chi-square law holds.
     """
     kernel = np.asarray(kernel, dtype=np.float64)
+    return counts_chisquare(transition_counts(tokens, kernel.shape[0]), kernel, min_expected)
+
+
+def counts_chisquare(counts: np.ndarray, kernel: np.ndarray, min_expected: float = 5.0) -> float:
+    """markov_chisquare from [vocab, vocab] transition counts (of one chain or of many pooled)."""
+    kernel = np.asarray(kernel, dtype=np.float64)
     kernel = kernel / kernel.sum(axis=1, keepdims=True)
-    counts = transition_counts(tokens, kernel.shape[0])
     chi2, dof = 0.0, 0
     for prev in range(kernel.shape[0]):
         n = counts[prev].sum()

@@ -6,6 +6,7 @@ overlapped rounds leaving the output as it was (tests/test_recovery.py runs that
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from draft_service.drafters import MODEL, NGRAM
@@ -16,7 +17,7 @@ from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
-from tests.stats import markov_chisquare
+from tests.stats import counts_chisquare, markov_chisquare, transition_counts
 
 DRAFTERS = {"model": MODEL, "ngram": NGRAM}
 
@@ -85,6 +86,36 @@ def test_distribution_through_overlapped_rounds(vocab, k, sampling, drafter):
     assert 0 < stats.accepted_tokens < stats.draft_tokens
     if drafter == "model":  # power: the same test tells the draft's law apart
         assert markov_chisquare([2, *tokens], draft_probs) < 1e-3
+
+
+class CountingRows(Direct):
+    """The draft stub, counting the rows the residuals fetched."""
+
+    rows = 0
+
+    def ProposalRow(self, request, timeout=None):
+        self.rows += 1
+        return self.servicer.ProposalRow(request, None)
+
+
+def test_distribution_of_short_overlapped_generations():
+    """Generations of 7 tokens at k = 3: their ends take the paths a long chain rarely does (a
+    continuation shortened or skipped for lack of room, the next round's drafts used with no
+    continuation, a rejection among them). Transitions pooled over 2,000 generations. Every
+    row fetched for a residual names the token it must have drawn (ProposalRowRequest.token_id),
+    so a row asked for at a wrong position fails the request instead of biasing the output."""
+    target_probs = random_markov(5, 61, alpha=0.4)
+    draft_probs = near(target_probs, 62, weight=0.6)
+    _, target = pair(target_probs, draft_probs)
+    draft = CountingRows(DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft")))
+    counts = np.zeros((5, 5), dtype=np.int64)
+    overlapped = 0
+    for seed in range(2000):
+        tokens, stats = run(draft, target, SamplingParams(temperature=1.0), 7, k=3, seed=seed)
+        counts += transition_counts([2, *tokens], 5)
+        overlapped += stats.overlapped_rounds
+    assert counts_chisquare(counts, target_probs) > 1e-3
+    assert overlapped > 500 and draft.rows > 1000
 
 
 def test_seeded_overlapped_sampling_reproduces():

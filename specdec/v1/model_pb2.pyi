@@ -77,12 +77,14 @@ class ProposeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
-    __slots__ = ("session", "position")
+    __slots__ = ("session", "position", "token_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     position: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+    token_id: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms")
