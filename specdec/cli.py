@@ -147,12 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--address", help="HOST:PORT of a running orchestrator")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0: random)")
-    g.add_argument("--lookahead", type=int, default=4, help="draft tokens per round, 1..32 (default 4)")
+    # Default None: only what the user gives is sent; the server applies the defaults named here.
+    g.add_argument("--max-tokens", type=int, help="tokens to generate at most, >= 1 (default 128)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens, >= 1 (default: off)")
+    g.add_argument("--seed", type=int, help="seed for sampling (default: a random one)")
+    g.add_argument("--lookahead", type=int, help="draft tokens per round, 1..32 (default 4)")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
     g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -268,16 +269,18 @@ def main(argv: list[str] | None = None) -> int:
 def _request(args):
     from specdec.v1 import model_pb2, orchestrator_pb2
 
+    def given(**fields):  # the flags the user gave: an unset field takes the server's default
+        return {name: value for name, value in fields.items() if value is not None}
+
     return orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=not args.raw,
-        sampling=model_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-        seed=args.seed,
-        max_new_tokens=args.max_tokens,
+        sampling=model_pb2.SamplingParams(**given(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)),
         stop_strings=args.stop,
         speculation=orchestrator_pb2.SpeculationParams(
-            lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
+            disabled=args.no_speculation, adaptive=args.adaptive, **given(lookahead=args.lookahead)
         ),
+        **given(seed=args.seed, max_new_tokens=args.max_tokens),
     )
 
 

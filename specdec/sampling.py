@@ -23,8 +23,12 @@ class SamplingParams:
 
     @classmethod
     def from_proto(cls, msg) -> SamplingParams:
-        top_p = msg.top_p if 0.0 < msg.top_p < 1.0 else 1.0
-        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p)
+        """From a validated proto message (specdec.validation.sampling); unset fields: the defaults."""
+        return cls(
+            temperature=msg.temperature,  # unset reads as 0
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        )
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
