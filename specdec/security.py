@@ -30,6 +30,31 @@ import grpc
 
 log = logging.getLogger("specdec")
 
+# Keepalive on every link: a peer that vanishes without closing its connection (a host
+# powered off, a network partition) is noticed within seconds, not at a call's deadline.
+# Clients ping every 2 s, idle or not, and drop a connection whose ping goes unanswered for
+# 3 s (its calls fail UNAVAILABLE, which the orchestrator's recovery handles); servers accept
+# pings that often and ping their own clients every 10 s.
+CLIENT_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    # Any ping (keepalive or flow control) unanswered this long drops the connection: a keepalive
+    # ping sent while another is unanswered waits on that one (default 60 s).
+    ("grpc.http2.ping_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # default 2: a silent link would stop the pings
+    ("grpc.http2.min_time_between_pings_ms", 1000),
+]
+SERVER_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),  # never answer a client's pings with GOAWAY
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
 TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
@@ -227,8 +252,9 @@ def _refusal(handler) -> grpc.RpcMethodHandler:
 # -- client ------------------------------------------------------------------------------
 def channel(address: str, security: ClientSecurity, options=()) -> grpc.Channel:
     """A channel to address: TLS (and a client certificate) when configured, plaintext only to
-    loopback unless allowed, and the bearer token on every call when one is set."""
-    options = list(options)
+    loopback unless allowed, the bearer token on every call when one is set, and keepalive
+    (`options` may override it)."""
+    options = [*CLIENT_KEEPALIVE, *options]
     if security.uses_tls:
         creds = grpc.ssl_channel_credentials(
             root_certificates=security.root_ca,

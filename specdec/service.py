@@ -20,7 +20,7 @@ from specdec import validation
 from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, NotFound, SpecdecError
 from specdec.limits import SessionLimits
-from specdec.security import ServerSecurity, bind, server_interceptors
+from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2
 
@@ -104,6 +104,7 @@ def make_server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
+            *SERVER_KEEPALIVE,
         ],
     )
     bound = bind(server, host, port, security)
