@@ -385,11 +385,15 @@ def _wait(stop: threading.Event) -> None:
 
 
 def _serve_until_signal(
-    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0
+    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0, reload=None
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
-    in-flight work finished within drain_timeout) and stop; exit code 0."""
+    in-flight work finished within drain_timeout) and stop; exit code 0. SIGHUP calls
+    `reload()` (re-read the TLS files and the token, security.Rotation)."""
     stop = _stop_on_signal()
+    if reload is not None:
+        signal.signal(signal.SIGHUP, lambda *_: reload())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
     ready = {"address": address}
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
@@ -439,7 +443,8 @@ def _model_service(args, role: str) -> int:
         )
     what = f"{role} service ({args.model})"
     address = f"{args.host}:{port}"
-    return _serve_until_signal(server, address, args.ready_file, what, telemetry, args.drain_timeout)
+    reload = server_security.rotation.reload
+    return _serve_until_signal(server, address, args.ready_file, what, telemetry, args.drain_timeout, reload)
 
 
 def cmd_orchestrator(args) -> int:
@@ -453,7 +458,8 @@ def cmd_orchestrator(args) -> int:
     pair = connect(args.draft_address, args.target_address, security=client, telemetry=telemetry)
     server, port = serve(pair, args.host, args.port, server_security, telemetry=telemetry, admission=admission)
     address = f"{args.host}:{port}"
-    return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
+    reload = server_security.rotation.reload
+    return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout, reload)
 
 
 def cmd_serve(args) -> int:
@@ -509,9 +515,14 @@ def _tls_files(args) -> security.ServerTLSFiles:
 
 
 def _server_security(args) -> security.ServerSecurity:
-    """The server's TLS files and token, checked now: a bad setting fails before a model loads."""
-    token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
-    server_security = _tls_files(args).load(token, args.allow_insecure)
+    """The server's TLS files and token, checked now: a bad setting fails before a model loads.
+    They are read again on each rotation.reload() (SIGHUP)."""
+
+    def load():
+        token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
+        return _tls_files(args).load(token, args.allow_insecure)
+
+    server_security = security.reloadable(load)
     security.check_bind(args.host, server_security)
     return server_security
 
