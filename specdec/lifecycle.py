@@ -202,7 +202,7 @@ def serve_model(
     gate = Gate([f"/{service_name}/OpenSession"])
     server, bound, engine = model_server(backend, role, host, port, telemetry, security, limits, [gate])
     add_servicer(engine, server)
-    reaper = Reaper(engine, engine.limits.idle_ttl)
+    reaper = Reaper(engine, engine.limits.idle_ttl, engine.limits.unclaimed_ttl)
     return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper]), bound
 
 

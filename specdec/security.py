@@ -4,8 +4,8 @@ Owns: the server and client security settings (frozen dataclasses), building ser
 credentials and binding ports, the loopback-only rule for plaintext, the server interceptor
 that checks `authorization: Bearer <token>` on every method, the client channels that
 carry TLS credentials and the token, keepalive on every channel and server, and the
-rotation of a running server's certificate, key and token (Rotation, on SIGHUP). It reads the files it is pointed at; argv and the
-environment are read only by the CLI.
+rotation of a running server's certificate, key and token (Rotation, on SIGHUP). It reads
+the files it is pointed at; argv and the environment are read only by the CLI.
 
 Decisions:
 - Plaintext is allowed only on loopback addresses, for servers (bind) and clients (connect)

@@ -18,7 +18,7 @@ import pytest
 
 from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, NotFound
-from specdec.limits import AdmissionLimits
+from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.v1 import model_pb2
 from target_service.server import TargetServicer
 from tests.harness import long_request, slow_pipeline, wait_until
@@ -74,10 +74,18 @@ def test_cancelled_stream_storm_leaves_no_session(storm_pipeline):
     assert_clean_and_serving(p)
 
 
-def test_service_reaps_sessions_whose_opener_left(storm_pipeline):
+def test_service_reaps_sessions_whose_opener_left(tiny_backends):
     """A caller that gives up on OpenSession and never closes (no orchestrator to do it):
-    the service closes what it opened for nobody."""
-    p, rng = storm_pipeline, random.Random(16)
+    the service closes what it opened for nobody. Mostly at once (the call ended before the
+    answer); an answer that was sent but reached no one (the service's deadline runs from
+    when the request arrived, a little after the caller's) is reaped when its session stays
+    unused (here after 0.5 s; by default 30 s)."""
+    with slow_pipeline(tiny_backends, delay=0.02, limits=SessionLimits(unclaimed_ttl=0.5)) as p:
+        _open_and_leave(p)
+
+
+def _open_and_leave(p) -> None:
+    rng = random.Random(16)
     request = model_pb2.OpenSessionRequest(prompt_token_ids=list(range(3, 30)))
     calls = []
     for i in range(100):
@@ -121,3 +129,15 @@ def test_close_that_overtakes_its_open_leaves_no_session(tiny_backends):
 
 def test_close_then_open_of_the_same_id_opens(tiny_backends):
     assert open_overtaken_by_close(tiny_backends, close_first=True) == (None, 1)
+
+
+def test_unclaimed_ttl_reaps_only_sessions_never_used(tiny_backends):
+    limits = SessionLimits(unclaimed_ttl=0.3)
+    with slow_pipeline(tiny_backends, limits=limits) as p:
+        for sid in ("used", "unused"):
+            p.target.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[3, 4]))
+        p.target.GetSession(model_pb2.GetSessionRequest(session_id="used"))
+        assert wait_until(lambda: held(p)["target"][0] == 1, 5)
+        time.sleep(0.6)  # two more unclaimed TTLs: the used session stays
+        assert p.target.GetSession(model_pb2.GetSessionRequest(session_id="used")).length == 2
+        p.target.CloseSession(model_pb2.CloseSessionRequest(session_id="used"))
