@@ -117,7 +117,7 @@ def _load_test_at(address: str, args, client: security.ClientSecurity, config: l
         chat_template=True,
         sampling=model_pb2.SamplingParams(temperature=args.temperature),
         max_new_tokens=args.max_tokens,
-        speculation=orchestrator_pb2.SpeculationParams(lookahead=args.lookahead),
+        speculation=orchestrator_pb2.SpeculationParams(**options.given(lookahead=args.lookahead)),
     )
     report = loadtest.run(lambda timeout: len(stub.Generate(request, timeout=timeout).token_ids), config)
     print(json.dumps(report.as_dict()) if args.json else report.text())

@@ -22,11 +22,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--address", help="HOST:PORT of a running orchestrator")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    g.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0: random)")
+    # Default None: only what the user gives is sent; the server applies the defaults named here.
+    g.add_argument("--max-tokens", type=int, help="tokens to generate at most, >= 1 (default 128)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens, >= 1 (default: off)")
+    g.add_argument("--seed", type=int, help="seed for sampling (default: a random one)")
     options.add_lookahead_flag(g)
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
     g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
@@ -63,19 +64,19 @@ def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -
 
 
 def request(args) -> orchestrator_pb2.GenerateRequest:
+    given = options.given
     speculation = orchestrator_pb2.SpeculationParams(
-        lookahead=args.lookahead, disabled=args.no_speculation, adaptive=args.adaptive
+        disabled=args.no_speculation, adaptive=args.adaptive, **given(lookahead=args.lookahead)
     )
     if args.no_overlap:
         speculation.overlap = False
     return orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=not args.raw,
-        sampling=model_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-        seed=args.seed,
-        max_new_tokens=args.max_tokens,
+        sampling=model_pb2.SamplingParams(**given(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)),
         stop_strings=args.stop,
         speculation=speculation,
+        **given(seed=args.seed, max_new_tokens=args.max_tokens),
     )
 
 

@@ -62,9 +62,15 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_lookahead_flag(p: argparse.ArgumentParser, text: str = "draft tokens per round") -> None:
-    d = validation.DEFAULT_LOOKAHEAD
-    p.add_argument("--lookahead", type=int, default=d, help=f"{text}, 1..{validation.MAX_LOOKAHEAD} (default {d})")
+def add_lookahead_flag(p: argparse.ArgumentParser) -> None:
+    """Default None: only what the user gives is sent; the orchestrator applies the default."""
+    d, most = validation.DEFAULT_LOOKAHEAD, validation.MAX_LOOKAHEAD
+    p.add_argument("--lookahead", type=int, help=f"draft tokens per round, 1..{most} (default {d})")
+
+
+def given(**fields) -> dict:
+    """The flags the user gave: a field left unset takes the server's default."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -193,10 +199,15 @@ def tls_files(args) -> security.ServerTLSFiles:
     return security.ServerTLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
-def server_security(args, check_host: bool = True) -> security.ServerSecurity:
-    """The server's TLS files and token, checked now: a bad setting fails before a model loads."""
-    token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
-    settings = tls_files(args).load(token, args.allow_insecure)
+def server_security(args, check_host: bool = True, reloadable: bool = True) -> security.ServerSecurity:
+    """The server's TLS files and token, checked now: a bad setting fails before a model loads.
+    Reloadable: read again on each rotation.reload() (SIGHUP); Ray actors get a fixed copy."""
+
+    def load():
+        token = security.read_token(args.auth_token_file, os.environ.get(security.TOKEN_ENV))
+        return tls_files(args).load(token, args.allow_insecure)
+
+    settings = security.reloadable(load) if reloadable else load()
     if check_host:
         security.check_bind(args.host, settings)
     return settings

@@ -128,7 +128,8 @@ def _device(device: str | None, gpus: float) -> str:
 def cmd_up(args) -> int:
     """`up` secures its three servers and the orchestrator's service links as `orchestrator`
     does (TLS, mTLS, token; plaintext on the cluster's network only if allowed)."""
-    server_security = options.server_security(args, check_host=False)  # the actors bind their nodes' addresses
+    # The actors bind their nodes' addresses, and get a fixed copy (no SIGHUP reload inside Ray).
+    server_security = options.server_security(args, check_host=False, reloadable=False)
     limits = options.session_limits(args)
     config = ray_deploy.RayDeployConfig(
         name=args.name,

@@ -72,7 +72,8 @@ def model_service(args, role: str) -> int:
     config = ModelServiceConfig(role, spec, getattr(args, "drafter", "auto"), limits, cpus, args.threads)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
-    return serve_until_signal(server, f"{args.host}:{port}", args.ready_file, what, telemetry, args.drain_timeout)
+    address, reload = f"{args.host}:{port}", server_security.rotation.reload
+    return serve_until_signal(server, address, args.ready_file, what, telemetry, args.drain_timeout, reload=reload)
 
 
 def orchestrator(args) -> int:
@@ -95,6 +96,7 @@ def orchestrator(args) -> int:
         telemetry,
         args.drain_timeout,
         orchestrator.http,
+        server_security.rotation.reload,
     )
 
 
@@ -150,12 +152,23 @@ def wait(stop: threading.Event) -> None:
 
 
 def serve_until_signal(
-    server, address: str, ready_file: Path | None, what: str, telemetry=None, drain_timeout: float = 0.0, http=None
+    server,
+    address: str,
+    ready_file: Path | None,
+    what: str,
+    telemetry=None,
+    drain_timeout: float = 0.0,
+    http=None,
+    reload=None,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
     in-flight work finished within drain_timeout) and stop; exit code 0. `http`: the HTTP
-    front door (orchestrator.openai_api), stopped after the drain."""
+    front door (orchestrator.openai_api), stopped after the drain. SIGHUP calls `reload()`
+    (re-read the TLS files and the token: specdec.security.Rotation)."""
     stop = stop_on_signal()
+    if reload is not None:
+        signal.signal(signal.SIGHUP, lambda *_: reload())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
     ready = {"address": address}
     if http is not None:
         ready["http_url"] = http.url

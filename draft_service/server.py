@@ -29,7 +29,8 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         start = time.perf_counter()
         with self.engine.session(ref.session_id, ref.expected_length) as session:
             extra = len(request.assumed_tokens) + request.k
-            self.engine.open_round(session, request.append_tokens, extra, "append_tokens + assumed_tokens + k")
+            what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
+            self.engine.open_round(session, request.append_tokens, extra, what)
             tokens, probs = self.drafter.propose(
                 self.engine,
                 session,

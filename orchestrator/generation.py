@@ -21,6 +21,7 @@ from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def load_tokenizer(files: model_pb2.GetTokenizerResponse):
@@ -64,11 +65,14 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
             raise InvalidArgument("token_ids must not be empty")
         validation.token_ids(ids, pair.vocab_size, "token_ids")
     elif kind == "messages":
-        if not tok.chat_template:
-            raise FailedPrecondition("messages: the target model has no chat template")
         messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         if not messages:
             raise InvalidArgument("messages must not be empty")
+        roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
+        if roles:
+            raise InvalidArgument(f"messages: unknown role {roles[0]!r} (one of {', '.join(CHAT_ROLES)})")
+        if not tok.chat_template:
+            raise FailedPrecondition("messages: the target model has no chat template")
         ids = _chat_ids(tok, messages)
     elif kind == "prompt":
         if not request.prompt:
@@ -95,13 +99,15 @@ def loop_config(pair: ModelPair, request, prompt_len: int, overlap: bool = True)
     """The loop's settings for a request; `overlap` is the default for a request that leaves it unset."""
     s = request.sampling
     validation.sampling(s, "sampling")
-    max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    if max_new < 1:
-        raise InvalidArgument(f"max_new_tokens must be >= 1, got {max_new}")
+    # Unset fields take their documented defaults; an explicit value is checked, zero included.
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+    validation.at_least_one(max_new, "max_new_tokens")
     spec = request.speculation
-    lookahead = spec.lookahead or validation.DEFAULT_LOOKAHEAD
+    lookahead = spec.lookahead if spec.HasField("lookahead") else validation.DEFAULT_LOOKAHEAD
     validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
+    if "" in request.stop_strings:
+        raise InvalidArgument("stop_strings must not hold an empty string")
     if prompt_len + max_new > pair.max_context:
         raise OutOfRange(
             f"prompt of {prompt_len} tokens + max_new_tokens {max_new} exceeds the model context of {pair.max_context}"
@@ -113,7 +119,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int, overlap: bool = True)
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else overlap,
-        seed=request.seed or random.getrandbits(63),
+        seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
 
@@ -136,7 +142,7 @@ def generate(
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
     config = loop_config(pair, request, len(ids), overlap)
-    stop_strings = [s for s in request.stop_strings if s]
+    stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout)
     tok = pair.tokenizer

@@ -40,6 +40,8 @@ from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
+# Seconds a CloseSession may take; a service also reaps what it opened for a caller who left.
+CLOSE_TIMEOUT = 2.0
 
 
 class SessionLost(Unavailable):
@@ -183,6 +185,9 @@ class SpeculativeLoop:
         opened = []
         try:
             for side in sides:
+                # Closed whatever happens from here: an open that failed or timed out here may
+                # still complete on the service.
+                opened.append(side)
                 try:
                     side.stub.OpenSession(
                         model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
@@ -190,7 +195,6 @@ class SpeculativeLoop:
                     )
                 except SessionLost:  # the service is down or restarting: wait for it
                     side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
-                opened.append(side)
                 side.length = len(self.prompt)
             while True:
                 step = self._round()
@@ -199,9 +203,10 @@ class SpeculativeLoop:
                     return
         finally:
             for side in opened:
-                try:
-                    side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
-                except Exception:  # noqa: BLE001 - best effort; the service may be gone
+                try:  # its own timeout: the request's deadline may have passed
+                    request = model_pb2.CloseSessionRequest(session_id=self.session_id)
+                    side.stub.CloseSession(request, timeout=CLOSE_TIMEOUT)
+                except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
                     pass
 
     # -- one round -------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Session:
     kv_tokens: int = 0  # reserved in the engine's KV budget
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
+    claimed: bool = False  # a request has used it since OpenSession
 
 
 class SessionEngine:
@@ -106,11 +107,16 @@ class SessionEngine:
                 raise NotFound(f"session_id: no open session {session_id!r}")
             self._retire(session_id, session)
 
-    def close_idle(self, ttl: float) -> list[str]:
-        """Close sessions unused for more than `ttl` seconds; skip any in use. Returns their ids."""
+    def close_idle(self, ttl: float, unclaimed: bool = False) -> list[str]:
+        """Close sessions unused for more than `ttl` seconds (with `unclaimed`: only those no
+        request used since they opened); skip any in use. Returns their ids."""
         now = time.monotonic()
         with self._lock:
-            idle = [(sid, s) for sid, s in self._sessions.items() if now - s.last_used > ttl]
+            idle = [
+                (sid, s)
+                for sid, s in self._sessions.items()
+                if now - s.last_used > ttl and not (unclaimed and s.claimed)
+            ]
         closed = []
         for sid, session in idle:
             if not session.lock.acquire(blocking=False):
@@ -159,7 +165,7 @@ class SessionEngine:
             try:
                 yield session
             finally:
-                session.last_used = time.monotonic()
+                session.last_used, session.claimed = time.monotonic(), True
                 if not session.closed:
                     self.kv.settle(session, len(session.cached))
 

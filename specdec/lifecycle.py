@@ -198,7 +198,7 @@ def serve_model(
     interceptors = [*telemetry.server_interceptors(), gate]
     server, bound = make_server(host, port, security=security, interceptors=interceptors)
     add_servicer(engine, server)
-    reaper = Reaper(engine, engine.limits.idle_ttl)
+    reaper = Reaper(engine, engine.limits.idle_ttl, engine.limits.unclaimed_ttl)
     return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper]), bound
 
 

@@ -25,9 +25,13 @@ class SessionLimits:
     max_sessions: int = 64  # sessions open at once
     max_kv_tokens: int = 65536  # tokens of keys/values held across all sessions; 0: no cap
     idle_ttl: float = 300.0  # seconds without a request before a session is closed; 0: never
+    # Seconds a session may wait for its first request after OpenSession; 0: no such limit. A caller
+    # that gave up on its OpenSession after the service answered never uses nor closes it
+    # (reaping a session that was wanted costs its caller a re-open, orchestrator.recovery).
+    unclaimed_ttl: float = 30.0
 
     def __post_init__(self):
-        _at_least(self, max_sessions=1, max_kv_tokens=0, idle_ttl=0)
+        _at_least(self, max_sessions=1, max_kv_tokens=0, idle_ttl=0, unclaimed_ttl=0)
 
 
 @dataclass(frozen=True)
@@ -95,22 +99,28 @@ class KVBudget:
 
 
 class Reaper:
-    """A daemon thread that closes sessions idle longer than the TTL."""
+    """A daemon thread that closes sessions idle longer than the TTL, and sessions never used
+    since they opened after the (shorter) unclaimed TTL."""
 
-    def __init__(self, engine, ttl: float):
+    def __init__(self, engine, ttl: float, unclaimed_ttl: float = 0.0):
         self.engine = engine
         self.ttl = ttl
+        self.unclaimed_ttl = unclaimed_ttl
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="session-reaper", daemon=True)
 
     def start(self) -> None:
-        if self.ttl > 0:
+        if self.ttl > 0 or self.unclaimed_ttl > 0:
             self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _run(self) -> None:
-        interval = min(max(self.ttl / 4, 0.05), 10.0)
+        shortest = min(t for t in (self.ttl, self.unclaimed_ttl) if t > 0)
+        interval = min(max(shortest / 4, 0.05), 10.0)
         while not self._stop.wait(interval):
-            self.engine.close_idle(self.ttl)
+            if self.unclaimed_ttl > 0:
+                self.engine.close_idle(self.unclaimed_ttl, unclaimed=True)
+            if self.ttl > 0:
+                self.engine.close_idle(self.ttl)

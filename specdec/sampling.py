@@ -26,11 +26,21 @@ class SamplingParams:
     # The wire form, both ways: the only place that knows both shapes.
     @classmethod
     def from_proto(cls, msg: model_pb2.SamplingParams) -> SamplingParams:
-        top_p = msg.top_p if 0.0 < msg.top_p < 1.0 else 1.0
-        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p)
+        """From a validated proto message (specdec.validation.sampling); unset fields: the defaults."""
+        return cls(
+            temperature=msg.temperature,  # unset reads as 0
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        )
 
     def to_proto(self) -> model_pb2.SamplingParams:
-        return model_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        """Only what differs from the defaults is set: an explicit top_k 0 or top_p 1 is refused."""
+        msg = model_pb2.SamplingParams(temperature=self.temperature)
+        if self.top_k:
+            msg.top_k = self.top_k
+        if self.top_p < 1.0:
+            msg.top_p = self.top_p
+        return msg
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 Owns: the server and client security settings (frozen dataclasses), building server
 credentials and binding ports, the loopback-only rule for plaintext, the server interceptor
-that checks `authorization: Bearer <token>` on every method, and the client channels that
-carry TLS credentials and the token. It reads the files it is pointed at and no argv or
-environment: the command line (cli.options) reads the token variables and passes them in.
+that checks `authorization: Bearer <token>` on every method, the client channels that
+carry TLS credentials and the token, keepalive on every channel and server, and the
+rotation of a running server's certificate, key and token (Rotation, on SIGHUP). It reads
+the files it is pointed at and no argv or environment: the command line (cli.options) reads
+the token variables and passes them in.
 
 Decisions:
 - Plaintext is allowed only on loopback addresses, for servers (bind) and clients (connect)
@@ -23,12 +25,39 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
 log = logging.getLogger("specdec")
+
+# Keepalive on every link: a peer that vanishes without closing its connection (a host
+# powered off, a network partition) is noticed within seconds, not at a call's deadline.
+# Clients ping every 2 s, idle or not, and drop a connection whose ping goes unanswered for
+# 3 s (its calls fail UNAVAILABLE, which the orchestrator's recovery handles); servers accept
+# pings that often and ping their own clients every 10 s.
+CLIENT_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    # Any ping (keepalive or flow control) unanswered this long drops the connection: a keepalive
+    # ping sent while another is unanswered waits on that one (default 60 s).
+    ("grpc.http2.ping_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # default 2: a silent link would stop the pings
+    ("grpc.http2.min_time_between_pings_ms", 1000),
+]
+SERVER_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),  # never answer a client's pings with GOAWAY
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
@@ -49,6 +78,8 @@ class ServerSecurity:
     client_ca: bytes | None = None  # PEM; clients must present a certificate signed by it
     token: str | None = field(default=None, repr=False)  # callers must send `Bearer <token>`
     allow_insecure: bool = False  # plaintext on a non-loopback address
+    # Where the running server reads its current credentials, when they can change (reloadable()).
+    rotation: Rotation | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if (self.cert_chain is None) != (self.private_key is None):
@@ -104,6 +135,62 @@ class ServerTLSFiles:
             token=token,
             allow_insecure=allow_insecure,
         )
+
+
+class Rotation:
+    """A running server's credentials, replaced from their files by reload() (on SIGHUP).
+
+    Connections made after a reload get the new certificate, calls made after it need the new
+    token; a connection or a call already under way keeps what it started with. A reload may
+    replace the files' contents, not turn TLS, client certificates or the token on or off; a
+    reload that fails (a missing or bad file) keeps the credentials in use and says why.
+    """
+
+    def __init__(self, load: Callable[[], ServerSecurity]):
+        self._load = load
+        self._lock = threading.Lock()
+        self.current = load()
+        self.generation = 0  # reloads so far
+
+    def reload(self) -> bool:
+        try:
+            fresh = self._load()
+        except SecurityError as err:
+            log.error("credentials not reloaded; the current ones stay in use: %s", err)
+            return False
+        if _kind(fresh) != _kind(self.current):
+            log.error("credentials not reloaded: a reload replaces TLS files and the token, it cannot add or drop one")
+            return False
+        with self._lock:
+            self.current, self.generation = fresh, self.generation + 1
+        log.warning("credentials reloaded (TLS certificate and key, client CA, token)")
+        return True
+
+    def certificate_fetcher(self) -> Callable[[], grpc.ServerCertificateConfiguration | None]:
+        """For grpc.dynamic_ssl_server_credentials: called at each TLS handshake, it returns the
+        certificate configuration once after each reload (None: keep the current one)."""
+        served = self.generation
+
+        def fetch():
+            nonlocal served
+            with self._lock:
+                if served == self.generation:
+                    return None
+                served, current = self.generation, self.current
+            return _certificate_configuration(current)
+
+        return fetch
+
+
+def reloadable(load: Callable[[], ServerSecurity]) -> ServerSecurity:
+    """The ServerSecurity load() reads now, able to re-read its files: pass its
+    rotation.reload to whatever asks for a reload (the CLI: SIGHUP)."""
+    rotation = Rotation(load)
+    return replace(rotation.current, rotation=rotation)
+
+
+def _kind(security: ServerSecurity) -> tuple[bool, bool, bool]:
+    return security.tls, security.client_ca is not None, security.token is not None
 
 
 def _check_token(token: str | None) -> None:
@@ -168,24 +255,41 @@ def bind(server: grpc.Server, host: str, port: int, security: ServerSecurity) ->
     address = f"{host}:{port}"
     if not security.tls:
         return server.add_insecure_port(address)
-    creds = grpc.ssl_server_credentials(
-        [(security.private_key, security.cert_chain)],
-        root_certificates=security.client_ca,
-        require_client_auth=security.client_ca is not None,
-    )
+    if security.rotation is not None:  # the certificate a handshake gets is the current one
+        creds = grpc.dynamic_ssl_server_credentials(
+            _certificate_configuration(security),
+            security.rotation.certificate_fetcher(),
+            require_client_authentication=security.client_ca is not None,
+        )
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(security.private_key, security.cert_chain)],
+            root_certificates=security.client_ca,
+            require_client_auth=security.client_ca is not None,
+        )
     return server.add_secure_port(address, creds)
 
 
+def _certificate_configuration(security: ServerSecurity) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration(
+        [(security.private_key, security.cert_chain)], root_certificates=security.client_ca
+    )
+
+
 def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
-    return [TokenAuthInterceptor(security.token)] if security.token else []
+    if not security.token:
+        return []
+    rotation = security.rotation
+    return [TokenAuthInterceptor((lambda: rotation.current.token) if rotation else (lambda: security.token))]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses any call without `authorization: Bearer <token>` (UNAUTHENTICATED), before the
-    servicer runs; unary and streaming alike. Health checks pass (see the module docstring)."""
+    servicer runs; unary and streaming alike. Health checks pass (see the module docstring).
+    `token()` gives the token in force (it changes when the credentials are reloaded)."""
 
-    def __init__(self, token: str):
-        self._digest = _digest(f"Bearer {token}")
+    def __init__(self, token: Callable[[], str]):
+        self._token = token
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -199,7 +303,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         values = [v for k, v in metadata or () if k == AUTH_HEADER]
         if len(values) != 1 or not isinstance(values[0], str):
             return False
-        return hmac.compare_digest(_digest(values[0]), self._digest)
+        return hmac.compare_digest(_digest(values[0]), _digest(f"Bearer {self._token()}"))
 
 
 def bearer_matches(header: str, token: str) -> bool:
@@ -232,8 +336,9 @@ def _refusal(handler) -> grpc.RpcMethodHandler:
 # -- client ------------------------------------------------------------------------------
 def channel(address: str, security: ClientSecurity, options=()) -> grpc.Channel:
     """A channel to address: TLS (and a client certificate) when configured, plaintext only to
-    loopback unless allowed, and the bearer token on every call when one is set."""
-    options = list(options)
+    loopback unless allowed, the bearer token on every call when one is set, and keepalive
+    (`options` may override it)."""
+    options = [*CLIENT_KEEPALIVE, *options]
     if security.uses_tls:
         creds = grpc.ssl_channel_credentials(
             root_certificates=security.root_ca,

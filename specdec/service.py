@@ -6,7 +6,11 @@ describe, tokenizer), so each service's servicer adds only its one verb.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from contextlib import contextmanager
@@ -16,8 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec import placement, validation
 from specdec.engine import SessionEngine
-from specdec.errors import SpecdecError
-from specdec.security import ServerSecurity, bind, server_interceptors
+from specdec.errors import Cancelled, NotFound, SpecdecError
+from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -110,6 +114,7 @@ def make_server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
+            *SERVER_KEEPALIVE,
         ],
     )
     bound = bind(server, host, port, security)
@@ -132,14 +137,49 @@ def session_state(session) -> model_pb2.SessionState:
     )
 
 
+class UnknownCloses:
+    """Ids whose CloseSession found no session, and when, kept for `keep` seconds.
+
+    A caller that gave up on an OpenSession closes the id at once; if that close overtakes
+    the open on this service, the open must not leave a session behind for nobody to close.
+    """
+
+    def __init__(self, keep: float = 30.0):
+        self.keep = keep
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def note(self, session_id: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._seen = {sid: t for sid, t in self._seen.items() if now - t < self.keep}
+            self._seen[session_id] = now
+
+    def since(self, session_id: str, start: float) -> bool:
+        """Was `session_id` closed while unknown at or after `start`?"""
+        with self._lock:
+            return self._seen.get(session_id, -math.inf) >= start
+
+
 class SessionServicer:
     """The session RPCs of a model service, delegating to a SessionEngine."""
 
     def __init__(self, engine: SessionEngine):
         self.engine = engine
+        self.unknown_closes = UnknownCloses()
 
     def OpenSession(self, request, context):
-        length = self.engine.open(request.session_id, list(request.prompt_token_ids))
+        start = time.monotonic()
+        sid = request.session_id
+        if not context.is_active():  # the caller left while this call was queued
+            raise Cancelled("the caller stopped waiting for OpenSession")
+        length = self.engine.open(sid, list(request.prompt_token_ids))
+        # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
+        # before it existed here, will not close this session: close it now.
+        if not context.is_active() or self.unknown_closes.since(sid, start):
+            with contextlib.suppress(NotFound):  # closed meanwhile
+                self.engine.close(sid)
+            raise Cancelled("the caller stopped waiting for OpenSession; the session was closed")
         return model_pb2.OpenSessionResponse(length=length)
 
     def Append(self, request, context):
@@ -160,7 +200,11 @@ class SessionServicer:
             return session_state(session)
 
     def CloseSession(self, request, context):
-        self.engine.close(request.session_id)
+        try:
+            self.engine.close(request.session_id)
+        except NotFound:
+            self.unknown_closes.note(request.session_id)
+            raise
         return model_pb2.Empty()
 
     def Describe(self, request, context):
@@ -177,6 +221,7 @@ class SessionServicer:
             open_sessions=self.engine.open_sessions,
             cpus=placement.usable_cores(),
             threads=placement.threads(),
+            kv_tokens=self.engine.kv.held,
         )
 
     def GetTokenizer(self, request, context):

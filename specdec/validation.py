@@ -20,19 +20,25 @@ DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
 
 
 def sampling(msg, field: str = "sampling") -> None:
-    """SamplingParams: temperature finite and >= 0; top_p in (0, 1] (0: unset); top_k >= 0."""
-    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+    """SamplingParams, the fields that are set: temperature finite and >= 0; top_p in (0, 1];
+    top_k >= 1. Unset fields take their defaults (specdec.sampling.SamplingParams.from_proto)."""
+    if msg.HasField("temperature") and not (math.isfinite(msg.temperature) and msg.temperature >= 0):
         raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature}")
-    if not (math.isfinite(msg.top_p) and 0.0 <= msg.top_p <= 1.0):
-        raise InvalidArgument(f"{field}.top_p must be in (0, 1] (0: unset), got {msg.top_p}")
-    if msg.top_k < 0:
-        raise InvalidArgument(f"{field}.top_k must be >= 0 (0: off), got {msg.top_k}")
+    if msg.HasField("top_p") and not (math.isfinite(msg.top_p) and 0.0 < msg.top_p <= 1.0):
+        raise InvalidArgument(f"{field}.top_p must be in (0, 1] (leave it unset for 1: off), got {msg.top_p}")
+    if msg.HasField("top_k") and msg.top_k < 1:
+        raise InvalidArgument(f"{field}.top_k must be >= 1 (leave it unset for off), got {msg.top_k}")
 
 
 def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidArgument(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+
+
+def at_least_one(value: int, field: str) -> None:
+    if value < 1:
+        raise InvalidArgument(f"{field} must be >= 1, got {value}")
 
 
 def lookahead(k: int, field: str) -> None:

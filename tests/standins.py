@@ -48,7 +48,14 @@ class Direct:
 
     def __getattr__(self, name):
         method = getattr(self.servicer, name)
-        return lambda request, timeout=None: method(request, None)
+        return lambda request, timeout=None: method(request, Waiting())
+
+
+class Waiting:
+    """The servicer context of an in-process call: its caller always waits for the answer."""
+
+    def is_active(self) -> bool:
+        return True
 
 
 def random_markov(vocab: int, seed: int, alpha: float = 0.5) -> np.ndarray:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from specdec.v1 import model_pb2, orchestrator_pb2
-from tests.harness import pipeline, status_of
+from tests.harness import NO_EOS_PROMPT, pipeline, status_of
 
 Code = grpc.StatusCode
 CONTEXT = 512  # max_position_embeddings of the tiny models
@@ -49,6 +49,10 @@ def lookahead(k):
     return orchestrator_pb2.SpeculationParams(lookahead=k)
 
 
+def chat(*turns):
+    return orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+
+
 def ids(n):
     return orchestrator_pb2.TokenIds(ids=[5] * n)
 
@@ -67,16 +71,24 @@ ORCHESTRATOR_CASES = [
     ("prompt alone beyond context", gen(token_ids=ids(CONTEXT + 1), max_new_tokens=1), Code.OUT_OF_RANGE,
      ["max_new_tokens", str(CONTEXT + 1)]),
     ("max_new_tokens < 1", gen(max_new_tokens=-1), Code.INVALID_ARGUMENT, ["max_new_tokens"]),
+    ("max_new_tokens = 0", gen(max_new_tokens=0), Code.INVALID_ARGUMENT, ["max_new_tokens", "got 0"]),
     ("temperature < 0", gen(sampling=sampling(temperature=-0.5)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
     ("temperature NaN", gen(sampling=sampling(temperature=NAN)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
     ("temperature inf", gen(sampling=sampling(temperature=INF)), Code.INVALID_ARGUMENT, ["sampling.temperature"]),
     ("top_p > 1", gen(sampling=sampling(temperature=1, top_p=1.5)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
     ("top_p < 0", gen(sampling=sampling(temperature=1, top_p=-0.1)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
     ("top_p NaN", gen(sampling=sampling(temperature=1, top_p=NAN)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
+    ("top_p = 0", gen(sampling=sampling(temperature=1, top_p=0)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
+    ("top_p = 0, greedy", gen(sampling=sampling(top_p=0)), Code.INVALID_ARGUMENT, ["sampling.top_p"]),
     ("top_k < 0", gen(sampling=sampling(temperature=1, top_k=-1)), Code.INVALID_ARGUMENT, ["sampling.top_k"]),
+    ("top_k = 0", gen(sampling=sampling(temperature=1, top_k=0)), Code.INVALID_ARGUMENT, ["sampling.top_k"]),
     ("lookahead > 32", gen(speculation=lookahead(33)), Code.INVALID_ARGUMENT, ["speculation.lookahead", "33"]),
     ("lookahead < 1", gen(speculation=lookahead(-2)), Code.INVALID_ARGUMENT, ["speculation.lookahead"]),
+    ("lookahead = 0", gen(speculation=lookahead(0)), Code.INVALID_ARGUMENT, ["speculation.lookahead", "got 0"]),
     ("stop token beyond vocab", gen(stop_token_ids=[VOCAB + 7]), Code.INVALID_ARGUMENT, ["stop_token_ids"]),
+    ("empty stop string", gen(stop_strings=["x", ""]), Code.INVALID_ARGUMENT, ["stop_strings"]),
+    ("unknown chat role", gen(messages=chat(("user", "hi"), ("robot", "beep"))), Code.INVALID_ARGUMENT,
+     ["messages", "robot"]),
     ("oversized message", gen(prompt="a" * (5 << 20)), Code.RESOURCE_EXHAUSTED, ["larger than max"]),
 ]  # fmt: skip
 
@@ -147,6 +159,8 @@ SERVICE_CASES = [
     ("draft temperature NaN", propose(sampling=sampling(temperature=NAN)), INVALID, "sampling.temperature"),
     ("draft top_p > 1", propose(sampling=sampling(temperature=1, top_p=2)), INVALID, "sampling.top_p"),
     ("draft top_k < 0", propose(sampling=sampling(temperature=1, top_k=-3)), INVALID, "sampling.top_k"),
+    ("draft top_k = 0", propose(sampling=sampling(temperature=1, top_k=0)), INVALID, "sampling.top_k"),
+    ("draft top_p = 0", propose(sampling=sampling(temperature=1, top_p=0)), INVALID, "sampling.top_p"),
     ("uniforms missing", propose(sampling=SAMPLE, uniforms=[0.5]), INVALID, "uniforms"),
     ("uniform = 1", propose(sampling=SAMPLE, uniforms=[0.5, 1.0]), INVALID, "uniforms"),
     ("uniform NaN", propose(sampling=SAMPLE, uniforms=[NAN, 0.5]), INVALID, "uniforms"),
@@ -158,6 +172,7 @@ SERVICE_CASES = [
     ("draft ids beyond vocab", score(draft_token_ids=[4, VOCAB], append_tokens=[1]), INVALID,
      "draft_token_ids"),
     ("target temperature inf", score(sampling=sampling(temperature=INF)), INVALID, "sampling.temperature"),
+    ("target top_p = 0", score(sampling=sampling(top_p=0)), INVALID, "sampling.top_p"),
     ("draft probs missing", score(sampling=SAMPLE, draft_token_probs=[0.5], accept_uniforms=[0.1, 0.2]),
      INVALID, "draft_token_probs"),
     ("draft prob NaN", score(sampling=SAMPLE, draft_token_probs=[NAN, 0.5], accept_uniforms=[0.1, 0.2]),
@@ -241,10 +256,34 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["hi", "--temperature", "nan"], "INVALID_ARGUMENT: sampling.temperature"),
         (["hi", "--stream", "--lookahead", "40"], "INVALID_ARGUMENT: speculation.lookahead"),
         (["hi", "--max-tokens", "100000"], "OUT_OF_RANGE: prompt of"),
+        (["hi", "--top-p", "0"], "INVALID_ARGUMENT: sampling.top_p"),
+        (["hi", "--top-k", "0", "--temperature", "1"], "INVALID_ARGUMENT: sampling.top_k"),
+        (["hi", "--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens"),
+        (["hi", "--lookahead", "0", "--stream"], "INVALID_ARGUMENT: speculation.lookahead"),
+        (["hi", "--stop", ""], "INVALID_ARGUMENT: stop_strings"),
     ],
 )
 def test_cli_reports_bad_input_in_one_line(services, args, expected):
     assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
+
+
+def test_unset_fields_take_their_defaults(services):
+    """No max_new_tokens: 128; no lookahead: 4; no sampling: greedy; an explicit seed 0 is a seed."""
+    reply = services.orchestrator.Generate(orchestrator_pb2.GenerateRequest(token_ids=ids_of(NO_EOS_PROMPT)))
+    assert len(reply.token_ids) == 128 and reply.finish_reason == "length"
+    greedy = gen(token_ids=ids_of(NO_EOS_PROMPT), sampling=sampling(temperature=0), speculation=lookahead(4))
+    assert services.orchestrator.Generate(greedy).token_ids == reply.token_ids[:8]
+    rounds = reply.stats.rounds  # k = 4 in every round but the last few (k < the tokens left)
+    assert 4 * (rounds - 4) <= reply.stats.draft_tokens <= 4 * rounds
+    seeded = gen(token_ids=ids_of(NO_EOS_PROMPT), sampling=sampling(temperature=1.0), seed=0, max_new_tokens=24)
+    first, second = (services.orchestrator.Generate(seeded) for _ in range(2))
+    assert first.stats.seed == 0 and first.token_ids == second.token_ids
+    seeded.ClearField("seed")  # unset: a seed picked at random (reported), so runs differ
+    assert len({services.orchestrator.Generate(seeded).stats.seed for _ in range(3)}) == 3
+
+
+def ids_of(tokens):
+    return orchestrator_pb2.TokenIds(ids=tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,143 @@
+"""No orphaned sessions: storms of requests whose client stops waiting at every moment of a
+generation (short deadlines, cancelled streams) leave no session and no KV-cache token behind
+on either service, so they never exhaust the session or KV limits.
+
+Each storm is followed by a bound on a state change: within 2 s both services hold zero
+sessions and zero KV tokens, and an ordinary request is served. The models are the tiny
+ones slowed to 20 ms a forward pass, so a deadline of 10-200 ms ends a request anywhere from
+before its OpenSession reaches a service to the middle of its rounds.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+
+from specdec.engine import SessionEngine
+from specdec.errors import Cancelled, NotFound
+from specdec.limits import AdmissionLimits, SessionLimits
+from specdec.v1 import model_pb2
+from target_service.server import TargetServicer
+from tests.harness import long_request, slow_pipeline, wait_until
+from tests.standins import Waiting
+
+Code = grpc.StatusCode
+# The storm is wider than max_sessions (64): some requests are refused with RESOURCE_EXHAUSTED
+# while others hold sessions, which a leak would then hold for good.
+STORM = 240
+CLEAN_WITHIN = 2.0
+
+
+@pytest.fixture
+def storm_pipeline(tiny_backends):
+    # Admission wide enough that the whole storm reaches the model services at once.
+    admission = AdmissionLimits(max_concurrent=STORM, max_queue=STORM)
+    with slow_pipeline(tiny_backends, delay=0.02, admission=admission) as p:
+        yield p
+
+
+def held(p) -> dict[str, tuple[int, int]]:
+    """(open sessions, KV tokens) on each service."""
+    infos = {side: stub.Describe(model_pb2.DescribeRequest(), timeout=10) for side, stub in
+             (("draft", p.draft), ("target", p.target))}  # fmt: skip
+    return {side: (info.open_sessions, info.kv_tokens) for side, info in infos.items()}
+
+
+def assert_clean_and_serving(p) -> None:
+    clean = {"draft": (0, 0), "target": (0, 0)}
+    wait_until(lambda: held(p) == clean, CLEAN_WITHIN)
+    assert held(p) == clean, f"left behind (sessions, KV tokens): {held(p)}"
+    assert p.orchestrator.Generate(long_request(8), timeout=60).finish_reason == "length"
+    assert held(p) == clean
+
+
+def test_short_deadline_storm_leaves_no_session(storm_pipeline):
+    p, rng = storm_pipeline, random.Random(14)
+    calls = [p.orchestrator.Generate.future(long_request(400), timeout=rng.uniform(0.01, 0.2)) for _ in range(STORM)]
+    codes = {call.exception().code() if call.exception() else Code.OK for call in calls}
+    assert codes <= {Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED}, codes
+    assert_clean_and_serving(p)
+
+
+def test_cancelled_stream_storm_leaves_no_session(storm_pipeline):
+    p, rng = storm_pipeline, random.Random(15)
+    streams = [p.orchestrator.GenerateStream(long_request(400), timeout=60) for _ in range(STORM)]
+    start = time.monotonic()
+    for when, stream in sorted(((rng.uniform(0, 0.2), s) for s in streams), key=lambda pair: pair[0]):
+        time.sleep(max(0.0, start + when - time.monotonic()))
+        stream.cancel()
+    codes = {stream.code() for stream in streams}
+    assert codes <= {Code.CANCELLED, Code.RESOURCE_EXHAUSTED}, codes
+    assert_clean_and_serving(p)
+
+
+def test_service_reaps_sessions_whose_opener_left(tiny_backends):
+    """A caller that gives up on OpenSession and never closes (no orchestrator to do it):
+    the service closes what it opened for nobody. Mostly at once (the call ended before the
+    answer); an answer that was sent but reached no one (the service's deadline runs from
+    when the request arrived, a little after the caller's) is reaped when its session stays
+    unused (here after 0.5 s; by default 30 s)."""
+    with slow_pipeline(tiny_backends, delay=0.02, limits=SessionLimits(unclaimed_ttl=0.5)) as p:
+        _open_and_leave(p)
+
+
+def _open_and_leave(p) -> None:
+    rng = random.Random(16)
+    request = model_pb2.OpenSessionRequest(prompt_token_ids=list(range(3, 30)))
+    calls = []
+    for i in range(100):
+        request.session_id = f"left-{i}"
+        stub = p.draft if i % 2 else p.target
+        calls.append(stub.OpenSession.future(request, timeout=rng.uniform(0.001, 0.05)))
+    assert {call.exception() is not None for call in calls} == {True}
+    assert_clean_and_serving(p)
+
+
+def open_overtaken_by_close(tiny_backends, close_first: bool):
+    """OpenSession on a real servicer, with a CloseSession of the same id arriving before the
+    open (close_first: the recovery's close-then-reopen) or while it runs (a caller that
+    gave up on the open); returns (open's error or None, sessions left)."""
+    servicer = TargetServicer(SessionEngine(tiny_backends["target"], "target"))
+    close = model_pb2.CloseSessionRequest(session_id="s")
+    if close_first:
+        with pytest.raises(NotFound):
+            servicer.CloseSession(close, Waiting())
+    else:
+        real_open = servicer.engine.open
+
+        def overtaken(*args):
+            with pytest.raises(NotFound):
+                servicer.CloseSession(close, Waiting())
+            return real_open(*args)
+
+        servicer.engine.open = overtaken
+    try:
+        servicer.OpenSession(model_pb2.OpenSessionRequest(session_id="s", prompt_token_ids=[3, 4, 5]), Waiting())
+        error = None
+    except Cancelled as err:
+        error = err
+    return error, servicer.engine.open_sessions
+
+
+def test_close_that_overtakes_its_open_leaves_no_session(tiny_backends):
+    error, left = open_overtaken_by_close(tiny_backends, close_first=False)
+    assert isinstance(error, Cancelled) and left == 0
+
+
+def test_close_then_open_of_the_same_id_opens(tiny_backends):
+    assert open_overtaken_by_close(tiny_backends, close_first=True) == (None, 1)
+
+
+def test_unclaimed_ttl_reaps_only_sessions_never_used(tiny_backends):
+    limits = SessionLimits(unclaimed_ttl=0.3)
+    with slow_pipeline(tiny_backends, limits=limits) as p:
+        for sid in ("used", "unused"):
+            p.target.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[3, 4]))
+        p.target.GetSession(model_pb2.GetSessionRequest(session_id="used"))
+        assert wait_until(lambda: held(p)["target"][0] == 1, 5)
+        time.sleep(0.6)  # two more unclaimed TTLs: the used session stays
+        assert p.target.GetSession(model_pb2.GetSessionRequest(session_id="used")).length == 2
+        p.target.CloseSession(model_pb2.CloseSessionRequest(session_id="used"))
