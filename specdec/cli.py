@@ -31,6 +31,7 @@ examples:
   specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
   specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
   specdec loadtest --address 127.0.0.1:50051 --requests 64 --concurrency 16 --time-limit 300
+  specdec chaos --streams 8 --kills 10                 # streams checked while draft and target are killed
   specdec ray up --draft-gpus 1 --target-gpus 1        # as Ray actors (see specdec ray up --help)
 
 TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS),
@@ -55,7 +56,7 @@ def _add_reliability_flags(p: argparse.ArgumentParser, role: str) -> None:
     from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
     a, s = AdmissionLimits(), SessionLimits()
-    flags = {
+    table = {
         "orchestrator": [
             ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
             ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
@@ -65,7 +66,9 @@ def _add_reliability_flags(p: argparse.ArgumentParser, role: str) -> None:
             ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
             ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
         ],
-    }["orchestrator" if role == "orchestrator" else "model"]
+    }
+    roles = {"orchestrator": ["orchestrator"], "serve": ["orchestrator", "model"]}.get(role, ["model"])
+    flags = [flag for r in roles for flag in table[r]]
     flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
     for flag, kind, default, text in flags:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
@@ -168,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
+    s.add_argument("--ready-file", type=Path, help='write {"address": ..., "services": {...}} here once serving')
     _add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
     _add_model_flags(s, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(s, models.DEFAULT_DRAFT_DTYPE, "draft-")
     _add_drafter_flag(s)
     _add_server_security_flags(s)
+    _add_reliability_flags(s, "serve")
 
     d = sub.add_parser("draft-service", help="run the draft model service alone")
     _add_server_flags(d, 50062)
@@ -239,6 +244,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(lt, models.DEFAULT_DRAFT_DTYPE, "draft-")
     _add_drafter_flag(lt)
     _add_client_security_flags(lt)
+
+    c = sub.add_parser(
+        "chaos",
+        help="concurrent streams while the draft and target are killed; checks nothing is lost",
+        description="Start a supervised local stack, run every request once without faults (the reference), "
+        "then again while the draft and the target are killed with SIGKILL at random times (--seed fixes the "
+        "schedule). Checks every stream against the reference (each token once, in order, same output), zero "
+        "sessions and resident memory back near its start afterwards; exits 1 if a check fails.",
+    )
+    c.add_argument("--streams", type=int, default=8, help="concurrent streaming clients (default 8)")
+    c.add_argument("--requests-per-stream", type=int, default=3, help="distinct requests per client (default 3)")
+    c.add_argument("--max-tokens", type=int, default=64, help="longest request, tokens (default 64)")
+    c.add_argument("--kills", type=int, default=10, help="SIGKILLs, draft and target alike (default 10)")
+    c.add_argument("--duration", type=float, default=180.0, help="seconds the kills may take (default 180)")
+    c.add_argument("--seed", type=int, default=1, help="the kill schedule, request lengths and sampling seeds")
+    c.add_argument("--rss-slack-mb", type=float, default=64.0, help="memory growth allowed per service (default 64)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_model_flags(c, models.DEFAULT_TARGET_DTYPE, "target-")
+    _add_model_flags(c, models.DEFAULT_DRAFT_DTYPE, "draft-")
+    _add_drafter_flag(c)
 
     ray_up = ray_cli.add_parser(sub)
     _add_drafter_flag(ray_up)
@@ -391,10 +416,7 @@ def _serve_until_signal(
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
         print(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics", file=sys.stderr, flush=True)
-    if ready_file:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ready))
-        tmp.rename(ready_file)
+    _write_ready(ready_file, ready)
     print(f"specdec: {what} serving on {address}", file=sys.stderr, flush=True)
     _wait(stop)
     print(f"specdec: {what} draining (up to {drain_timeout:g} s)", file=sys.stderr, flush=True)
@@ -404,6 +426,14 @@ def _serve_until_signal(
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics
     return 0
+
+
+def _write_ready(ready_file: Path | None, info: dict) -> None:
+    """Write `info` as JSON to `ready_file` at once (a rename): a reader never sees half of it."""
+    if ready_file:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(ready_file)
 
 
 def _telemetry(args, role: str):
@@ -453,7 +483,20 @@ def cmd_orchestrator(args) -> int:
     return _serve_until_signal(server, address, args.ready_file, "orchestrator", telemetry, args.drain_timeout)
 
 
+def _limits(args) -> dict:
+    """The limit flags of `serve`, as PipelineConfig fields."""
+    from specdec.limits import AdmissionLimits, SessionLimits
+
+    return dict(
+        session_limits=SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl),
+        admission=AdmissionLimits(args.max_concurrent, args.max_queue),
+        drain_timeout=args.drain_timeout,
+    )
+
+
 def cmd_serve(args) -> int:
+    """The three services, supervised (deploy.local): a model service that dies is restarted
+    on its port; the orchestrator dying ends `serve` with exit code 1."""
     from deploy.local import LocalPipeline
 
     server_security = _server_security(args)  # fails here, before any process starts
@@ -465,12 +508,17 @@ def cmd_serve(args) -> int:
         auth_token=server_security.token,
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
+        **_limits(args),
     )
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     stop = _stop_on_signal()
     with LocalPipeline(config, log=log) as pipeline:
+        _write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses})
         log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
-        _wait(stop)
+        while not stop.wait(0.5):  # wakes for signals as _wait does
+            if pipeline.failure:
+                log(f"specdec: error: {pipeline.failure}; stopping the other services")
+                return 1
         log("specdec: stopping")
     return 0
 
@@ -560,6 +608,25 @@ def _loadtest_at(address: str, args, client: security.ClientSecurity, config) ->
     return 0 if report.ok else 1
 
 
+def cmd_chaos(args) -> int:
+    from bench import chaos
+
+    config = chaos.ChaosConfig(
+        pipeline=_pipeline_config(args),
+        streams=args.streams,
+        requests_per_stream=args.requests_per_stream,
+        max_tokens=args.max_tokens,
+        kills=args.kills,
+        duration=args.duration,
+        seed=args.seed,
+        rss_slack_mb=args.rss_slack_mb,
+    )
+    log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = chaos.run(config, log=log)
+    print(json.dumps(result) if args.json else chaos.text(result))
+    return 0 if result["ok"] else 1
+
+
 def cmd_ray(args) -> int:
     """`specdec ray ...`; `up` secures its three servers and the orchestrator's service links as
     `orchestrator` does (TLS, mTLS, token; plaintext on the cluster's network only if allowed)."""
@@ -579,6 +646,7 @@ COMMANDS = {
     "orchestrator": cmd_orchestrator,
     "bench": cmd_bench,
     "loadtest": cmd_loadtest,
+    "chaos": cmd_chaos,
     "ray": cmd_ray,
 }
 
