@@ -253,6 +253,8 @@ def run(config: ChaosConfig, log=print) -> dict:
             address, requests, config.request_timeout, keep_going=lambda: not killer.done.is_set()
         )
         killer.join()
+        for name in VICTIMS:  # the last one killed may still be restarting
+            pipeline.serving_pid(name, config.pipeline.start_timeout)
         sessions = open_sessions(pipeline)
         end = time.monotonic() + config.drain_seconds
         while any(sessions.values()) and time.monotonic() < end:
