@@ -177,7 +177,7 @@ class LocalPipeline:
             limits = [("--max-sessions", s.max_sessions), ("--max-kv-tokens", s.max_kv_tokens)]
             limits.append(("--session-ttl", s.idle_ttl))
         limits.append(("--drain-timeout", cfg.drain_timeout))
-        return [str(x) for flag_value in limits for x in flag_value]
+        return [str(x) for pair in limits for x in pair]
 
     def _metrics_args(self, name: str) -> list[str]:
         base = self.config.metrics_port
