@@ -24,6 +24,7 @@ examples:
   specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
   specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
   specdec loadtest --address 127.0.0.1:50051 --requests 64 --concurrency 16 --time-limit 300
+  specdec chaos --streams 8 --kills 10                 # streams checked while draft and target are killed
   specdec ray up --draft-gpus 1 --target-gpus 1        # as Ray actors (see specdec ray up --help)
 
 TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS),
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_bench_parser(sub)
     serving.add_orchestrator_parser(sub)
     bench.add_loadtest_parser(sub)
+    bench.add_chaos_parser(sub)
     ray.add_parser(sub)
     return parser
 

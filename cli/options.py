@@ -75,7 +75,8 @@ def given(**fields) -> dict:
 
 def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Limits and shutdown: a model service's session caps ("model"), the orchestrator's
-    admission ("orchestrator"), or both ("all", for commands that start all three)."""
+    admission ("orchestrator"), both and the drain ("serve", which starts all three), or both
+    without the drain ("all": `ray up`, whose actors stop as Ray stops them)."""
     a, s = AdmissionLimits(), SessionLimits()
     orchestrator = [
         ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
@@ -86,7 +87,9 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
         ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
         ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
     ]
-    flags = {"orchestrator": orchestrator, "model": model, "all": orchestrator + model}[role]
+    flags = {"orchestrator": orchestrator, "model": model, "all": orchestrator + model}[
+        role if role != "serve" else "all"
+    ]
     if role != "all":
         flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
     for flag, kind, default, text in flags:

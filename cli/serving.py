@@ -26,11 +26,13 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
+    s.add_argument("--ready-file", type=Path, help='write {"address": ..., "services": {...}} here once serving')
     options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
     options.add_http_flag(s)
     options.add_overlap_flag(s)
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
+    options.add_limit_flags(s, "serve")
 
 
 def add_service_parsers(sub) -> None:
@@ -101,6 +103,8 @@ def orchestrator(args) -> int:
 
 
 def serve(args) -> int:
+    """The three services, supervised (deploy.local): a model service that dies is restarted
+    on its port; the orchestrator dying ends `serve` with exit code 1."""
     server_security = options.server_security(args)  # fails here, before any process starts
     config = options.pipeline_config(
         args,
@@ -112,13 +116,23 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         overlap=not args.no_overlap,
+        session_limits=options.session_limits(args),
+        admission=options.admission_limits(args),
+        drain_timeout=args.drain_timeout,
     )
     stop = stop_on_signal()
     with LocalPipeline(config, log=_log) as pipeline:
+        write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses})
+        # SIGHUP: every child re-reads its TLS files (specdec.security.Rotation).
+        signal.signal(signal.SIGHUP, lambda *_: pipeline.signal_all(signal.SIGHUP))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
         _log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
         if pipeline.http_url:
             _log(f"specdec: OpenAI-compatible API at {pipeline.http_url}/v1, playground at {pipeline.http_url}/")
-        wait(stop)
+        while not stop.wait(0.5):  # wakes for signals as wait() does
+            if pipeline.failure:
+                _log(f"specdec: error: {pipeline.failure}; stopping the other services")
+                return 1
         _log("specdec: stopping")
     return 0
 
@@ -176,10 +190,7 @@ def serve_until_signal(
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
         _log(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics")
-    if ready_file:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ready))
-        tmp.rename(ready_file)
+    write_ready(ready_file, ready)
     _log(f"specdec: {what} serving on {address}")
     wait(stop)
     _log(f"specdec: {what} draining (up to {drain_timeout:g} s)")
@@ -191,6 +202,14 @@ def serve_until_signal(
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics
     return 0
+
+
+def write_ready(ready_file: Path | None, info: dict) -> None:
+    """Write `info` as JSON to `ready_file` at once (a rename): a reader never sees half of it."""
+    if ready_file:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(ready_file)
 
 
 COMMANDS = {

@@ -1,4 +1,5 @@
-"""Run draft, target and orchestrator as three local processes on free loopback ports.
+"""Run draft, target and orchestrator as three local processes on free loopback ports, and
+keep them running.
 
 Each child is `python -m cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
@@ -6,8 +7,19 @@ folder, shown when one fails to start. They inherit the environment (OTEL_* conf
 telemetry).
 
 The draft and target bind loopback only; the orchestrator binds `host` and alone faces
-clients, with TLS / mTLS when `tls` names files. An auth token reaches every child through
+clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target get
+disjoint cores unless told otherwise (specdec.placement.split_for_pair), as a GPU pair gives
+each service its own device. An auth token reaches every child through
 its environment (never argv, which other users can read), and every service then requires it.
+
+Supervision: a monitor thread watches the children. A model service that fails (a non-zero
+exit or a signal: a crash, SIGKILL, the OOM killer) is started again on the port it first
+bound, so the orchestrator finds it at the same address and its generations in flight go on
+(orchestrator.recovery re-opens their sessions). A restart that does not come up (the port
+still held, say) is retried after a backoff that doubles up to a bound; more than
+`RestartPolicy.max_per_minute` attempts for one service within 60 s end the pipeline. The
+orchestrator exiting, or a model service exiting cleanly (exit 0: it was told to stop), ends
+it too: `failure` then says why, and `specdec serve` exits non-zero with that message.
 """
 
 from __future__ import annotations
@@ -18,25 +30,40 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import models, placement, security
+from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
 LOOPBACK = "127.0.0.1"
+MODEL_SERVICES = ("draft", "target")
+POLL_SECONDS = 0.1  # how often the monitor looks at the children
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a failed model service is restarted (a clean exit, code 0, is never restarted)."""
+
+    first_backoff: float = 0.5  # seconds before retrying a restart that did not come up; doubles
+    max_backoff: float = 8.0
+    max_per_minute: int = 5  # restart attempts of one service within 60 s; one more ends the pipeline
 
 
 @dataclass(frozen=True)
 class Placement:
+    """A model service's cores (a list as taskset writes it, "0-1") and threads; None: all it may
+    use / one per core."""
+
     cpus: str | None = None
     threads: int | None = None
 
     def flags(self) -> list[str]:
-        return [
-            *(["--cpus", self.cpus] if self.cpus else []),
-            *(["--threads", str(self.threads)] if self.threads else []),
-        ]
+        cpus = ["--cpus", self.cpus] if self.cpus else []
+        return cpus + (["--threads", str(self.threads)] if self.threads else [])
 
 
 @dataclass(frozen=True)
@@ -52,16 +79,29 @@ class PipelineConfig:
     allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
     # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
     metrics_port: int | None = None
+    session_limits: SessionLimits = SessionLimits()  # each model service's caps
+    admission: AdmissionLimits = AdmissionLimits()  # the orchestrator's
+    drain_timeout: float = DRAIN_TIMEOUT  # each child's, on SIGTERM
+    restart: RestartPolicy = RestartPolicy()
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
-    # Each model service's cores (a list as taskset writes it, "0-1") and threads; None: all / one per core.
-    draft_placement: Placement = field(default_factory=lambda: Placement())
-    target_placement: Placement = field(default_factory=lambda: Placement())
+    draft_placement: Placement = Placement()
+    target_placement: Placement = Placement()
+
+
+@dataclass
+class _Restart:
+    """A model service being restarted: what happened to it, and the attempt under way."""
+
+    what: str
+    backoff: float  # before the next attempt, should this one fail
+    started: float | None = None  # when this attempt's process started; None: none running
+    not_before: float = 0.0  # the next attempt starts no earlier
 
 
 @dataclass
 class LocalPipeline:
-    """Three child processes; use as a context manager, or call stop()."""
+    """Three supervised child processes; use as a context manager, or call stop()."""
 
     config: PipelineConfig
     log: callable = print
@@ -69,7 +109,17 @@ class LocalPipeline:
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
     metrics_addresses: dict = field(default_factory=dict)
+    restarts: Counter = field(default_factory=Counter)  # service name -> restarts that came up
+    failure: str | None = None  # why the pipeline stopped working, once it has
     http_url: str | None = None  # the orchestrator's HTTP API, when config.http_port is set
+
+    def __post_init__(self):
+        self._commands: dict[str, list[str]] = {}  # name -> argv without --port
+        self._serving: dict[str, int | None] = {}  # name -> pid of the process serving, None while down
+        self._attempts = {name: deque() for name in MODEL_SERVICES}  # restart times in the last minute
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -77,28 +127,29 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         t0 = time.perf_counter()
         try:
-            draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *cfg.draft_placement.flags()]
-            self._spawn("draft", "draft-service", draft_args, 0, LOOPBACK)
-            self._spawn(
-                "target", "target-service", [*_model_args(cfg.target), *cfg.target_placement.flags()], 0, LOOPBACK
-            )
-            for name in ("draft", "target"):
+            draft_place, target_place = self._placements()
+            draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
+            self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
+            self._spawn("target", "target-service", 0, LOOPBACK, [*_model_args(cfg.target), *target_place.flags()])
+            for name in MODEL_SERVICES:
                 self._wait(name)
             self._spawn(
                 "orchestrator",
                 "orchestrator",
+                cfg.port,
+                cfg.host,
                 ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]]
                 + cfg.tls.flags()
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + ([] if cfg.overlap else ["--no-overlap"]),
-                cfg.port,
-                cfg.host,
             )
             self._wait("orchestrator")
         except BaseException:
             self.stop()
             raise
+        self._monitor = threading.Thread(target=self._watch, name="specdec-supervisor", daemon=True)
+        self._monitor.start()
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
 
@@ -112,9 +163,7 @@ class LocalPipeline:
         if any(p.cpus for p in given) or not on_cpu or split is None:
             return given
         cores = [Placement(placement.format_cpus(c), p.threads) for c, p in zip(split, given, strict=True)]
-        self.log(
-            f"specdec: draft on cores {cores[0].cpus}, target on cores {cores[1].cpus} (--draft-cpus/--target-cpus)"
-        )
+        self.log(f"specdec: draft on cores {cores[0].cpus}, target on {cores[1].cpus} (--draft-cpus, --target-cpus)")
         return cores[0], cores[1]
 
     @property
@@ -125,19 +174,47 @@ class LocalPipeline:
         metrics = "".join(f", {name} metrics http://{addr}/metrics" for name, addr in self.metrics_addresses.items())
         return ", ".join(f"{name} {addr}" for name, addr in self.addresses.items()) + metrics
 
-    def _spawn(self, name: str, command: str, args: list[str], port: int, host: str) -> None:
-        ready = self.workdir / f"{name}.ready"
-        logfile = open(self.workdir / f"{name}.log", "wb")
-        cmd = [sys.executable, "-m", "cli", command, "--host", host]
-        cmd += ["--port", str(port), "--ready-file", str(ready), *args, *self._metrics_args(name)]
+    def serving_pid(self, name: str, timeout: float, exclude=()) -> int:
+        """The pid of the process serving `name` (not one in `exclude`), waiting up to `timeout`
+        seconds while it restarts; TimeoutError if it is not back by then."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._serving.get(name) not in (None, *exclude), timeout):
+                raise TimeoutError(f"the {name} service is not serving after {timeout:g} s")
+            return self._serving[name]
+
+    # -- children ------------------------------------------------------------------------
+    def _spawn(self, name: str, command: str, port: int, host: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "cli", command, "--host", host, "--ready-file", str(self._ready(name))]
+        self._commands[name] = cmd + args + self._limit_args(name) + self._metrics_args(name)
+        self._start(name, port)
+
+    def _start(self, name: str, port: int) -> None:
+        self._ready(name).unlink(missing_ok=True)
         self.log(f"specdec: starting {name} service")
-        self.procs[name] = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=self._env())
+        with open(self.workdir / f"{name}.log", "ab") as logfile:  # appended: a restart keeps the crash's log
+            self.procs[name] = subprocess.Popen(
+                [*self._commands[name], "--port", str(port)], stdout=logfile, stderr=subprocess.STDOUT, env=self._env()
+            )
+
+    def _ready(self, name: str) -> Path:
+        return self.workdir / f"{name}.ready"
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in (security.TOKEN_ENV, security.SERVICE_TOKEN_ENV)}
         if self.config.auth_token:
             env[security.TOKEN_ENV] = self.config.auth_token
         return env
+
+    def _limit_args(self, name: str) -> list[str]:
+        cfg = self.config
+        if name == "orchestrator":
+            limits = [("--max-concurrent", cfg.admission.max_concurrent), ("--max-queue", cfg.admission.max_queue)]
+        else:
+            s = cfg.session_limits
+            limits = [("--max-sessions", s.max_sessions), ("--max-kv-tokens", s.max_kv_tokens)]
+            limits.append(("--session-ttl", s.idle_ttl))
+        limits.append(("--drain-timeout", cfg.drain_timeout))
+        return [str(x) for pair in limits for x in pair]
 
     def _metrics_args(self, name: str) -> list[str]:
         base = self.config.metrics_port
@@ -147,31 +224,119 @@ class LocalPipeline:
         return ["--metrics-port", str(base + offset)]
 
     def _wait(self, name: str) -> None:
-        ready = self.workdir / f"{name}.ready"
-        deadline = time.monotonic() + self.config.start_timeout
+        started = time.monotonic()
+        while not self._ready_now(name, started):
+            if self._stopping.wait(0.1):
+                raise RuntimeError(f"the pipeline stopped while the {name} service was starting")
+
+    def _ready_now(self, name: str, started: float) -> bool:
+        """Whether `name`, started at `started`, serves now (then its address is noted);
+        raises if it exited while starting or is past the start timeout."""
         proc = self.procs[name]
-        while not ready.exists():
+        if not self._ready(name).exists():
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"the {name} service exited with code {proc.returncode} while starting:\n" + self.tail(name)
                 )
-            if time.monotonic() > deadline:
+            if time.monotonic() > started + self.config.start_timeout:
                 raise TimeoutError(f"the {name} service did not start in time:\n" + self.tail(name))
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
+            return False
+        info = json.loads(self._ready(name).read_text())
         self.addresses[name] = info["address"]
         if "metrics_address" in info:
             self.metrics_addresses[name] = info["metrics_address"]
         self.http_url = info.get("http_url", self.http_url)
+        self._set_serving(name, proc.pid)
+        return True
+
+    def _set_serving(self, name: str, pid: int | None) -> None:
+        with self._cond:
+            self._serving[name] = pid
+            self._cond.notify_all()
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM, orchestrator first: it drains its generations while the model services
-        still serve them; then the services (each drains too). Killed after `timeout`."""
+    # -- supervision ---------------------------------------------------------------------
+    def _watch(self) -> None:
+        """The monitor thread: restarts failed model services (both at once if both failed),
+        notes the end of the pipeline. Never blocks on a child."""
+        restarting: dict[str, _Restart] = {}
+        while not self._stopping.wait(POLL_SECONDS) and self.failure is None:
+            for name in list(self.procs):
+                if name in restarting:
+                    if self._step_restart(name, restarting[name]):
+                        del restarting[name]
+                    continue
+                proc = self.procs[name]
+                code = proc.poll()
+                if code is None:
+                    continue
+                self._set_serving(name, None)
+                what = f"the {name} service (pid {proc.pid}) {_exit_text(code)}"
+                if name == "orchestrator" or code == 0:
+                    self._fail(f"{what}; the pipeline cannot go on without it")
+                    return
+                self.log(f"specdec: {what}; restarting it on {self.addresses[name]}")
+                restarting[name] = _Restart(what, self.config.restart.first_backoff)
+
+    def _step_restart(self, name: str, r: _Restart) -> bool:
+        """Advance the restart of `name` by one step; True once it serves at its old address."""
+        policy = self.config.restart
+        address = self.addresses[name]
+        now = time.monotonic()
+        if r.started is None:
+            if now < r.not_before:
+                return False
+            attempts = self._attempts[name]
+            while attempts and now - attempts[0] > 60:
+                attempts.popleft()
+            if len(attempts) >= policy.max_per_minute:
+                self._fail(f"{r.what}; giving up after {len(attempts)} restart attempts within 60 s")
+                return False
+            attempts.append(now)
+            self._start(name, int(address.rsplit(":", 1)[1]))  # the same port: clients find it again
+            r.started = now
+            return False
+        try:
+            if not self._ready_now(name, r.started):
+                return False
+        except (RuntimeError, TimeoutError) as err:  # e.g. the port still held: try again later
+            self.procs[name].kill()
+            self.procs[name].wait()
+            self.log(f"specdec: restarting the {name} service failed; retrying in {r.backoff:g} s: {err}")
+            r.started, r.not_before = None, now + r.backoff
+            r.backoff = min(2 * r.backoff, policy.max_backoff)
+            return False
+        if self.addresses[name] != address:  # cannot happen with --port given; never move silently
+            self._fail(f"the restarted {name} service serves on {self.addresses[name]}, not {address}")
+            return False
+        self.restarts[name] += 1
+        self.log(f"specdec: the {name} service is back on {address} (pid {self.procs[name].pid})")
+        return True
+
+    def _fail(self, message: str) -> None:
+        """The pipeline is broken: `failure` says why (its owner reports it and stops)."""
+        with self._cond:
+            self.failure = message
+            self._cond.notify_all()
+
+    def signal_all(self, sig: int) -> None:
+        """Send `sig` to every child still running (serve passes SIGHUP on: credentials reload)."""
+        for proc in list(self.procs.values()):
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop supervising, then SIGTERM, orchestrator first: it drains its generations while
+        the model services still serve them; then the services (each drains too). A child still
+        running `timeout` seconds later (default: the drain timeout + 10 s) is killed."""
+        self._stopping.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join()
+        timeout = self.config.drain_timeout + 10 if timeout is None else timeout
         stages = [[p for n, p in self.procs.items() if n == "orchestrator"]]
         stages.append([p for n, p in self.procs.items() if n != "orchestrator"])
         for stage in stages:
@@ -191,6 +356,12 @@ class LocalPipeline:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _model_args(spec: models.ModelSpec) -> list[str]:

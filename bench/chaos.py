@@ -1,0 +1,356 @@
+"""`specdec chaos`: many concurrent streams against a supervised local stack while a killer
+sends SIGKILL to the draft and the target at random times; every stream is checked against a
+run without faults.
+
+A run: start the three services (deploy.local, supervised: a killed model service comes back
+on its port); send every request once without faults (the reference), `streams` clients at
+once, each with its own requests (greedy and seeded sampling, different prompts and lengths);
+then send them again, each client going round its requests until the killer is done, while
+the killer, after each victim serves again, waits a random delay and kills it (the victims
+and delays come from `seed`: the schedule is reproducible, the moments it meets in a
+generation are not). Checks, each a line of the report:
+- every request completed, in both phases (errors are counted by status code);
+- each stream is whole: its chunks' tokens, reassembled, are the reference's, each exactly
+  once and in order (a shorter one lost tokens, a longer one repeated some), with the same
+  text and finish reason, and one final chunk, the last;
+- the killer made its `kills` kills (both services) within `duration`, and the supervisor
+  never gave up;
+- afterwards each model service holds zero sessions (waiting up to `drain_seconds` for the
+  closes in flight), and each service's resident memory (VmRSS of /proc/PID/status) is at
+  most `rss_slack_mb` above its level after the reference phase.
+Sampling is reproducible under faults by design: the orchestrator draws all randomness from
+the request's seed and re-runs an interrupted round with the same draws.
+
+This module owns the requests, the killer, the checks and the report; the stack is
+deploy.local's, recovery is orchestrator.recovery's. It imports no torch: it is a client.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+
+from bench.loadtest import percentile
+from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+
+PROMPTS = (
+    "Write a haiku about GPUs.",
+    "List three uses of a hash map.",
+    "Explain speculative decoding in two sentences.",
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Summarise: the cat sat on the mat and looked at the rain all afternoon.",
+    "Give me four words that rhyme with light.",
+    "Why is the sky blue?",
+)
+VICTIMS = ("draft", "target")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    pipeline: PipelineConfig = PipelineConfig()
+    streams: int = 8  # concurrent clients
+    requests_per_stream: int = 3
+    max_tokens: int = 64  # each request asks for between a quarter of this and this
+    kills: int = 10  # SIGKILLs in all, shared between the draft and the target
+    duration: float = 120.0  # seconds the killer may take for them
+    seed: int = 1  # the schedule, the request lengths and the sampling seeds
+    kill_delay: tuple[float, float] = (0.2, 1.5)  # seconds a victim serves before it is killed
+    request_timeout: float = 300.0  # each request's deadline
+    drain_seconds: float = 5.0  # wait for sessions still closing after the last request
+    rss_slack_mb: float = 64.0  # resident memory allowed above the level after the reference
+
+    def __post_init__(self):
+        if self.streams < 1 or self.requests_per_stream < 1 or self.max_tokens < 4 or self.kills < 0:
+            raise ValueError("--streams and --requests-per-stream must be >= 1, --max-tokens >= 4, --kills >= 0")
+        if not 0 < self.duration < float("inf"):
+            raise ValueError("--duration must be a positive number of seconds")
+
+
+def make_requests(config: ChaosConfig) -> list[list[orchestrator_pb2.GenerateRequest]]:
+    """Each stream's requests: prompts and lengths vary, every other one samples with a seed."""
+    rng = random.Random(config.seed)
+    streams = []
+    for s in range(config.streams):
+        requests = []
+        for j in range(config.requests_per_stream):
+            n = s * config.requests_per_stream + j
+            request = orchestrator_pb2.GenerateRequest(
+                prompt=PROMPTS[n % len(PROMPTS)],
+                chat_template=True,
+                max_new_tokens=rng.randint(config.max_tokens // 4, config.max_tokens),
+            )
+            if n % 2:
+                request.sampling.temperature = 0.8
+                request.sampling.top_k = 40
+                request.seed = 1000 * config.seed + n + 1  # 0 would mean "random"
+            requests.append(request)
+        streams.append(requests)
+    return streams
+
+
+def kill_schedule(config: ChaosConfig) -> list[tuple[str, float]]:
+    """(victim, seconds it serves before the kill), both services alike often, from the seed."""
+    rng = random.Random(config.seed)
+    victims = [VICTIMS[i % 2] for i in range(config.kills)]
+    rng.shuffle(victims)
+    return [(victim, rng.uniform(*config.kill_delay)) for victim in victims]
+
+
+@dataclass
+class Outcome:
+    """One request's stream, reassembled."""
+
+    stream: int
+    index: int
+    seconds: float
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str = ""
+    error: str | None = None  # status code name
+    malformed: str | None = None  # a stream whose final chunk is missing, repeated or not last
+
+    def same_as(self, reference: Outcome) -> str | None:
+        """None if this stream gave the reference's result, else what differs."""
+        if self.malformed:
+            return self.malformed
+        got, want = self.token_ids, reference.token_ids
+        if got == want:
+            if (self.text, self.finish_reason) != (reference.text, reference.finish_reason):
+                return "same tokens, different text or finish reason"
+            return None
+        if want[: len(got)] == got:
+            return f"lost tokens: {len(got)} of {len(want)}"
+        if got[: len(want)] == want:
+            return f"duplicated tokens: {len(got)} for {len(want)}"
+        first = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+        return f"changed at token {first}"
+
+
+def stream_once(stub, request, stream: int, index: int, timeout: float) -> Outcome:
+    start = time.monotonic()
+    ids, text, finals, late, finish = [], [], 0, False, ""
+    try:
+        for chunk in stub.GenerateStream(request, timeout=timeout):
+            late = late or finals > 0
+            ids += chunk.token_ids
+            text.append(chunk.text)
+            finals += bool(chunk.finish_reason)
+            finish = chunk.finish_reason or ""
+    except grpc.RpcError as err:
+        return Outcome(stream, index, time.monotonic() - start, error=err.code().name)
+    malformed = None
+    if finals != 1 or late:
+        malformed = f"{finals} final chunks" + (", then more chunks" if late else "")
+    return Outcome(stream, index, time.monotonic() - start, tuple(ids), "".join(text), finish, None, malformed)
+
+
+def run_phase(address: str, requests, timeout: float, keep_going=lambda: False) -> tuple[list[Outcome], float]:
+    """Each stream sends its requests in turn, then again while keep_going(); all streams at once."""
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def client(s: int) -> None:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+        n = 0
+        while n < len(requests[s]) or keep_going():
+            j = n % len(requests[s])
+            outcome = stream_once(stub, requests[s][j], s, j, timeout)
+            with lock:
+                outcomes.append(outcome)
+            n += 1
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=client, args=(s,), name=f"chaos-stream-{s}") for s in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes, time.monotonic() - start
+
+
+@dataclass
+class Killer:
+    """A thread that kills the pipeline's model services on `schedule`, within `duration`."""
+
+    pipeline: LocalPipeline
+    schedule: list[tuple[str, float]]
+    duration: float
+    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds in, victim, pid)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Killer:
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="chaos-killer", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        deadline = self._t0 + self.duration
+        killed: set[int] = set()
+        try:
+            for victim, delay in self.schedule:
+                pid = self.pipeline.serving_pid(victim, max(0.0, deadline - time.monotonic()), exclude=killed)
+                if time.monotonic() + delay > deadline:
+                    return
+                time.sleep(delay)
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+                self.kills.append((time.monotonic() - self._t0, victim, pid))
+        except TimeoutError:  # a victim not back before the deadline: no more kills
+            pass
+        finally:
+            self.done.set()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def service_rss(pipeline: LocalPipeline) -> dict[str, float]:
+    return {name: rss_mb(pipeline.serving_pid(name, 60)) for name in ("orchestrator", *VICTIMS)}
+
+
+def open_sessions(pipeline: LocalPipeline) -> dict[str, int]:
+    stubs = {"draft": model_pb2_grpc.DraftServiceStub, "target": model_pb2_grpc.TargetServiceStub}
+    counts = {}
+    for name, stub_class in stubs.items():
+        stub = stub_class(grpc.insecure_channel(pipeline.addresses[name]))
+        counts[name] = stub.Describe(model_pb2.DescribeRequest(), timeout=30).open_sessions
+    return counts
+
+
+def run(config: ChaosConfig, log=print) -> dict:
+    """The whole run (module doc); returns the report: figures and checks, `ok` if all pass."""
+    requests = make_requests(config)
+    restart = RestartPolicy(first_backoff=0.2, max_backoff=2.0, max_per_minute=config.kills + 5)
+    with LocalPipeline(replace(config.pipeline, restart=restart), log=log) as pipeline:
+        address = pipeline.address
+        rss_cold = service_rss(pipeline)
+        log(f"chaos: reference phase, {config.streams} streams x {config.requests_per_stream} requests")
+        reference, reference_wall = run_phase(address, requests, config.request_timeout)
+        rss_start = service_rss(pipeline)
+        schedule = kill_schedule(config)
+        log(f"chaos: fault phase, {len(schedule)} kills within {config.duration:g} s (seed {config.seed})")
+        killer = Killer(pipeline, schedule, config.duration).start()
+        faulted, faulted_wall = run_phase(
+            address, requests, config.request_timeout, keep_going=lambda: not killer.done.is_set()
+        )
+        killer.join()
+        for name in VICTIMS:  # the last one killed may still be restarting
+            pipeline.serving_pid(name, config.pipeline.start_timeout)
+        sessions = open_sessions(pipeline)
+        end = time.monotonic() + config.drain_seconds
+        while any(sessions.values()) and time.monotonic() < end:
+            time.sleep(0.1)
+            sessions = open_sessions(pipeline)
+        rss_end = service_rss(pipeline)
+        reopened = (pipeline.workdir / "orchestrator.log").read_text(errors="replace").count("re-opened at length")
+        restarts, failure = dict(pipeline.restarts), pipeline.failure
+    return report(
+        config, reference, reference_wall, faulted, faulted_wall, killer.kills, restarts, reopened, failure,
+        sessions, (rss_cold, rss_start, rss_end),
+    )  # fmt: skip
+
+
+def phase_figures(outcomes: list[Outcome], wall: float) -> dict:
+    latencies = [o.seconds for o in outcomes if o.error is None]
+    return {
+        "requests": len(outcomes),
+        "completed": len(latencies),
+        "errors_by_code": dict(sorted(Counter(o.error for o in outcomes if o.error).items())),
+        "wall_seconds": wall,
+        "latency_p50_seconds": percentile(latencies, 50),
+        "latency_p99_seconds": percentile(latencies, 99),
+    }
+
+
+def report(config, reference, reference_wall, faulted, faulted_wall, kills, restarts, reopened, failure, sessions, rss):
+    by_request = {(o.stream, o.index): o for o in reference}
+    mismatches = []
+    for o in faulted:
+        if o.error is None and (problem := o.same_as(by_request[o.stream, o.index])):
+            mismatches.append(f"stream {o.stream} request {o.index}: {problem}")
+    rss_cold, rss_start, rss_end = rss
+    killed = Counter(victim for _, victim, _ in kills)
+    grown = {n: rss_end[n] - rss_start[n] for n in rss_end if rss_end[n] - rss_start[n] > config.rss_slack_mb}
+    ref, fault = phase_figures(reference, reference_wall), phase_figures(faulted, faulted_wall)
+    malformed_reference = [f"stream {o.stream} request {o.index}: {o.malformed}" for o in reference if o.malformed]
+    wanted_victims = {v for v, _ in kill_schedule(config)}
+    checks = {
+        "every request completed": ref["completed"] == ref["requests"] and fault["completed"] == fault["requests"],
+        "every stream equal to the reference": not mismatches and not malformed_reference,
+        f"{config.kills} kills of both services": len(kills) == config.kills and set(killed) == wanted_victims,
+        "the supervisor kept the services up": failure is None,
+        "zero sessions left": not any(sessions.values()),
+        f"resident memory within {config.rss_slack_mb:g} MB of its start": not grown,
+    }
+    return {
+        "ok": all(checks.values()),
+        "checks": checks,
+        "streams": config.streams,
+        "seed": config.seed,
+        "reference": ref,
+        "faults": fault,
+        "kills": len(kills),
+        "kills_by_service": dict(sorted(killed.items())),
+        "kill_times_seconds": [round(t, 3) for t, _, _ in kills],
+        "restarts_by_service": restarts,
+        "sessions_reopened": reopened,
+        "mismatches": (malformed_reference + mismatches)[:20],
+        "supervisor_failure": failure,
+        "open_sessions_after": sessions,
+        "rss_mb": {"cold": rss_cold, "start": rss_start, "end": rss_end},
+    }
+
+
+def text(result: dict) -> str:
+    def phase(name, d):
+        errors = ", ".join(f"{code} {n}" for code, n in d["errors_by_code"].items()) or "none"
+        return (
+            f"  {name}: {d['requests']} requests, {d['completed']} completed in {d['wall_seconds']:.1f} s, "
+            f"errors: {errors}; latency p50 {_s(d['latency_p50_seconds'])}, p99 {_s(d['latency_p99_seconds'])}"
+        )
+
+    rss = result["rss_mb"]
+    memory = ", ".join(f"{n} {rss['start'][n]:.0f} -> {rss['end'][n]:.0f}" for n in rss["end"])
+    lines = [
+        f"chaos: {result['streams']} streams, seed {result['seed']}",
+        phase("without faults", result["reference"]),
+        phase("under faults  ", result["faults"]),
+        f"  kills {result['kills']} ({_counts(result['kills_by_service'])}), services restarted "
+        f"{sum(result['restarts_by_service'].values())} ({_counts(result['restarts_by_service'])}), "
+        f"sessions re-opened {result['sessions_reopened']}",
+        f"  sessions after: {_counts(result['open_sessions_after'])}; resident MB after the reference -> "
+        f"after the faults: {memory}",
+    ]
+    lines += [f"  {'ok  ' if passed else 'FAIL'} {name}" for name, passed in result["checks"].items()]
+    lines += [f"       {m}" for m in result["mismatches"]]
+    if result["supervisor_failure"]:
+        lines.append(f"       {result['supervisor_failure']}")
+    lines.append("chaos: " + ("PASS" if result["ok"] else "FAIL"))
+    return "\n".join(lines)
+
+
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"

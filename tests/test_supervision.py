@@ -1,0 +1,132 @@
+"""A supervised local stack (deploy.local): a killed model service comes back on its port,
+a restart that cannot bind is retried after a backoff, too many restarts in a minute end the
+pipeline, and `specdec serve` ends with exit code 1 and a clear message when the orchestrator
+dies. Real processes with tiny random models, real SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+
+from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
+from specdec.models import ModelSpec
+from specdec.v1 import model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import cli_process, open_sessions, wait_until
+
+REQUEST = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=16)
+
+
+def children(pid: int) -> dict[str, int]:
+    """The child processes of `pid` that run a specdec command: command -> pid."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == pid and argv[1:3] == [b"-m", b"cli"]:
+            found[argv[3].decode()] = int(stat.parent.name)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def generate(address: str) -> list[int]:
+    stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
+    return list(stub.Generate(REQUEST, timeout=120).token_ids)
+
+
+def test_serve_restarts_a_killed_target_on_its_port_and_exits_1_when_the_orchestrator_dies(tiny_models, tmp_path):
+    models = ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
+    models += ["--target-dtype", "float32", "--draft-dtype", "float32", "--max-sessions", "7"]
+    log = tmp_path / "serve.log"
+    with cli_process("serve", *models, ready_file=tmp_path / "ready", log=log) as (serve, address):
+        services = {}
+        try:
+            services = children(serve.pid)
+            assert set(services) == {"draft-service", "target-service", "orchestrator"}
+            argv = Path(f"/proc/{services['target-service']}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--max-sessions") + 1] == b"7"  # the limit flags reach the children
+            before = generate(address)
+            target = json.loads((tmp_path / "ready").read_text())["services"]["target"]
+
+            os.kill(services["target-service"], signal.SIGKILL)
+            assert wait_until(lambda: f"the target service is back on {target}" in log.read_text(), 120, step=0.2)
+            assert f"was killed by SIGKILL; restarting it on {target}" in log.read_text()
+            assert generate(address) == before  # the orchestrator found the target at the same address
+            services = children(serve.pid)
+
+            os.kill(services["orchestrator"], signal.SIGKILL)
+            assert serve.wait(120) == 1
+            message = f"the orchestrator service (pid {services['orchestrator']}) was killed by SIGKILL"
+            assert f"specdec: error: {message}" in log.read_text()
+            assert not alive(services["draft-service"]) and not alive(services["target-service"])  # none orphaned
+        finally:
+            for pid in services.values():
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def bound(sock: socket.socket, address: tuple[str, int]) -> bool:
+    try:
+        sock.bind(address)
+    except OSError:
+        return False
+    return True
+
+
+def tiny_config(tiny_models, **kw) -> PipelineConfig:
+    return PipelineConfig(
+        target=ModelSpec(tiny_models["target"], "cpu", "float32"),
+        draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+        start_timeout=120,
+        **kw,
+    )
+
+
+def test_a_restart_that_cannot_bind_is_retried_and_too_many_restarts_end_the_pipeline(tiny_models):
+    config = tiny_config(tiny_models, restart=RestartPolicy(first_backoff=0.2, max_per_minute=2))
+    lines: list[str] = []
+    with LocalPipeline(config, log=lines.append) as pipeline:
+        before = generate(pipeline.address)
+        address = pipeline.addresses["target"]
+        host, port = address.rsplit(":", 1)
+        first = pipeline.serving_pid("target", 10)
+        with socket.socket() as squatter:  # holds the port (listening, no SO_REUSEPORT) while the restart binds
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            os.kill(first, signal.SIGKILL)
+            assert wait_until(lambda: bound(squatter, (host, int(port))), 10)  # once the kill has closed its socket
+            squatter.listen()
+            assert wait_until(lambda: any("restarting the target service failed" in x for x in lines), 120, 0.1)
+        second = pipeline.serving_pid("target", 120, exclude={first})
+        assert pipeline.addresses["target"] == address and pipeline.restarts["target"] == 1
+        assert generate(pipeline.address) == before
+        assert open_sessions(model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))) == 0
+
+        os.kill(second, signal.SIGKILL)  # a third attempt within the minute: past the cap
+        assert wait_until(lambda: pipeline.failure is not None, 30, 0.1)
+        assert pipeline.failure == (
+            f"the target service (pid {second}) was killed by SIGKILL; giving up after 2 restart attempts within 60 s"
+        )
+
+
+def test_a_clean_exit_is_not_restarted(tiny_models):
+    """A service stopped on purpose (SIGTERM: it drains and exits 0) stays stopped."""
+    with LocalPipeline(tiny_config(tiny_models), log=lambda msg: None) as pipeline:
+        pid = pipeline.serving_pid("draft", 10)
+        os.kill(pid, signal.SIGTERM)
+        assert wait_until(lambda: pipeline.failure is not None, 60, 0.1)
+        assert pipeline.failure.startswith(f"the draft service (pid {pid}) exited with code 0; the pipeline cannot")
+        assert pipeline.restarts["draft"] == 0 and pipeline.procs["draft"].poll() == 0
