@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from bench import chaos
-from specdec import cli
+from cli import main as cli
 
 
 def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys):
