@@ -7,11 +7,13 @@ for ProposalRow: the rule needs one of them only when it rejects.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import numpy as np
 import torch
 
 from specdec import rule
-from specdec.engine import Session, SessionEngine
+from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.sampling import SamplingParams, probs_from_logits
 
@@ -22,14 +24,17 @@ def propose(
     k: int,
     params: SamplingParams,
     uniforms: list[float],
-) -> tuple[list[int], list[float]]:
-    """Propose k tokens after the committed sequence: (token ids, draft probs of them)."""
+) -> Generator[Forward, torch.Tensor, tuple[list[int], list[float]]]:
+    """Propose k tokens after the committed sequence: (token ids, draft probs of them).
+
+    A request for the engine's worker: each draft step is one forward, batched with the
+    steps of the other sessions proposing at the same time."""
     assert k >= 1 and (params.greedy or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
     drafts: list[int] = []
     token_probs: list[float] = []
     rows = []
     for i in range(k):
-        logits = engine.forward(session, drafts, 1)[0]
+        logits = (yield engine.forward(session, drafts, 1))[0]
         if params.greedy:
             token = int(torch.argmax(logits))
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 
 from draft_service.drafters import MODEL, Drafter
@@ -26,19 +27,21 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
     def Propose(self, request, context):
         validation.propose_request(request, self.engine.backend.vocab_size)
         ref = request.session
-        start = time.perf_counter()
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def run(session):  # on the model worker
+            start = time.perf_counter()
             # Checked before the commit, so a refused request changes nothing.
             length = len(session.tokens) + len(request.append_tokens) + request.k
             self.engine.reserve(session, length, "append_tokens + k")
             self.engine.commit(session, list(request.append_tokens))
-            tokens, probs = self.drafter.propose(
+            proposal = self.drafter.propose(
                 self.engine,
                 session,
                 request.k,
                 SamplingParams.from_proto(request.sampling),
                 list(request.uniforms),
             )
+            tokens, probs = (yield from proposal) if inspect.isgenerator(proposal) else proposal
             return model_pb2.ProposeResponse(
                 token_ids=tokens,
                 token_probs=probs,
@@ -46,10 +49,15 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 compute_seconds=time.perf_counter() - start,
             )
 
+        return self.engine.call(ref.session_id, ref.expected_length, run, context)
+
     def ProposalRow(self, request, context):
         ref = request.session
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def row(session):
             return wire.encode_row(self.drafter.proposal_row(session, request.position))
+
+        return self.engine.call(ref.session_id, ref.expected_length, row, context)
 
 
 def serve(

@@ -146,34 +146,39 @@ def session_state(session) -> model_pb2.SessionState:
 
 
 class SessionServicer:
-    """The session RPCs of a model service, delegating to a SessionEngine."""
+    """The session RPCs of a model service, delegating to a SessionEngine: each validates at
+    the edge, then runs on the engine's model worker and waits (a cancelled call is dropped)."""
 
     def __init__(self, engine: SessionEngine):
         self.engine = engine
 
     def OpenSession(self, request, context):
-        length = self.engine.open(request.session_id, list(request.prompt_token_ids))
+        length = self.engine.open(request.session_id, list(request.prompt_token_ids), context)
         return model_pb2.OpenSessionResponse(length=length)
 
     def Append(self, request, context):
         validation.token_ids(request.token_ids, self.engine.backend.vocab_size, "token_ids")
         ref = request.session
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def append(session):
             self.engine.check_room(len(session.tokens) + len(request.token_ids), "token_ids")
             self.engine.commit(session, list(request.token_ids))
             return session_state(session)
 
+        return self.engine.call(ref.session_id, ref.expected_length, append, context)
+
     def Rollback(self, request, context):
-        with self.engine.session(request.session_id) as session:
+        def rollback(session):
             self.engine.rollback(session, request.to_length)
             return session_state(session)
 
+        return self.engine.call(request.session_id, None, rollback, context)
+
     def GetSession(self, request, context):
-        with self.engine.session(request.session_id) as session:
-            return session_state(session)
+        return self.engine.call(request.session_id, None, session_state, context)
 
     def CloseSession(self, request, context):
-        self.engine.close(request.session_id)
+        self.engine.close(request.session_id, context)
         return model_pb2.Empty()
 
     def Describe(self, request, context):

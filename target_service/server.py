@@ -21,13 +21,14 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
         validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
-        start = time.perf_counter()
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def run(session):  # on the model worker
+            start = time.perf_counter()
             # Checked before the commit, so a refused request changes nothing.
             length = len(session.tokens) + len(request.append_tokens) + len(request.draft_token_ids)
             self.engine.reserve(session, length, "append_tokens + draft_token_ids")
             self.engine.commit(session, list(request.append_tokens))
-            scores = score(
+            scores = yield from score(
                 self.engine,
                 session,
                 list(request.draft_token_ids),
@@ -43,6 +44,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
             )
+
+        return self.engine.call(ref.session_id, ref.expected_length, run, context)
 
 
 def serve(
