@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -46,19 +47,26 @@ class HFBackend:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         dtype = next(self.model.parameters()).dtype
         self.kv = SlotCache(config.num_hidden_layers, kv_heads, head_dim, dtype, self.device)
+        self._lock = threading.Lock()
 
     def new_cache(self) -> Slot:
-        return self.kv.acquire()
+        with self._lock:
+            return self.kv.acquire()
 
     def release(self, cache: Slot) -> None:
-        self.kv.release(cache)
+        with self._lock:
+            self.kv.release(cache)
 
     def forward(self, cache: Slot, token_ids: list[int], n_logits: int) -> torch.Tensor:
         return self.forward_batch([(cache, token_ids, n_logits)])[0]
 
-    @torch.inference_mode()
     def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
         """One forward for several sessions' blocks: [n_logits, vocab] float32 logits each."""
+        with self._lock:  # one worker uses a backend; the lock only guards a shared one
+            return self._forward_batch(items)
+
+    @torch.inference_mode()
+    def _forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
         order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # consecutive slots: no gather
         rows = [items[i] for i in order]
         width = max(len(tokens) for _, tokens, _ in rows)

@@ -7,9 +7,10 @@ see specdec.engine) and wait for its result. Each step the worker
   nothing; a running one stops between forwards),
 - runs the pending forward of every active item as one batched forward (`run_batch`), and
   feeds each item its logits; an item that returns resolves its future.
-An error raised by an item fails that item only; an error of a batched forward fails the
-items in that batch. Continuous batching: items join and leave between any two steps, so a
-session's k-step proposal or a chunked prefill never waits for the others to finish.
+An error raised by an item fails that item only; when a batched forward fails, its items
+run again one by one, so only those that fail alone get the error. Continuous batching:
+items join and leave between any two steps, so a session's k-step proposal or a chunked
+prefill never waits for the others to finish.
 
 This module knows nothing of models or sessions: the engine gives it `run_batch`.
 """
@@ -104,13 +105,22 @@ class Worker:
                 continue
             try:
                 results = self.run_batch([i.pending for i in batch])
-            except Exception as err:  # noqa: BLE001 - the batch's items get the error
-                log.exception("batched forward of %d items failed", len(batch))
+            except Exception:  # noqa: BLE001 - find the items that fail on their own
+                log.warning("a batched forward of %d items failed; running them one by one", len(batch))
                 for item in batch:
-                    self._fail(item, err)
+                    self._run_alone(item)
                 continue
             for item, result in zip(batch, results, strict=True):
                 self._advance(item, result)
+
+    def _run_alone(self, item: Item) -> None:
+        try:
+            [result] = self.run_batch([item.pending])
+        except Exception as err:  # noqa: BLE001 - the item's caller gets it
+            log.exception("a forward failed")
+            self._fail(item, err)
+            return
+        self._advance(item, result)
 
     def _admit(self) -> list[Item]:
         """Move queued items whose key is free to the active set (caller holds the lock)."""
