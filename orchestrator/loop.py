@@ -21,6 +21,7 @@ same committed state with the same random draws (orchestrator.recovery provides 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,24 @@ from specdec.v1 import model_pb2
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
+
+
+class _Running:
+    """How many loops are generating in this process: the load the adaptive policy prices."""
+
+    def __init__(self):
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._n += n
+
+    def count(self) -> int:
+        return self._n
+
+
+RUNNING = _Running()
 
 
 class SessionLost(Unavailable):
@@ -113,7 +132,7 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
-        self.policy = AdaptiveLookahead(config.lookahead) if config.adaptive else None
+        self.policy = AdaptiveLookahead(config.lookahead, RUNNING.count) if config.adaptive else None
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -123,6 +142,7 @@ class SpeculativeLoop:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
         sides = [s for s in (self.draft, self.target) if s is not None]
         opened = []
+        RUNNING.add(1)
         try:
             for side in sides:
                 try:
@@ -140,6 +160,7 @@ class SpeculativeLoop:
                 if step.finish_reason:
                     return
         finally:
+            RUNNING.add(-1)
             for side in opened:
                 try:
                     side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=self.session_id), timeout=5)
@@ -241,7 +262,7 @@ class SpeculativeLoop:
         committed = drafts[:accepted] + [last]
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time
-        if self.policy and k > 0:
+        if self.policy:  # k = 0 rounds too: they measure the one-token step
             self.policy.update(k, accepted, draft_time, target_time)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=k, accepted=accepted)

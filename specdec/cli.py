@@ -61,6 +61,7 @@ def _add_reliability_flags(p: argparse.ArgumentParser, role: str) -> None:
             ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
         ],
         "model": [
+            ("--threads", int, len(os.sched_getaffinity(0)), "torch (and llama.cpp) threads: the model worker's"),
             ("--max-sessions", int, s.max_sessions, "sessions open at once"),
             ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
             ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
@@ -205,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
     b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
+    b.add_argument(
+        "--concurrency",
+        default="",
+        help="comma list of concurrent clients (e.g. 1,2,4,8): the concurrency benchmark (bench/concurrency.py) "
+        "instead, for speculation off, --ks and adaptive, per drafter (default there: llamacpp, k 4, 48 tokens)",
+    )
+    b.add_argument("--prompts", type=int, default=4, help="with --concurrency: prompts cycled (default 4)")
     _add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     _add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
 
@@ -417,6 +425,9 @@ def _model_service(args, role: str) -> int:
 
     limits = SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)  # checked before loading
     spec = models.ModelSpec(args.model, args.device, args.dtype)
+    import torch
+
+    torch.set_num_threads(args.threads)  # the one model worker owns these cores
     server_security = _server_security(args)
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
     if role == "draft":
@@ -496,6 +507,23 @@ def cmd_bench(args) -> int:
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
+    if args.concurrency:
+        from bench import concurrency
+
+        cc = concurrency.ConcurrencyConfig(
+            concurrency=tuple(int(c) for c in floats(args.concurrency)),
+            drafters=config.drafters,
+            ks=config.ks,
+            adaptive=config.adaptive,
+            max_tokens=config.max_tokens,
+            prompts=args.prompts,
+            hf_baselines=config.hf_baselines,
+            target=config.target,
+            draft=config.draft,
+            out=config.out,
+        )
+        print(concurrency.format_table(concurrency.run(cc)))
+        return 0
     main(config)
     return 0
 
