@@ -495,11 +495,11 @@ class _ObservedBackend:
         return logits
 
     def forward_batch(self, items):
-        """One span for a batched forward of several sessions (specdec.backend)."""
+        """One span for a batched forward of several sessions (specdec.backend), in the trace of
+        the first session's request (the model worker runs it in that request's context)."""
         tokens = sum(len(ids) for _, ids, _ in items)
-        with self._tracer.start_as_current_span(
-            "specdec.forward", attributes={"specdec.tokens": tokens, "specdec.rows": len(items)}
-        ):
+        attributes = {"specdec.tokens": tokens, "specdec.logits": sum(n for *_, n in items), "specdec.rows": len(items)}
+        with self._tracer.start_as_current_span("specdec.forward", attributes=attributes):
             t0 = time.perf_counter()
             batch = getattr(self._backend, "forward_batch", None)
             logits = batch(items) if batch else [self._backend.forward(*item) for item in items]

@@ -17,6 +17,7 @@ This module knows nothing of models or sessions: the engine gives it `run_batch`
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections import deque
@@ -34,6 +35,7 @@ class Item:
     def __init__(self, key: str | None, start: Callable[[], Generator]):
         self.key = key
         self.start = start
+        self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
         self.future: Future = Future()
         self.gen: Generator | None = None
         self.pending = None  # the forward request it waits on
@@ -104,7 +106,8 @@ class Worker:
             if not batch:
                 continue
             try:
-                results = self.run_batch([i.pending for i in batch])
+                # In the first item's context: a batched forward's span joins that request's trace.
+                results = batch[0].context.run(self.run_batch, [i.pending for i in batch])
             except Exception:  # noqa: BLE001 - find the items that fail on their own
                 log.warning("a batched forward of %d items failed; running them one by one", len(batch))
                 for item in batch:
@@ -115,7 +118,7 @@ class Worker:
 
     def _run_alone(self, item: Item) -> None:
         try:
-            [result] = self.run_batch([item.pending])
+            [result] = item.context.run(self.run_batch, [item.pending])
         except Exception as err:  # noqa: BLE001 - the item's caller gets it
             log.exception("a forward failed")
             self._fail(item, err)
