@@ -43,6 +43,13 @@ def add_bench_parser(sub) -> None:
         help="overlapped rounds (specdec rows), sequential (specdec-seq rows) or both (default)",
     )
     b.add_argument("--no-timeline", action="store_true", help="skip timeline.png (services busy, round by round)")
+    b.add_argument(
+        "--concurrency",
+        default="",
+        help="comma list of concurrent clients (e.g. 1,2,4,8): the concurrency benchmark (bench/concurrency.py) "
+        "instead, for speculation off, --ks and adaptive, per drafter",
+    )
+    b.add_argument("--prompts", type=int, default=4, help="with --concurrency: prompts cycled (default 4)")
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
@@ -100,6 +107,23 @@ def bench(args) -> int:
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
+    if args.concurrency:
+        from bench import concurrency  # as bench.run: torch and the models
+
+        cc = concurrency.ConcurrencyConfig(
+            concurrency=tuple(int(c) for c in floats(args.concurrency)),
+            drafters=config.drafters,
+            ks=config.ks,
+            adaptive=config.adaptive,
+            max_tokens=config.max_tokens,
+            prompts=args.prompts,
+            hf_baselines=config.hf_baselines,
+            target=config.target,
+            draft=config.draft,
+            out=config.out,
+        )
+        print(concurrency.format_table(concurrency.run(cc)))
+        return 0
     run_bench(config)
     return 0
 

@@ -7,11 +7,13 @@ for ProposalRow: the rule needs one of them only when it rejects.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import numpy as np
 import torch
 
 from specdec import rule
-from specdec.engine import Session, SessionEngine
+from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.sampling import SamplingParams, probs_from_logits
 
@@ -23,16 +25,19 @@ def propose(
     params: SamplingParams,
     uniforms: list[float],
     assumed: list[int] = (),
-) -> tuple[list[int], list[float]]:
+) -> Generator[Forward, torch.Tensor, tuple[list[int], list[float]]]:
     """Propose k tokens after the committed sequence and `assumed` (tokens taken as given, not
-    committed: an overlapped round's continuation): (token ids, draft probs of them)."""
+    committed: an overlapped round's continuation): (token ids, draft probs of them).
+
+    A request for the engine's worker: each draft step is one forward, batched with the
+    steps of the other sessions proposing at the same time."""
     assert k >= 1 and (params.greedy or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
     assumed = list(assumed)
     drafts: list[int] = []
     token_probs: list[float] = []
     rows = []
     for i in range(k):
-        logits = engine.forward(session, assumed + drafts, 1)[0]
+        logits = (yield engine.forward(session, assumed + drafts, 1))[0]
         if params.greedy:
             token = int(torch.argmax(logits))
         else:

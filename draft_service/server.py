@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 
 from draft_service.drafters import MODEL, Drafter
@@ -26,12 +27,13 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
     def Propose(self, request, context):
         validation.propose_request(request, self.engine.backend.vocab_size)
         ref = request.session
-        start = time.perf_counter()
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def run(session):  # on the model worker
+            start = time.perf_counter()
             extra = len(request.assumed_tokens) + request.k
             what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
             self.engine.open_round(session, request.append_tokens, extra, what)
-            tokens, probs = self.drafter.propose(
+            proposal = self.drafter.propose(
                 self.engine,
                 session,
                 request.k,
@@ -39,6 +41,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 list(request.uniforms),
                 list(request.assumed_tokens),
             )
+            tokens, probs = (yield from proposal) if inspect.isgenerator(proposal) else proposal
             return model_pb2.ProposeResponse(
                 token_ids=tokens,
                 token_probs=probs,
@@ -46,11 +49,16 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 compute_seconds=time.perf_counter() - start,
             )
 
+        return self.engine.call(ref.session_id, ref.expected_length, run, context)
+
     def ProposalRow(self, request, context):
         ref = request.session
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def row(session):
             token = request.token_id if request.HasField("token_id") else None
             return wire.encode_row(self.drafter.proposal_row(session, request.position, token))
+
+        return self.engine.call(ref.session_id, ref.expected_length, row, context)
 
 
 def serve(

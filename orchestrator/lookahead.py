@@ -20,6 +20,17 @@ Each round picks the k in 1..k_max that maximises S with these estimated from th
 Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
 exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
 
+Load. The model services batch the forwards of concurrent sessions (specdec.worker), so with
+N generations running a target step costs about a + beta N n when each scores n tokens: the
+slope b a session fits is beta, but when every session lengthens its rounds by one token
+every step grows by N b. The policy is given N (`load`, the generations running in this
+process) and prices speculation against everyone decoding without it: s = N b / T0 and
+c = draft seconds per token / T0, with T0 = T1 - (N - 1) b (n_mean - 1) the step of N
+one-token rounds. k = 0 (no speculation: the round is one target step) is a choice too,
+S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and every
+EXPLORE_EVERY-th round off explores k = 2, so acceptance and costs are measured again when
+the load falls.
+
 Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
 drafts were proposed that way starts at once, which happens when all k drafts and the
@@ -32,21 +43,24 @@ continuation end about when the verify does, less where rejections waste the dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DECAY = 0.8  # weight of the past per round: an effective window of ~5 rounds
 FIT_DECAY = 0.97  # the same for the verify-cost line: ~30 rounds
 MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
+EXPLORE_EVERY = 8  # rounds without speculation before one round tries it again
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """S(k) above; alpha in [0, 1]."""
+    """S(k) above; alpha in [0, 1]; S(0) = 1."""
     tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (k * cost_ratio + 1)
 
 
 def best_lookahead(alpha: float, cost_ratio: float, k_max: int) -> int:
-    return max(range(1, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio))
+    """The k in 0..k_max with the highest S (0: no speculation pays)."""
+    return max(range(0, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio))
 
 
 def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
@@ -63,7 +77,8 @@ def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: floa
 @dataclass
 class AdaptiveLookahead:
     k_max: int
-    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k)
+    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k) (one generation)
+    load: Callable[[], int] = lambda: 1  # generations sharing the services' forwards
     accepted: float = 0.0
     rejections: float = 0.0
     draft_seconds: float = 0.0
@@ -74,8 +89,18 @@ class AdaptiveLookahead:
     fit_t: float = 0.0
     fit_nn: float = 0.0
     fit_nt: float = 0.0
+    off_rounds: int = 0  # rounds in a row chosen without speculation
 
     def next_k(self) -> int:
+        """The k for the next round (called once a round: it counts the rounds off)."""
+        k = self._best_k()
+        self.off_rounds = self.off_rounds + 1 if k == 0 else 0
+        if self.off_rounds >= EXPLORE_EVERY:
+            self.off_rounds = 0
+            return min(2, self.k_max)
+        return k
+
+    def _best_k(self) -> int:
         if self.fit_w == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
             return self.k_max
         line = self.verify_cost()
@@ -85,9 +110,11 @@ class AdaptiveLookahead:
         t1, slope = line
         alpha = self.accepted / (self.accepted + self.rejections)
         draft_per_token = self.draft_seconds / self.draft_tokens
-        if self.overlap:
+        n = max(1, self.load())
+        if self.overlap and n == 1:
             return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
-        return best_lookahead(alpha, (draft_per_token + slope) / t1, self.k_max)
+        t0 = max(t1 - (n - 1) * slope * (self.fit_n / self.fit_w - 1), t1 / n)  # all at one token
+        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max)
 
     def verify_cost(self) -> tuple[float, float] | None:
         """(T1, b): target seconds for a round scoring one token and per extra token scored;

@@ -44,6 +44,24 @@ MAX_REOPENS_PER_ROUND = 8
 CLOSE_TIMEOUT = 2.0
 
 
+class _Running:
+    """How many loops are generating in this process: the load the adaptive policy prices."""
+
+    def __init__(self):
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._n += n
+
+    def count(self) -> int:
+        return self._n
+
+
+RUNNING = _Running()
+
+
 class SessionLost(Unavailable):
     """A side's service lost the session: it went away, or came back with empty caches.
 
@@ -169,9 +187,10 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
-        self.policy = AdaptiveLookahead(config.lookahead, config.overlap) if config.adaptive else None
-        self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self.overlap = config.overlap and self.draft is not None
+        policy = AdaptiveLookahead(config.lookahead, overlap=self.overlap, load=RUNNING.count)
+        self.policy = policy if config.adaptive else None
+        self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
         self._stats_lock = threading.Lock()
 
@@ -183,6 +202,7 @@ class SpeculativeLoop:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
         sides = [s for s in (self.draft, self.target) if s is not None]
         opened = []
+        RUNNING.add(1)
         try:
             for side in sides:
                 # Closed whatever happens from here: an open that failed or timed out here may
@@ -202,6 +222,7 @@ class SpeculativeLoop:
                 if step.finish_reason:
                     return
         finally:
+            RUNNING.add(-1)
             for side in opened:
                 try:  # its own timeout: the request's deadline may have passed
                     request = model_pb2.CloseSessionRequest(session_id=self.session_id)
@@ -224,17 +245,18 @@ class SpeculativeLoop:
         remaining = cfg.max_new_tokens - len(self.generated)
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
+        wanted = 0 if self.draft is None else self._wanted_k()  # asked once a round: the policy counts them
         if self.draft is None:
             k = 0
         elif self._carried is not None:
             k = len(self._carried.tokens)  # proposed last round, as its continuation
         else:
-            k = min(self._wanted_k(), remaining - 1)
+            k = min(wanted, remaining - 1)
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
         draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.sampling.greedy, overlap=self.overlap)
         for reopens in itertools.count():
             try:
-                return self._speculate(k, draws, start)
+                return self._speculate(k, wanted, draws, start)
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
                     raise
@@ -271,7 +293,7 @@ class SpeculativeLoop:
         self.draft.length, self.draft.pending = proposal.length, []
         return _Proposal(list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k])), seconds
 
-    def _speculate(self, k: int, draws: _Draws, start: float) -> Round:
+    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float) -> Round:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
         drafts = _Proposal([], [], [])
@@ -290,7 +312,7 @@ class SpeculativeLoop:
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
-        k_next = min(self._wanted_k(), room - 1, MAX_LOOKAHEAD - 1) if self.overlap else 0
+        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if self.overlap else 0
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
@@ -368,12 +390,10 @@ class SpeculativeLoop:
         self._carried = next_carried
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time
-        if self.policy and k > 0:
-            if self.overlap:  # the draft's own time per token, hidden or not
-                drafted += k_next + 1 if continuation is not None else 0
-                self.policy.update(proposed, accepted, fresh + continued, target_time, drafted)
-            else:
-                self.policy.update(k, accepted, draft_time, target_time)
+        if self.policy:  # k = 0 rounds too: they measure the one-token step
+            drafted += k_next + 1 if continuation is not None else 0
+            spent = fresh + continued if self.overlap else draft_time  # overlapped: the draft's own time
+            self.policy.update(k, min(accepted, k), spent, target_time, drafted)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
 

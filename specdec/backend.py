@@ -5,8 +5,11 @@ Backend interface (duck-typed; tests supply in-process stand-ins with fixed dist
 - new_cache() -> cache
 - forward(cache, token_ids, n_logits) -> [n_logits, vocab] float32 logits of the last
   n_logits fed positions; the cache grows by len(token_ids)
-- crop(cache, keep): keep the first `keep` cached tokens (O(1) per layer, no copies)
+- crop(cache, keep): keep the first `keep` cached tokens (O(1), no copies)
 - tokenizer_files() -> {name: bytes}; tokenizer_digest() -> str
+Optional, for a backend that batches across sessions (the model worker uses them when present):
+- forward_batch([(cache, token_ids, n_logits), ...]) -> [logits, ...]: one forward for all
+- release(cache): the session ended; its cache may be reused
 """
 
 from __future__ import annotations
@@ -15,15 +18,19 @@ import functools
 import hashlib
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
 from specdec import models
+from specdec.kvcache import Slot, SlotCache
 
 
 class HFBackend:
-    """A transformers causal LM with a DynamicCache per session."""
+    """A transformers causal LM over a slot KV cache (specdec.kvcache): a slot per session,
+    the forwards of several sessions batched into one (ragged rows, per-row positions and a
+    4D mask), the logits computed only at the positions asked for."""
 
     def __init__(self, spec: models.ModelSpec):
         self.spec = spec
@@ -35,22 +42,62 @@ class HFBackend:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dtype = next(self.model.parameters()).dtype
+        self.kv = SlotCache(config.num_hidden_layers, kv_heads, head_dim, dtype, self.device)
+        self._lock = threading.Lock()
 
-    def new_cache(self):
-        from transformers import DynamicCache
+    def new_cache(self) -> Slot:
+        with self._lock:
+            return self.kv.acquire()
 
-        return DynamicCache(config=self.model.config)
+    def release(self, cache: Slot) -> None:
+        with self._lock:
+            self.kv.release(cache)
+
+    def forward(self, cache: Slot, token_ids: list[int], n_logits: int) -> torch.Tensor:
+        return self.forward_batch([(cache, token_ids, n_logits)])[0]
+
+    def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
+        """One forward for several sessions' blocks: [n_logits, vocab] float32 logits each."""
+        with self._lock:  # one worker uses a backend; the lock only guards a shared one
+            return self._forward_batch(items)
 
     @torch.inference_mode()
-    def forward(self, cache, token_ids: list[int], n_logits: int) -> torch.Tensor:
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=n_logits)
-        return out.logits[0, -n_logits:].float()
+    def _forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
+        order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # consecutive slots: no gather
+        rows = [items[i] for i in order]
+        width = max(len(tokens) for _, tokens, _ in rows)
+        view = self.kv.view([slot for slot, _, _ in rows], width)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, (_, tokens, _) in enumerate(rows):  # right-padded; a pad's outputs are never read
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+        keys = torch.arange(view.kv_length, device=self.device)
+        visible = keys[None, None, :] <= view.positions[:, :, None]  # [B, width, kv]: causal per row
+        mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.kv.dtype).min)[:, None]  # [B, 1, width, kv]
+        hidden = self.model.base_model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask,
+            position_ids=view.positions,
+            past_key_values=view,
+            use_cache=True,
+        ).last_hidden_state  # [B, width, hidden]
+        pick = [(b, t) for b, (_, tokens, n) in enumerate(rows) for t in range(len(tokens) - n, len(tokens))]
+        at_b, at_t = (torch.tensor(x, device=self.device) for x in zip(*pick, strict=True))
+        logits = self.model.get_output_embeddings()(hidden[at_b, at_t]).float()  # [sum n_logits, vocab]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        start = 0
+        for i, (slot, tokens, n) in zip(order, rows, strict=True):
+            slot.length += len(tokens)
+            out[i] = logits[start : start + n]
+            start += n
+        return out
 
-    def crop(self, cache, keep: int) -> None:
-        drop = cache.get_seq_length() - keep
-        if drop > 0:
-            cache.crop(-drop)
+    def crop(self, cache: Slot, keep: int) -> None:
+        cache.length = min(cache.length, keep)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.tokenizer)

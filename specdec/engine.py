@@ -1,4 +1,4 @@
-"""Per-session KV caches over a backend: open, commit, feed, roll back, close.
+"""Per-session KV caches over a backend: open, commit, feed, roll back, close, on one worker.
 
 A session holds its committed tokens and a cache of keys/values for a prefix of
 (committed tokens + a speculative tail). Invariants, restored after every change:
@@ -8,8 +8,16 @@ A session holds its committed tokens and a cache of keys/values for a prefix of
   committed token is fed again with the next block: its keys and values are then computed
   in the same multi-token forward as the drafts after it, whose numerics differ in the last
   bits from a one-token forward, and acceptance stays high.
-Rollback and discarding a rejected speculative tail are truncations (O(1) per layer):
-no copies, no re-prefill.
+Rollback and discarding a rejected speculative tail are truncations (O(1)): no copies, no
+re-prefill.
+
+Every change to a session runs on the engine's model worker (specdec.worker), the one
+thread that touches the model: a request is a generator over the session that yields
+`Forward`s (feed these tokens, return these logits) and returns its result; the worker
+runs the forwards of different sessions' requests as one batched forward when the backend
+has `forward_batch` (specdec.backend, over a slot cache: specdec.kvcache), one by one
+otherwise. A prompt is prefilled in chunks of PREFILL_CHUNK tokens, one chunk a step, so a
+long prompt never stalls the others' decodes. `call` submits a request and waits for it.
 
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
@@ -20,10 +28,9 @@ target_service build propose and score on it.
 
 from __future__ import annotations
 
-import threading
+import inspect
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +46,9 @@ from specdec.errors import (
     ResourceExhausted,
 )
 from specdec.limits import KVBudget, SessionLimits
+from specdec.worker import Worker
+
+PREFILL_CHUNK = 128  # prompt tokens a session feeds per worker step
 
 
 @dataclass
@@ -51,11 +61,21 @@ class Session:
     proposal_rows: torch.Tensor | None = None
     proposal_start: int = 0
     proposal_tokens: list[int] = field(default_factory=list)  # the token each row drew
-    lock: threading.Lock = field(default_factory=threading.Lock)
     kv_tokens: int = 0  # reserved in the engine's KV budget
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     claimed: bool = False  # a request has used it since OpenSession
+
+
+@dataclass
+class Forward:
+    """One session's part of a worker step: feed `tokens`, return the logits of the last
+    n_logits of them ([n_logits, vocab]); afterwards the cache holds `cached`."""
+
+    session: Session
+    tokens: list[int]
+    n_logits: int
+    cached: list[int]
 
 
 class SessionEngine:
@@ -65,79 +85,114 @@ class SessionEngine:
         self.limits = limits or SessionLimits()
         self.kv = KVBudget(self.limits.max_kv_tokens)
         self._sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self.worker = Worker(self._run_batch, name=f"{role}-model-worker")
+
+    # -- requests ----------------------------------------------------------------------
+    def call(self, session_id: str, expected_length: int | None, request: Callable, context=None):
+        """Run request(session) on the worker and return its result. `request` is a plain
+        function or a generator function yielding Forwards; the session is checked first
+        against the caller's view of its committed length. `context` (gRPC) cancels it."""
+        return self.worker.call(session_id, lambda: self._on_session(session_id, expected_length, request), context)
+
+    def _on_session(self, session_id: str, expected_length: int | None, request: Callable) -> Generator:
+        session = self._get(session_id)
+        if expected_length is not None and expected_length != len(session.tokens):
+            raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
+        try:
+            result = request(session)
+            if inspect.isgenerator(result):
+                result = yield from result
+            return result
+        finally:
+            session.last_used, session.claimed = time.monotonic(), True
+            if not session.closed:
+                self.kv.settle(session, len(session.cached))
+
+    def _get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session_id: no open session {session_id!r}")
+        return session
+
+    def _run_batch(self, forwards: list[Forward]) -> list[torch.Tensor]:
+        batch = getattr(self.backend, "forward_batch", None)
+        items = [(f.session.cache, f.tokens, f.n_logits) for f in forwards]
+        if batch is not None:
+            logits = batch(items)
+        else:
+            logits = [self.backend.forward(*item) for item in items]
+        for f in forwards:
+            f.session.cached = f.cached
+        return logits
 
     # -- lifecycle ---------------------------------------------------------------------
-    def open(self, session_id: str, prompt: list[int]) -> int:
+    def open(self, session_id: str, prompt: list[int], context=None) -> int:
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        session = Session(tokens=list(prompt), cache=None)
-        with self._lock:
-            if session_id in self._sessions:
-                raise AlreadyExists(f"session_id {session_id!r} is already open")
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise ResourceExhausted(
-                    f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes"
-                )
-            self.kv.reserve(session, len(prompt))
-            self._sessions[session_id] = session
-        with session.lock:
-            try:
-                session.cache = self.backend.new_cache()
-                if len(prompt) > 1:  # prefill all but the last token, which the next block feeds
-                    self.backend.forward(session.cache, prompt[:-1], 1)
-                    session.cached = list(prompt[:-1])
-            except BaseException:
-                self._retire(session_id, session)
-                raise
-            self.kv.settle(session, len(session.cached))
+        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt)), context)
+
+    def _open(self, session_id: str, prompt: list[int]) -> Generator:
+        if session_id in self._sessions:
+            raise AlreadyExists(f"session_id {session_id!r} is already open")
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
+        session = Session(tokens=prompt, cache=None)
+        self.kv.reserve(session, len(prompt))
+        self._sessions[session_id] = session
+        try:
+            session.cache = self.backend.new_cache()
+            prefix = prompt[:-1]  # all but the last token, which the next block feeds
+            for start in range(0, len(prefix), PREFILL_CHUNK):
+                end = min(start + PREFILL_CHUNK, len(prefix))
+                yield Forward(session, prefix[start:end], 1, prefix[:end])
+        except BaseException:  # an error, or the call cancelled mid-prefill
+            self._retire(session_id, session)
+            raise
+        self.kv.settle(session, len(session.cached))
         return len(prompt)
 
-    def close(self, session_id: str) -> None:
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound(f"session_id: no open session {session_id!r}")
-        with session.lock:  # waits for a request in flight on it
-            if session.closed:
-                raise NotFound(f"session_id: no open session {session_id!r}")
+    def close(self, session_id: str, context=None) -> None:
+        def close(session):
             self._retire(session_id, session)
+
+        self.call(session_id, None, close, context)
 
     def close_idle(self, ttl: float, unclaimed: bool = False) -> list[str]:
         """Close sessions unused for more than `ttl` seconds (with `unclaimed`: only those no
         request used since they opened); skip any in use. Returns their ids."""
-        now = time.monotonic()
-        with self._lock:
+
+        def reap():
+            now, busy = time.monotonic(), self.worker.busy()
             idle = [
-                (sid, s)
+                sid
                 for sid, s in self._sessions.items()
-                if now - s.last_used > ttl and not (unclaimed and s.claimed)
+                if now - s.last_used > ttl and sid not in busy and not (unclaimed and s.claimed)
             ]
-        closed = []
-        for sid, session in idle:
-            if not session.lock.acquire(blocking=False):
-                continue  # in use: not idle
-            try:
-                if not session.closed and time.monotonic() - session.last_used > ttl:
-                    self._retire(sid, session)
-                    closed.append(sid)
-            finally:
-                session.lock.release()
-        return closed
+            for sid in idle:
+                self._retire(sid, self._sessions[sid])
+            return idle
+            yield  # a generator that feeds nothing
+
+        return self.worker.call(None, reap)
 
     def _retire(self, session_id: str, session: Session) -> None:
-        """Forget a session and free its cache; the caller holds its lock."""
-        with self._lock:
-            if self._sessions.get(session_id) is session:
-                del self._sessions[session_id]
+        """Forget a session and free its cache."""
+        if self._sessions.get(session_id) is session:
+            del self._sessions[session_id]
+        release = getattr(self.backend, "release", None)
+        if release is not None and session.cache is not None:
+            release(session.cache)
         session.closed = True
         session.cache = None
         session.proposal_rows = None
         self.kv.settle(session, 0)
+
+    def stop(self) -> None:
+        self.worker.stop()
 
     @property
     def open_sessions(self) -> int:
@@ -146,35 +201,14 @@ class SessionEngine:
     @property
     def cached_tokens(self) -> int:
         """Tokens whose keys and values the caches of all open sessions hold."""
-        with self._lock:
-            sessions = list(self._sessions.values())
-        return sum(len(s.cached) for s in sessions)
-
-    @contextmanager
-    def session(self, session_id: str, expected_length: int | None = None) -> Iterator[Session]:
-        """The session, locked; checks the caller's view of its committed length."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound(f"session_id: no open session {session_id!r}")
-        with session.lock:
-            if session.closed:  # closed while this request waited for it
-                raise NotFound(f"session_id: no open session {session_id!r}")
-            if expected_length is not None and expected_length != len(session.tokens):
-                raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
-            try:
-                yield session
-            finally:
-                session.last_used, session.claimed = time.monotonic(), True
-                if not session.closed:
-                    self.kv.settle(session, len(session.cached))
+        return sum(len(s.cached) for s in list(self._sessions.values()))
 
     def reserve(self, session: Session, length: int, what: str = "sequence") -> None:
         """Check that the session may grow to `length` tokens (context, KV budget), before changing it."""
         self.check_room(length, what)
         self.kv.reserve(session, length)
 
-    # -- changes -----------------------------------------------------------------------
+    # -- changes (on the worker) -----------------------------------------------------------
     def open_round(self, session: Session, append_tokens: list[int], extra: int, what: str) -> None:
         """A round's opening: reserve room for the committed tokens plus `extra` to be fed,
         then commit. Checked before the change, so a refused request changes nothing."""
@@ -196,8 +230,9 @@ class SessionEngine:
         del session.tokens[to_length:]
         self._truncate_cache(session, len(session.cached))
 
-    def forward(self, session: Session, speculative: list[int], n_logits: int) -> torch.Tensor:
-        """Feed what the cache lacks of (tokens + speculative); logits of the last n_logits.
+    def forward(self, session: Session, speculative: list[int], n_logits: int) -> Forward:
+        """What to feed so the cache holds tokens + speculative, wanting the logits of the last
+        n_logits positions: yield it from a request to get them ([n_logits, vocab]).
 
         Afterwards the cache holds tokens + speculative (a speculative tail that a later
         commit keeps where it matches and truncates where it does not).
@@ -209,9 +244,7 @@ class SessionEngine:
         self._crop(session, common_prefix(session.cached, sequence[: len(sequence) - n_logits]))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
-        logits = self.backend.forward(session.cache, pending, n_logits)
-        session.cached = sequence
-        return logits
+        return Forward(session, pending, n_logits, sequence)
 
     def _truncate_cache(self, session: Session, keep: int) -> None:
         """Crop to `keep`, and short of the last committed token, which the next forward feeds."""

@@ -162,7 +162,8 @@ class UnknownCloses:
 
 
 class SessionServicer:
-    """The session RPCs of a model service, delegating to a SessionEngine."""
+    """The session RPCs of a model service, delegating to a SessionEngine: each validates at
+    the edge, then runs on the engine's model worker and waits (a cancelled call is dropped)."""
 
     def __init__(self, engine: SessionEngine):
         self.engine = engine
@@ -173,35 +174,39 @@ class SessionServicer:
         sid = request.session_id
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
-        length = self.engine.open(sid, list(request.prompt_token_ids))
+        length = self.engine.open(sid, list(request.prompt_token_ids), context)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
             with contextlib.suppress(NotFound):  # closed meanwhile
-                self.engine.close(sid)
+                self.engine.close(sid, context)
             raise Cancelled("the caller stopped waiting for OpenSession; the session was closed")
         return model_pb2.OpenSessionResponse(length=length)
 
     def Append(self, request, context):
         validation.token_ids(request.token_ids, self.engine.backend.vocab_size, "token_ids")
         ref = request.session
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def append(session):
             self.engine.check_room(len(session.tokens) + len(request.token_ids), "token_ids")
             self.engine.commit(session, list(request.token_ids))
             return session_state(session)
 
+        return self.engine.call(ref.session_id, ref.expected_length, append, context)
+
     def Rollback(self, request, context):
-        with self.engine.session(request.session_id) as session:
+        def rollback(session):
             self.engine.rollback(session, request.to_length)
             return session_state(session)
 
+        return self.engine.call(request.session_id, None, rollback, context)
+
     def GetSession(self, request, context):
-        with self.engine.session(request.session_id) as session:
-            return session_state(session)
+        return self.engine.call(request.session_id, None, session_state, context)
 
     def CloseSession(self, request, context):
         try:
-            self.engine.close(request.session_id)
+            self.engine.close(request.session_id, context)
         except NotFound:
             self.unknown_closes.note(request.session_id)
             raise

@@ -521,6 +521,19 @@ class _ObservedBackend:
         self._instruments.forward_tokens.add(len(token_ids), self._attrs)
         return logits
 
+    def forward_batch(self, items):
+        """One span for a batched forward of several sessions (specdec.backend), in the trace of
+        the first session's request (the model worker runs it in that request's context)."""
+        tokens = sum(len(ids) for _, ids, _ in items)
+        attributes = {"specdec.tokens": tokens, "specdec.logits": sum(n for *_, n in items), "specdec.rows": len(items)}
+        with self._tracer.start_as_current_span("specdec.forward", attributes=attributes):
+            t0 = time.perf_counter()
+            batch = getattr(self._backend, "forward_batch", None)
+            logits = batch(items) if batch else [self._backend.forward(*item) for item in items]
+            self._instruments.forward_duration.record(time.perf_counter() - t0, self._attrs)
+        self._instruments.forward_tokens.add(tokens, self._attrs)
+        return logits
+
     def crop(self, cache, keep):
         with self._tracer.start_as_current_span("specdec.kv.crop", attributes={"specdec.keep": keep}):
             return self._backend.crop(cache, keep)

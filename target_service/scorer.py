@@ -1,5 +1,6 @@
 """Scoring: [last committed token, drafts...] in one forward pass, k + 1 positions.
 
+Scoring runs on the engine's model worker, batched with other sessions' forwards.
 Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the target
 probability of each draft token, and the one row the rule needs: with the caller's
 acceptance uniforms the service evaluates the same pure rule the orchestrator runs and
@@ -8,13 +9,14 @@ returns the row at the first rejected position (or the bonus row).
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specdec import rule
-from specdec.engine import Session, SessionEngine
+from specdec.engine import Forward, Session, SessionEngine
 from specdec.sampling import SamplingParams, probs_from_logits
 
 
@@ -33,11 +35,12 @@ def score(
     params: SamplingParams,
     draft_token_probs: list[float],
     accept_uniforms: list[float],
-) -> Scores:
+) -> Generator[Forward, torch.Tensor, Scores]:
+    """A request for the engine's worker (yields its one forward)."""
     k = len(draft_ids)
     # checked at the edge (specdec.validation)
     assert params.greedy or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
-    logits = engine.forward(session, draft_ids, k + 1)  # [k + 1, vocab]
+    logits = yield engine.forward(session, draft_ids, k + 1)  # [k + 1, vocab]
     if params.greedy:
         return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None)
     probs = probs_from_logits(logits, params)

@@ -21,11 +21,12 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
     def Score(self, request, context):
         validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
-        start = time.perf_counter()
-        with self.engine.session(ref.session_id, ref.expected_length) as session:
+
+        def run(session):  # on the model worker
+            start = time.perf_counter()
             extra = len(request.draft_token_ids)
             self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
-            scores = score(
+            scores = yield from score(
                 self.engine,
                 session,
                 list(request.draft_token_ids),
@@ -41,6 +42,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
             )
+
+        return self.engine.call(ref.session_id, ref.expected_length, run, context)
 
 
 def serve(

@@ -57,6 +57,9 @@ class Waiting:
     def is_active(self) -> bool:
         return True
 
+    def add_callback(self, callback) -> bool:
+        return True  # registered; never called: the call does not end before its answer
+
 
 def random_markov(vocab: int, seed: int, alpha: float = 0.5) -> np.ndarray:
     """[vocab, vocab] rows drawn from Dirichlet(alpha): uneven, so rule errors show."""

@@ -7,13 +7,16 @@ from scipy import stats
 
 
 def transition_counts(tokens, vocab: int) -> np.ndarray:
+    """Counts of (previous, next) pairs in a token sequence, or summed over a list of them."""
     counts = np.zeros((vocab, vocab), dtype=np.int64)
-    np.add.at(counts, (np.asarray(tokens[:-1]), np.asarray(tokens[1:])), 1)
+    for chain in tokens if tokens and isinstance(tokens[0], list) else [tokens]:
+        np.add.at(counts, (np.asarray(chain[:-1]), np.asarray(chain[1:])), 1)
     return counts
 
 
 def markov_chisquare(tokens, kernel: np.ndarray, min_expected: float = 5.0) -> float:
-    """p-value of Pearson's chi-square test that `tokens` follow the transition `kernel`.
+    """p-value of Pearson's chi-square test that `tokens` (a sequence, or a list of independent
+    ones) follow the transition `kernel`.
 
     Conditional on each previous token, the next-token counts are multinomial; cells with an
     expected count under `min_expected` are pooled per row so the chi-square law holds.

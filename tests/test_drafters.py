@@ -61,11 +61,12 @@ def test_distribution_through_the_loop(drafter, adaptive):
 
 
 def test_best_lookahead_follows_the_formula():
-    assert best_lookahead(0.0, 0.5, 8) == 1  # nothing is ever accepted: smallest k
+    assert best_lookahead(0.0, 0.5, 8) == 0  # nothing is ever accepted: no speculation
+    assert best_lookahead(1.0, 1.2, 8) == 0  # a round costs more than the tokens it wins
     assert best_lookahead(0.99, 0.01, 8) == 8  # cheap, accurate draft: longest k
     for alpha, c in [(0.6, 0.3), (0.8, 0.5), (0.9, 0.1)]:
         k = best_lookahead(alpha, c, 16)
-        assert all(expected_speedup(alpha, k, c) >= expected_speedup(alpha, j, c) for j in range(1, 17))
+        assert all(expected_speedup(alpha, k, c) >= expected_speedup(alpha, j, c) for j in range(0, 17))
     assert expected_speedup(0.8, 4, 0.5) == pytest.approx((1 - 0.8**5) / (0.2 * 3))
 
 
@@ -73,9 +74,10 @@ def test_adaptive_lookahead_moves_with_acceptance():
     policy = AdaptiveLookahead(k_max=8)
     assert policy.next_k() == 8  # no evidence yet
     for _ in range(20):  # every draft rejected, expensive draft
-        policy.update(proposed=policy.next_k(), accepted=0, draft_seconds=0.4, target_seconds=0.1)
-    assert policy.next_k() == 1
-    for _ in range(20):  # every draft accepted, cheap draft
+        k = policy.next_k()
+        policy.update(proposed=k, accepted=0, draft_seconds=0.4 * k / 8, target_seconds=0.1)
+    assert policy.next_k() == 0  # no speculation
+    for _ in range(60):  # every draft accepted, cheap draft: found by the exploring rounds
         k = policy.next_k()
         policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
     assert policy.next_k() == 8
@@ -89,8 +91,8 @@ def test_unknown_drafter_is_refused():
 def test_adaptive_lookahead_prices_the_verify_cost():
     """A target whose round time grows with the tokens it scores makes long rounds dear. With
     T(k) = 0.1 + 0.07 k seconds and a draft at 0.05 s a token, c = 0.5 and s = 0.7: at full
-    acceptance k = 1 wins (c + s > 1), found after one exploring round; against a flat
-    T = 0.1 the same draft takes k_max."""
+    acceptance no k pays (c + s > 1: S(1) = 2 / 2.2), found after one exploring round, so no
+    speculation (k = 0); against a flat T = 0.1 the same draft takes k_max."""
 
     def run(slope: float) -> AdaptiveLookahead:
         policy = AdaptiveLookahead(k_max=8)
@@ -101,7 +103,7 @@ def test_adaptive_lookahead_prices_the_verify_cost():
 
     flat, steep = run(0.0), run(0.07)
     assert flat.next_k() == 8
-    assert steep.next_k() == 1 == best_lookahead(1.0, 0.5 + 0.7, 8)
+    assert steep.next_k() == 0 == best_lookahead(1.0, 0.5 + 0.7, 8)
     assert steep.verify_cost() == pytest.approx((0.1, 0.07))
 
 
@@ -123,3 +125,19 @@ def test_a_draft_step_feeds_only_its_newest_token():
     _, stats, ks = run(Direct(draft), Direct(target), SamplingParams(temperature=1.0), 300, k=5)
     assert stats.accepted_tokens > 0.9 * stats.draft_tokens  # the same model: rounds run long
     assert sum(fed) <= 2 + sum(k + 1 for k in ks)  # the prompt [0, 1, 2] prefills 2 tokens
+
+
+def test_adaptive_lookahead_speculates_less_under_load():
+    """With N generations batched, lengthening every round by a token costs N b a step: the
+    same measurements give a k that does not grow with N, and no speculation under a heavy
+    load (a target step of 0.05 s + 7.5 ms a token scored, a draft at 15 ms a token)."""
+
+    def choice(load: int) -> int:
+        policy = AdaptiveLookahead(k_max=8, load=lambda: load)
+        for _ in range(40):
+            k = policy.next_k()
+            policy.update(proposed=k, accepted=k, draft_seconds=0.015 * k, target_seconds=0.05 + 0.0075 * (k + 1))
+        return policy._best_k()
+
+    ks = [choice(n) for n in (1, 2, 4, 8, 16)]
+    assert ks[0] == 8 and ks == sorted(ks, reverse=True) and ks[-1] == 0, ks

@@ -1,0 +1,163 @@
+"""`specdec bench --concurrency 1,2,4,8`: throughput and latency as concurrent clients grow.
+
+For each concurrency c, c clients at once send greedy `Generate` calls over gRPC (the first
+--prompts prompts of bench/prompts.json, cycled; max(c, prompts) requests in all, c in
+flight), for speculation off, each fixed k and adaptive k, per drafter. Reported per cell:
+total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
+(median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
+in one process: transformers `generate` of one request at a time, and of a left-padded batch
+of c prompts at once (tokens/s of the batch). Prints a table, writes concurrency.json and
+concurrency.png (total tokens/s vs concurrency) to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.run import BenchConfig, _chat_ids, _hf_generate, _specdec_generate, load_prompts
+from specdec import models
+
+
+@dataclass(frozen=True)
+class ConcurrencyConfig:
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    drafters: tuple[str, ...] = ("llamacpp",)
+    ks: tuple[int, ...] = (4,)
+    adaptive: bool = True
+    max_tokens: int = 48
+    prompts: int = 4
+    hf_baselines: bool = True
+    target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
+    draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
+    out: Path = Path("bench-results")
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _cell(requests: list, c: int, generate) -> dict:
+    """Run `generate(ids)` over the requests, c at a time; tokens and latencies."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        runs = list(pool.map(generate, requests))
+    wall = time.perf_counter() - t0
+    latencies = [r["wall"] for r in runs]
+    return {
+        "requests": len(runs),
+        "tokens": sum(r["tokens"] for r in runs),
+        "total_tokens_per_second": sum(r["tokens"] for r in runs) / wall,
+        "request_tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+        "p50_latency": nearest_rank(latencies, 0.5),
+        "p99_latency": nearest_rank(latencies, 0.99),
+    }
+
+
+def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict:
+    """generate of a left-padded batch: every row max_tokens new tokens."""
+    import torch
+
+    width = max(len(ids) for ids in batch)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    wall = time.perf_counter() - t0
+    return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
+
+
+def run(config: ConcurrencyConfig) -> dict:
+    import grpc
+
+    from deploy.local import LocalPipeline, PipelineConfig
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    bench = BenchConfig(ks=config.ks, max_tokens=config.max_tokens, temperatures=(0.0,))
+    model, tokenizer = models.load(config.target)
+    prompt_ids = [_chat_ids(tokenizer, p["prompt"]) for p in load_prompts(bench)[: config.prompts]]
+    rows: dict[str, dict] = {}
+
+    def requests(c):
+        return [prompt_ids[i % len(prompt_ids)] for i in range(max(c, len(prompt_ids)))]
+
+    if config.hf_baselines:
+        _hf_generate(model, prompt_ids[0], bench, 0.0)  # warm-up
+        one = _cell(requests(1), 1, lambda ids: _hf_generate(model, ids, bench, 0.0))
+        rows["hf-generate 1 request"] = {str(c): one for c in config.concurrency}
+        rows["hf-generate padded batch"] = {
+            str(c): _hf_batch(model, tokenizer, requests(c)[:c], config.max_tokens) for c in config.concurrency
+        }
+    modes = ["-"] + [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
+    with ExitStack() as stack:
+        for i, drafter in enumerate(config.drafters):
+            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=drafter)
+            pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
+            stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
+            for mode in modes if i == 0 else modes[1:]:
+                name = "specdec-off" if mode == "-" else f"specdec {drafter} k={mode}"
+                _specdec_generate(stub, prompt_ids[0], bench, 0.0, mode)  # warm-up
+                rows[name] = {}
+
+                def generate(ids, stub=stub, mode=mode):
+                    return _specdec_generate(stub, ids, bench, 0.0, mode)
+
+                for c in config.concurrency:
+                    rows[name][str(c)] = _cell(requests(c), c, generate)
+                    print(f"{name} c={c}: {rows[name][str(c)]['total_tokens_per_second']:.1f} tok/s", flush=True)
+            stack.close()  # one pipeline at a time: they share the cores
+    results = {"config": {k: str(v) for k, v in asdict(config).items()}, "rows": rows}
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "concurrency.json").write_text(json.dumps(results, indent=2))
+    plot(results, config.out / "concurrency.png")
+    return results
+
+
+def format_table(results: dict) -> str:
+    lines = [["method", "c", "total tok/s", "x c=1", "req tok/s", "p50 s", "p99 s"]]
+    for name, cells in results["rows"].items():
+        base = cells[next(iter(cells))]["total_tokens_per_second"]
+        for c, cell in cells.items():
+            per = cell.get("request_tokens_per_second")
+            lines.append(
+                [
+                    name,
+                    c,
+                    f"{cell['total_tokens_per_second']:.2f}",
+                    f"{cell['total_tokens_per_second'] / base:.2f}x",
+                    "-" if per is None else f"{per:.2f}",
+                    f"{cell['p50_latency']:.2f}",
+                    f"{cell['p99_latency']:.2f}",
+                ]
+            )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, cells in results["rows"].items():
+        cs = [int(c) for c in cells]
+        ax.plot(cs, [cells[str(c)]["total_tokens_per_second"] for c in cs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("total tokens/s")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

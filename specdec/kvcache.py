@@ -1,0 +1,123 @@
+"""A slot KV cache: one preallocated block of keys and values per layer, a slot per session.
+
+Layout: per layer, keys and values of shape [slots, kv_heads, capacity, head_dim]; a session
+owns one slot and a length. Why this layout (and not a DynamicCache per session):
+- rollback is a length (O(1)): nothing is copied or freed, later writes overwrite the tail;
+- a batched forward over several sessions is a gather of their slots, and no copy at all
+  when the slots are consecutive (sessions take the lowest free slot, so a full batch
+  usually is `keys[lo:hi]`, a view); a DynamicCache grows by torch.cat, a copy of the whole
+  cache every step;
+- rows of different lengths share one tensor: each row writes its new keys at its own
+  positions and a 4D mask hides the keys past its length, so verify blocks of different
+  widths and caches of different lengths run as one ragged forward;
+- it is the static cache a compiled forward (torch.compile, CUDA graphs) needs: the storage
+  never moves between steps while it is big enough.
+The block grows by doubling (slots as sessions open, capacity as a session needs it), so
+memory follows use; it never shrinks. The KV budget (specdec.limits) bounds tokens held,
+not the block: one long session makes every slot that long.
+
+`BatchView` is what the model sees as `past_key_values` for one forward: transformers'
+attention calls `update(keys, values, layer)` with the new tokens' keys and values and
+attends over what it returns. This module owns no model and no session logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_CAPACITY = 256
+
+
+@dataclass
+class Slot:
+    """A session's place in the cache: its slot index and how many positions it holds."""
+
+    index: int
+    length: int = 0
+
+
+class SlotCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (kv_heads, head_dim)
+        self.layers, self.dtype, self.device = layers, dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.free: list[int] = []
+        self._alloc(slots=0, capacity=0)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def _alloc(self, slots: int, capacity: int) -> None:
+        heads, dim = self.shape
+        old = list(zip(self.keys, self.values, strict=True)) or [(None, None)] * self.layers
+        self.keys, self.values = [], []
+        for k, v in old:
+            nk = torch.zeros(slots, heads, capacity, dim, dtype=self.dtype, device=self.device)
+            nv = torch.zeros_like(nk)
+            if k is not None and k.numel():
+                nk[: k.shape[0], :, : k.shape[2]] = k
+                nv[: v.shape[0], :, : v.shape[2]] = v
+            self.keys.append(nk)
+            self.values.append(nv)
+
+    def acquire(self) -> Slot:
+        if not self.free:
+            old = self.slots
+            self._alloc(max(1, 2 * old), self.capacity)
+            self.free = list(range(self.slots - 1, old - 1, -1))
+        self.free.sort(reverse=True)
+        return Slot(self.free.pop())  # the lowest free slot keeps batches consecutive
+
+    def release(self, slot: Slot) -> None:
+        self.free.append(slot.index)
+        slot.length = 0
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions in every slot."""
+        if length > self.capacity:
+            capacity = max(MIN_CAPACITY, self.capacity)
+            while capacity < length:
+                capacity *= 2
+            self._alloc(self.slots, capacity)
+
+    def view(self, slots: list[Slot], width: int) -> BatchView:
+        """What a forward of `width` new positions per row sees; rows in the order of `slots`."""
+        self.reserve(max(s.length for s in slots) + width)
+        return BatchView(self, slots, width)
+
+
+class BatchView:
+    """The cache of one batched forward (transformers' `past_key_values`).
+
+    Row b writes its `width` new positions at slot.length.. and reads positions
+    0..kv_length; the caller's mask hides each row's positions past its own.
+    """
+
+    def __init__(self, cache: SlotCache, slots: list[Slot], width: int):
+        self.cache = cache
+        index = [s.index for s in slots]
+        device = cache.device
+        self.rows = torch.tensor(index, device=device)
+        starts = torch.tensor([s.length for s in slots], device=device)
+        self.positions = starts[:, None] + torch.arange(width, device=device)  # [B, width]
+        self.kv_length = max(s.length for s in slots) + width
+        lo = min(index)
+        # Consecutive slots in order: a view of the block, no gather.
+        self.span = slice(lo, lo + len(index)) if index == list(range(lo, lo + len(index))) else None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        """keys, values: [B, kv_heads, width, head_dim] -> [B, kv_heads, kv_length, head_dim] each."""
+        out = []
+        for store, new in ((self.cache.keys[layer], keys), (self.cache.values[layer], values)):
+            store[self.rows[:, None], :, self.positions] = new.transpose(1, 2).to(store.dtype)
+            held = store[self.span] if self.span is not None else store.index_select(0, self.rows)
+            out.append(held[:, :, : self.kv_length])
+        return out[0], out[1]

@@ -1,0 +1,171 @@
+"""The model worker: the one thread that touches a service's model, and its scheduler loop.
+
+gRPC handlers validate at the edge, then submit an *item* (a generator of forward requests,
+see specdec.engine) and wait for its result. Each step the worker
+- admits queued items, at most one per key (a session's requests run in arrival order),
+- drops items whose call was cancelled or ran past its deadline (a queued one changes
+  nothing; a running one stops between forwards),
+- runs the pending forward of every active item as one batched forward (`run_batch`), and
+  feeds each item its logits; an item that returns resolves its future.
+An error raised by an item fails that item only; when a batched forward fails, its items
+run again one by one, so only those that fail alone get the error. Continuous batching:
+items join and leave between any two steps, so a session's k-step proposal or a chunked
+prefill never waits for the others to finish.
+
+This module knows nothing of models or sessions: the engine gives it `run_batch`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+
+from specdec.errors import Cancelled, Unavailable
+
+log = logging.getLogger("specdec")
+
+
+class Item:
+    """A unit of work: start() returns a generator that yields forward requests."""
+
+    def __init__(self, key: str | None, start: Callable[[], Generator]):
+        self.key = key
+        self.start = start
+        self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
+        self.future: Future = Future()
+        self.gen: Generator | None = None
+        self.pending = None  # the forward request it waits on
+        self.cancelled = False
+
+
+class Worker:
+    def __init__(self, run_batch: Callable[[list], list], name: str = "model-worker"):
+        self.run_batch = run_batch
+        self.name = name
+        self._queue: deque[Item] = deque()
+        self._active: list[Item] = []
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    # -- callers' side -----------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def call(self, key: str | None, start: Callable[[], Generator], context=None):
+        """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it."""
+        item = Item(key, start)
+        self.start()
+        with self._cond:
+            if self._stopped:
+                raise Unavailable("the model worker has stopped")
+            self._queue.append(item)
+            self._cond.notify_all()
+        if context is not None and not context.add_callback(lambda: self._cancel(item)):
+            self._cancel(item)  # the call had already ended
+        return item.future.result()
+
+    def _cancel(self, item: Item) -> None:
+        with self._cond:
+            item.cancelled = True
+            self._cond.notify_all()
+
+    def busy(self) -> set:
+        """Keys with an item queued or running (read on the worker thread)."""
+        with self._cond:
+            return {i.key for i in (*self._queue, *self._active)}
+
+    # -- the worker thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._queue and not self._active:
+                    self._cond.wait()
+                if self._stopped:
+                    for item in (*self._queue, *self._active):
+                        self._fail(item, Unavailable("the model worker has stopped"))
+                    return
+                admitted = self._admit()
+            for item in admitted:
+                self._advance(item, None)
+            for item in [i for i in self._active if i.cancelled]:
+                self._fail(item, Cancelled("the call was cancelled or its deadline passed"))
+            batch = [i for i in self._active if i.pending is not None]
+            if not batch:
+                continue
+            try:
+                # In the first item's context: a batched forward's span joins that request's trace.
+                results = batch[0].context.run(self.run_batch, [i.pending for i in batch])
+            except Exception:  # noqa: BLE001 - find the items that fail on their own
+                log.warning("a batched forward of %d items failed; running them one by one", len(batch))
+                for item in batch:
+                    self._run_alone(item)
+                continue
+            for item, result in zip(batch, results, strict=True):
+                self._advance(item, result)
+
+    def _run_alone(self, item: Item) -> None:
+        try:
+            [result] = item.context.run(self.run_batch, [item.pending])
+        except Exception as err:  # noqa: BLE001 - the item's caller gets it
+            log.exception("a forward failed")
+            self._fail(item, err)
+            return
+        self._advance(item, result)
+
+    def _admit(self) -> list[Item]:
+        """Move queued items whose key is free to the active set (caller holds the lock)."""
+        taken = {i.key for i in self._active if i.key is not None}
+        admitted, waiting = [], deque()
+        for item in self._queue:
+            if item.cancelled:
+                item.future.set_exception(Cancelled("the call was cancelled or its deadline passed"))
+            elif item.key is not None and item.key in taken:
+                waiting.append(item)
+            else:
+                admitted.append(item)
+                if item.key is not None:
+                    taken.add(item.key)
+        self._queue = waiting
+        self._active.extend(admitted)
+        return admitted
+
+    def _advance(self, item: Item, result) -> None:
+        """Start the item or feed it the result of its forward; finish it when it returns."""
+        try:
+            if item.gen is None:
+                item.gen = item.start()
+                item.pending = next(item.gen)
+            else:
+                item.pending = item.gen.send(result)
+        except StopIteration as stop:
+            self._finish(item)
+            item.future.set_result(stop.value)
+        except BaseException as err:  # noqa: BLE001 - the item's caller gets it
+            self._finish(item)
+            item.future.set_exception(err)
+
+    def _fail(self, item: Item, err: BaseException) -> None:
+        if item.gen is not None:
+            item.gen.close()  # runs the item's cleanup (finally blocks)
+        self._finish(item)
+        if not item.future.done():
+            item.future.set_exception(err)
+
+    def _finish(self, item: Item) -> None:
+        item.pending = None
+        with self._cond:
+            if item in self._active:
+                self._active.remove(item)

@@ -1,0 +1,191 @@
+"""Batched forwards across sessions (specdec.worker, specdec.kvcache): what a session gets does
+not depend on which other sessions share its forwards.
+
+- the slot cache's ragged batched forward gives each row the logits a plain transformers
+  forward of its whole sequence gives;
+- greedy generations run together (different prompt lengths, one longer than a prefill
+  chunk, joining and leaving mid-way, fixed and adaptive k, one cancelled, requests refused
+  for bad input or failing in the worker next to them) equal each generation run alone, and
+  the services end holding no session and no KV slot;
+- sampled generations through batched verification follow the target's law (chi-square).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from specdec.backend import HFBackend
+from specdec.models import ModelSpec
+from specdec.sampling import SamplingParams
+from specdec.v1 import model_pb2, orchestrator_pb2
+from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, status_of
+from tests.standins import MarkovBackend, random_markov
+from tests.stats import markov_chisquare
+from tests.test_loop import kernel_after_transform, pair
+
+POISON = [0, 0, 0]  # a draft block the failing backend refuses
+
+
+class Recorded(SlowBackend):
+    """The tiny model, slowed so requests meet in the worker's queue; records batch sizes and
+    fails any batched forward holding the POISON block (a fault of one session)."""
+
+    def __init__(self, backend, delay: float):
+        super().__init__(backend, delay)
+        self.rows: list[int] = []
+
+    def forward_batch(self, items):
+        if any(list(tokens[-len(POISON) :]) == POISON for _, tokens, _ in items):
+            raise RuntimeError("poisoned block")
+        self.rows.append(len(items))
+        return super().forward_batch(items)
+
+
+def test_ragged_batch_equals_whole_sequence_forwards(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
+
+    def reference(tokens, n):
+        with torch.no_grad():
+            return model(torch.tensor([tokens])).logits[0, -n:].float()
+
+    a, b, c = [1, 5, 6, 7, 8, 9, 10], [1, 3, 4], [2, 8, 9, 10, 11, 12, 13, 14, 15, 20]
+    slots = [backend.new_cache() for _ in range(3)]
+    steps = [
+        [(0, a, 2), (1, b, 1), (2, c, 3)],  # prefills of different lengths
+        [(2, [5, 6], 2), (0, [7], 1)],  # verify blocks of different widths, a row left out
+        [(1, [7, 7, 7, 7], 1)],
+    ]
+    held = {0: [], 1: [], 2: []}
+    for step in steps:
+        logits = backend.forward_batch([(slots[i], tokens, n) for i, tokens, n in step])
+        for (i, tokens, n), got in zip(step, logits, strict=True):
+            held[i] += tokens
+            torch.testing.assert_close(got, reference(held[i], n), rtol=1e-4, atol=1e-4)
+    backend.crop(slots[2], 5)  # rollback is a length
+    held[2] = held[2][:5] + [30, 31, 32]
+    [got] = backend.forward_batch([(slots[2], [30, 31, 32], 3)])
+    torch.testing.assert_close(got, reference(held[2], 3), rtol=1e-4, atol=1e-4)
+    for slot in slots:
+        backend.release(slot)
+    assert len(backend.kv.free) == backend.kv.slots
+
+
+def _requests():
+    """Greedy requests: prompts of 3 to 160 characters (one over a prefill chunk of 128
+    tokens), lookahead 1 to 4 or adaptive, and lengths that end them at different rounds."""
+    prompts = ["abc", "the cat sat on the mat", "x" * 40 + " long " * 20, "hi!", "1 2 3 4 5 6 7", "zz top"]
+    return [
+        orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=[1] + [3 + (ord(ch) % 40) for ch in prompt]),
+            max_new_tokens=12 + 7 * i,
+            speculation=orchestrator_pb2.SpeculationParams(lookahead=1 + i % 4, adaptive=i % 3 == 2),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def test_batched_generations_equal_each_run_alone(tiny_models):
+    draft = Recorded(HFBackend(ModelSpec(tiny_models["draft"], "cpu", "float32")), 0.005)
+    target = Recorded(HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32")), 0.005)
+    requests = _requests()
+    with pipeline(draft, target) as p:
+        stub = p.orchestrator
+        alone = [list(stub.Generate(r, timeout=120).token_ids) for r in requests]
+        draft.rows.clear()
+        target.rows.clear()
+
+        together: list = [None] * len(requests)
+        errors: dict = {}
+
+        def client(i):
+            time.sleep(0.03 * i)  # join while the earlier ones run
+            together[i] = list(stub.Generate(requests[i], timeout=120).token_ids)
+
+        def cancelled():
+            long = orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT), max_new_tokens=400
+            )
+            call = stub.Generate.future(long, timeout=120)
+            time.sleep(0.2)
+            errors["cancelled"] = call.cancel() and call.cancelled()
+
+        def refused_and_failing():
+            bad = model_pb2.OpenSessionRequest(session_id="bad", prompt_token_ids=[1, 10_000])
+            errors["refused"] = status_of(lambda: p.target.OpenSession(bad, timeout=30)).code()
+            p.target.OpenSession(model_pb2.OpenSessionRequest(session_id="poison", prompt_token_ids=[1, 5, 6]))
+            ref = model_pb2.SessionRef(session_id="poison", expected_length=3)
+            stale = model_pb2.ScoreRequest(session=model_pb2.SessionRef(session_id="poison", expected_length=9))
+            errors["stale"] = status_of(lambda: p.target.Score(stale, timeout=30)).code()
+            poison = model_pb2.ScoreRequest(session=ref, draft_token_ids=POISON)
+            errors["poison"] = status_of(lambda: p.target.Score(poison, timeout=30)).code()
+            p.target.CloseSession(model_pb2.CloseSessionRequest(session_id="poison"))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+        threads += [threading.Thread(target=cancelled), threading.Thread(target=refused_and_failing)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+
+        assert together == alone
+        assert errors == {
+            "cancelled": True,
+            "refused": grpc.StatusCode.INVALID_ARGUMENT,
+            "stale": grpc.StatusCode.FAILED_PRECONDITION,
+            "poison": grpc.StatusCode.INTERNAL,
+        }
+        assert max(target.rows) > 1 and max(draft.rows) > 1, (target.rows, draft.rows)  # it did batch
+        assert p.sessions_freed_within(10)
+    for backend in (draft, target):  # every slot back: no KV held
+        assert len(backend.kv.free) == backend.kv.slots
+
+
+class BatchingMarkov(MarkovBackend):
+    """The Markov stand-in with a batched forward (one call for all sessions), recording sizes."""
+
+    def __init__(self, probs):
+        super().__init__(probs)
+        self.rows: list[int] = []
+
+    def forward_batch(self, items):
+        self.rows.append(len(items))
+        return [self.forward(*item) for item in items]
+
+
+def test_sampling_through_batched_verification_follows_the_target():
+    target_probs, draft_probs = random_markov(8, 31), random_markov(8, 32)
+    draft, target, draft_engine, target_engine = pair(target_probs, draft_probs)
+    draft_engine.backend, target_engine.backend = BatchingMarkov(draft_probs), BatchingMarkov(target_probs)
+    sampling = SamplingParams(temperature=1.0)
+    chains: list = [None] * 4
+
+    def generate(i):
+        config = LoopConfig(sampling=sampling, max_new_tokens=6000, lookahead=1 + i, seed=40 + i)
+        loop = SpeculativeLoop(draft, target, [0], config)
+        for _ in loop.rounds():
+            pass
+        chains[i] = [0, *loop.generated]
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kernel = kernel_after_transform(target_probs, sampling)
+    assert markov_chisquare(chains, kernel) > 1e-3
+    assert max(target_engine.backend.rows) > 1  # verifications of different sessions shared forwards
+    assert draft_engine.open_sessions == target_engine.open_sessions == 0
+
+
+@pytest.fixture(autouse=True)
+def _quiet_worker_logs(caplog):
+    caplog.set_level("CRITICAL", logger="specdec")
