@@ -231,7 +231,9 @@ def test_killed_service_actor_mid_generation(packed, driver_pair, reference, rol
 
 
 def test_stream_survives_a_target_kill_mid_generation(packed):
-    stub = orchestrator(packed.address)
+    # A channel without keepalive pings: this client must not give up on the orchestrator while
+    # the test holds it frozen (a client with specdec's keepalive drops a peer silent for 3 s).
+    stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(packed.address))
     long = request(max_new_tokens=400)
     long.speculation.lookahead = 1  # many rounds: the generation is far from done when frozen
     expected = list(stub.Generate(long).token_ids)

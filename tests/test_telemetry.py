@@ -31,12 +31,14 @@ SERVICES = {"orchestrator": "specdec-orchestrator", "draft": "specdec-draft", "t
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 SIDE_PROMPT = [3, 4, 5, 6, 7]
 # Sampling with this seed runs to max_new_tokens with rejections, so every RPC kind appears.
+# Sequential rounds: the span structure and counts checked below are those of one Propose then
+# one Score a round (overlapped rounds add the next round's Propose inside the same round span).
 REQUEST = orchestrator_pb2.GenerateRequest(
     prompt="hello world",
     max_new_tokens=24,
     sampling=model_pb2.SamplingParams(temperature=0.7),
     seed=5,
-    speculation=orchestrator_pb2.SpeculationParams(lookahead=3),
+    speculation=orchestrator_pb2.SpeculationParams(lookahead=3, overlap=False),
 )
 
 
