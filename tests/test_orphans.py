@@ -92,7 +92,9 @@ def _open_and_leave(p) -> None:
         request.session_id = f"left-{i}"
         stub = p.draft if i % 2 else p.target
         calls.append(stub.OpenSession.future(request, timeout=rng.uniform(0.001, 0.05)))
-    assert {call.exception() is not None for call in calls} == {True}
+    # Most give up before their answer; an open that beats its deadline is a session nobody
+    # uses either, and is reaped as unclaimed: either way none may be left.
+    assert sum(call.exception() is not None for call in calls) >= len(calls) // 2
     assert_clean_and_serving(p)
 
 
