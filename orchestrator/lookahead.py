@@ -27,9 +27,11 @@ every step grows by N b. The policy is given N (`load`, the generations running 
 process) and prices speculation against everyone decoding without it: s = N b / T0 and
 c = draft seconds per token / T0, with T0 = T1 - (N - 1) b (n_mean - 1) the step of N
 one-token rounds. k = 0 (no speculation: the round is one target step) is a choice too,
-S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and every
-EXPLORE_EVERY-th round off explores k = 2, so acceptance and costs are measured again when
-the load falls.
+S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY
+rounds off one round explores k = 2, so acceptance and costs are measured again when the
+load falls. An exploration that finds speculation still does not pay doubles the wait before
+the next (up to EXPLORE_MAX rounds): under a steady high load the explorations' cost falls
+towards nothing, so adaptive k stays as fast as speculation off.
 
 Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
@@ -50,6 +52,7 @@ DECAY = 0.8  # weight of the past per round: an effective window of ~5 rounds
 FIT_DECAY = 0.97  # the same for the verify-cost line: ~30 rounds
 MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
 EXPLORE_EVERY = 8  # rounds without speculation before one round tries it again
+EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation does not pay
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
@@ -90,15 +93,19 @@ class AdaptiveLookahead:
     fit_nn: float = 0.0
     fit_nt: float = 0.0
     off_rounds: int = 0  # rounds in a row chosen without speculation
+    explore_after: int = EXPLORE_EVERY  # rounds off before the next exploration
 
     def next_k(self) -> int:
         """The k for the next round (called once a round: it counts the rounds off)."""
         k = self._best_k()
-        self.off_rounds = self.off_rounds + 1 if k == 0 else 0
-        if self.off_rounds >= EXPLORE_EVERY:
-            self.off_rounds = 0
-            return min(2, self.k_max)
-        return k
+        if k > 0:
+            self.off_rounds, self.explore_after = 0, EXPLORE_EVERY
+            return k
+        self.off_rounds += 1
+        if self.off_rounds < self.explore_after:
+            return 0
+        self.off_rounds, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MAX)
+        return min(2, self.k_max)
 
     def _best_k(self) -> int:
         if self.fit_w == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
@@ -106,6 +113,8 @@ class AdaptiveLookahead:
         line = self.verify_cost()
         if line is None:  # every recent round scored the same number of tokens: try another k
             usual = round(self.fit_n / self.fit_w) - 1
+            if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
+                return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         t1, slope = line
         alpha = self.accepted / (self.accepted + self.rejections)

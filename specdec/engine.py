@@ -266,6 +266,23 @@ class SessionEngine:
             )
 
 
+WARM_UP_WIDTHS = (16, 1, 5, 9)  # a short prefill, a draft step, verifies at k = 4 and 8
+
+
+def warm_up(backend) -> None:
+    """Run a few forwards of the widths serving uses on a scratch cache, then free it: the first
+    forward of a process pays for lazy initialisation (allocator pools, kernel selection, the
+    cache's first allocation), which would otherwise land on the first client's request."""
+    cache = backend.new_cache()
+    try:
+        for width in WARM_UP_WIDTHS:
+            backend.forward(cache, [i % backend.vocab_size for i in range(width)], 1)
+    finally:
+        release = getattr(backend, "release", None)
+        if release is not None:
+            release(cache)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading items a and b share."""
     n = 0

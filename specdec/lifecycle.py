@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.engine import SessionEngine
+from specdec.engine import SessionEngine, warm_up
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
 from specdec.security import ServerSecurity
@@ -192,6 +192,7 @@ def serve_model(
     sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
     and the token; `limits` caps sessions and KV tokens."""
     telemetry = telemetry or disabled(role)
+    warm_up(backend)  # before serving and outside telemetry: no request pays for it, no span records it
     engine = SessionEngine(telemetry.backend(backend), role, limits)
     telemetry.watch(engine)
     gate = Gate([f"/{service_name}/OpenSession"])

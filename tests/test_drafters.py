@@ -83,6 +83,26 @@ def test_adaptive_lookahead_moves_with_acceptance():
     assert policy.next_k() == 8
 
 
+def test_explorations_back_off_while_speculation_does_not_pay():
+    """Under a steady load where no k pays, each exploring round that finds so doubles the wait
+    before the next (8, 16, 32, ...): over 500 rounds a handful, not one in every nine rounds;
+    when one finds speculation paying again, the wait resets."""
+    policy = AdaptiveLookahead(k_max=8)
+    explored = []
+    for i in range(500):
+        k = policy.next_k()
+        if k and i > 5:
+            explored.append(i)
+        policy.update(proposed=k, accepted=0, draft_seconds=0.05 * k, target_seconds=0.1)
+    gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
+    assert 3 <= len(explored) <= 7 and gaps == sorted(gaps), explored
+    assert gaps[-1] > 100  # capped at EXPLORE_MAX rounds off
+    for _ in range(200):  # the draft starts paying: found by the next exploration, and kept
+        k = policy.next_k()
+        policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
+    assert policy.next_k() > 0 and policy.explore_after == 8
+
+
 def test_unknown_drafter_is_refused():
     with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
         make("eagle", None)
