@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.run import BenchConfig, _chat_ids, _hf_generate, _specdec_generate, load_prompts
 from specdec import models
+from specdec.limits import AdmissionLimits
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,10 @@ def run(config: ConcurrencyConfig) -> dict:
     modes = ["-"] + [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
     with ExitStack() as stack:
         for i, drafter in enumerate(config.drafters):
-            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=drafter)
+            # Admit every client at once: the orchestrator's default (8 generating) would queue the rest.
+            most = max(config.concurrency)
+            admission = AdmissionLimits(max_concurrent=most, max_queue=most)
+            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=drafter, admission=admission)
             pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
             for mode in modes if i == 0 else modes[1:]:
