@@ -58,8 +58,8 @@ def add_compile_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
         action=argparse.BooleanOptionalAction,
         help=f"compile {who} transformers model's decode and verify forwards (torch.compile over a static "
         "KV cache, in buckets of batch and width; CUDA graphs on CUDA), each bucket on first use. Default: "
-        "on for a CUDA device, off on a CPU, where a bucket takes about a minute to compile and a forward "
-        "gains little (specdec/compiled.py has the figures)",
+        "on for a CUDA device, off on a CPU, where a bucket takes 1-2 minutes to compile and a forward "
+        "gains ~10%% (specdec/compiled.py has the figures)",
     )
 
 

@@ -17,18 +17,39 @@ same cache.
 The capacity: the slot cache still grows by doubling, and the compiled function is
 specialised on it (one variant per capacity reached: 256, 512, ...). Preallocating the max
 context instead would make every forward attend over it: 8192 positions x 30 layers of the
-default target is ~6 MB of keys and values per row per layer, several times what a short
-session needs, read at every step on a CPU; and times max_sessions slots it would be GBs.
+default target are ~12 MB of keys and values per row per layer (~380 MB a forward, most of
+what the weights cost), read at every step for a session of 100 tokens; and times
+max_sessions slots the block would be 24 GB.
 Doubling keeps the attended span within 2x of the longest session for a few recompiles.
 The slot count (dim 0) is marked dynamic, so sessions opening do not recompile.
 
-Variants compile lazily, on first use, with a line on stderr: on this 2-core CPU one
-variant of the default target takes ~N s (see the measurements below), and there are
-|WIDTHS| x |BATCHES| x capacities of them: compiling them all at start-up would take many
-minutes for variants most deployments never meet.
+Variants compile lazily, on first use, with a line on stderr (`specdec: compiling ...`, then
+the seconds it took): on this 2-core CPU one variant of the default target took 75-120 s
+(20 s when inductor's on-disk cache already holds its graph, e.g. after a restart), and there
+are |WIDTHS| x |BATCHES| x capacities of them: compiling them all at start-up would take
+an hour for variants most deployments never meet. On CUDA each growth of the block (more
+slots, more capacity) is a new address for the CUDA graphs, hence a recompile too.
 
-Measurements (SmolLM2-135M fp32, one-token forward, context 80, this shared 2-core CPU):
-see the end of this docstring, filled in from scripts/cost_model.py.
+What was measured (SmolLM2-135M fp32, context 80; a 2-core machine shared with three other
+jobs, load 8-11, so absolute times are ~2x a quiet machine's: read the ratios):
+- Eager one-token forward, by operator (torch.profiler, 1 thread): the matrix products are
+  81-83% of operator time (211 a forward: 7 per layer x 30, and the output layer); SDPA
+  2%, the KV index_put 1%, the mask a few small ops, everything else elementwise. Wall
+  time minus operator time (Python and dispatch): ~10 ms of ~57 ms (quiet moment). The
+  forward reads ~540 MB of fp32 weights a token; one core's matrix-vector products run at
+  13-15 GB/s (a 576 x 1536 product: ~250 us), so ~38 ms is the weights alone. It is
+  bandwidth, not per-op overhead, that bounds it; the overhead compile can remove is ~20%.
+- The cheap eager wins are each under 1-2 ms of that: the 4D mask (a few ops a forward),
+  the index_put (~0.4 ms), SDPA vs eager attention (SDPA is ~1 ms), inference_mode (on).
+  A second thread does not help under load (OpenMP threads wait for a core: 2 threads ran
+  a product 3-10x slower than 1 while the machine was busy).
+- scripts/cost_model.py, interleaved, medians of 15, 1 thread: eager / compiled (ms)
+  n=1 111.8 / 102.1 (0.91x), n=3 126.7 / 143.5 (padded to 4), n=5 183.8 / 196.6 (to 8),
+  n=9 243.3 / 231.9 (to 16); llama.cpp Q4_1 draft 41.7. inductor freezing (weights
+  prepacked for MKL) gave the same 0.91x.
+So on a CPU the compiled path is off by default (`--compile` turns it on): ~10% on a
+one-token forward, lost to padding on verify blocks, for minutes of compiling. On CUDA,
+where per-kernel launch overhead is what CUDA graphs remove, it is on by default.
 """
 
 from __future__ import annotations
@@ -98,6 +119,8 @@ class CompiledBackend(HFBackend):
             )
             t0 = time.perf_counter()
         to = self.device
+        if to.type == "cuda":  # a new step: the previous replay's outputs (already read) may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         hidden = self._step(ids.to(to), positions.to(to), rows.to(to), self.kv.keys, self.kv.values)
         if key not in self._seen:
             self._seen.add(key)

@@ -141,3 +141,15 @@ def test_default_target_compiled_decodes_as_eager():
         draft_service, target = services(eager, target_backend)
         outputs.append(run(draft_service, target, prompt, SamplingParams(), 48, k=4))
     assert outputs[0] == outputs[1]
+
+
+def test_flags():
+    from cli import options
+    from cli.main import build_parser
+
+    parse = build_parser().parse_args
+    assert options.pipeline_config(parse(["generate", "hi"])).target_compile is None  # by device
+    assert options.pipeline_config(parse(["generate", "hi", "--no-target-compile"])).target_compile is False
+    assert options.pipeline_config(parse(["serve", "--target-compile"])).target_compile is True
+    assert parse(["target-service", "--compile"]).compile is True
+    assert parse(["draft-service", "--no-compile"]).compile is False
