@@ -87,7 +87,7 @@ class CompiledBackend(HFBackend):
         cuda = self.device.type == "cuda"
         _raise_recompile_limits()
         self._step = torch.compile(self._static_forward, dynamic=False, mode="reduce-overhead" if cuda else None)
-        self._seen: set[tuple[int, int, int]] = set()
+        self.variants: set[tuple[int, int, int]] = set()  # (batch, width, capacity) compiled so far
         self._marked: torch.Tensor | None = None
 
     def _hidden(self, slots: list[Slot], blocks: list[list[int]]) -> torch.Tensor:
@@ -110,7 +110,7 @@ class CompiledBackend(HFBackend):
             starts[b], rows[b] = slot.length, slot.index
         positions = starts[:, None] + torch.arange(width)  # [batch, width]
         key = (batch, width, self.kv.capacity)
-        if key not in self._seen:
+        if key not in self.variants:
             print(
                 f"specdec: compiling {self.name}'s forward for batch {batch} x width {width}, "
                 f"capacity {self.kv.capacity} (once)",
@@ -122,8 +122,8 @@ class CompiledBackend(HFBackend):
         if to.type == "cuda":  # a new step: the previous replay's outputs (already read) may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         hidden = self._step(ids.to(to), positions.to(to), rows.to(to), self.kv.keys, self.kv.values)
-        if key not in self._seen:
-            self._seen.add(key)
+        if key not in self.variants:
+            self.variants.add(key)
             print(f"specdec: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return hidden
 

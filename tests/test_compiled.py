@@ -65,6 +65,7 @@ def test_forwards_equal_eager(tiny_models, compiled):
             for b in slots:
                 b.crop(slots[b][2], 5)
     assert [s.length for s in slots[compiled]] == [s.length for s in slots[eager]]
+    assert compiled.variants == {(4, 8, 256), (4, 8, 512)}
     for b in slots:
         for slot in slots[b]:
             b.release(slot)
@@ -127,6 +128,7 @@ def test_sampling_through_the_loop_follows_the_compiled_target(tmp_path):
     chains = [[3, *run(draft, target, [3], sampling, 200, k=3, seed=11 + i)] for i in range(15)]
     assert markov_chisquare(chains, kernel) > 1e-3
     assert markov_chisquare(chains, draft_probs) < 1e-3
+    assert backend.variants
 
 
 @pytest.mark.real_model
@@ -141,6 +143,7 @@ def test_default_target_compiled_decodes_as_eager():
         draft_service, target = services(eager, target_backend)
         outputs.append(run(draft_service, target, prompt, SamplingParams(), 48, k=4))
     assert outputs[0] == outputs[1]
+    assert compiled.variants == {(1, 8, 256)}
 
 
 def test_flags():
