@@ -40,12 +40,14 @@ def add_service_parsers(sub) -> None:
     options.add_server_flags(d, 50062)
     options.add_model_flags(d, models.DEFAULT_DRAFT_DTYPE)
     options.add_drafter_flag(d)
+    options.add_compile_flag(d)
     options.add_placement_flags(d)
     options.add_server_security_flags(d)
     options.add_limit_flags(d, "model")
     t = sub.add_parser("target-service", help="run the target model service alone")
     options.add_server_flags(t, 50061)
     options.add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
+    options.add_compile_flag(t)
     options.add_placement_flags(t)
     options.add_server_security_flags(t)
     options.add_limit_flags(t, "model")
@@ -71,7 +73,9 @@ def model_service(args, role: str) -> int:
     from deploy import hosting  # torch and the model: only for the commands that host one
 
     cpus = None if args.cpus is None else parse_cpus(args.cpus)
-    config = ModelServiceConfig(role, spec, getattr(args, "drafter", "auto"), limits, cpus, args.threads)
+    config = ModelServiceConfig(
+        role, spec, getattr(args, "drafter", "auto"), limits, cpus, args.threads, compile=args.compile
+    )
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
     address, reload = f"{args.host}:{port}", server_security.rotation.reload

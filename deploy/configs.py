@@ -25,6 +25,8 @@ class ModelServiceConfig:
     limits: SessionLimits = field(default_factory=SessionLimits)
     cpus: tuple[int, ...] | None = None  # the cores it may use (CPU affinity); None: as started
     threads: int | None = None  # threads of its forwards; None: one per core it may use
+    # A transformers model's short forwards compiled (specdec.compiled); None: on for CUDA, off for a CPU.
+    compile: bool | None = None
 
     def __post_init__(self):
         if self.threads is not None and self.threads < 1:

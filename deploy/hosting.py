@@ -24,7 +24,7 @@ from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec import placement
-from specdec.backend import HFBackend
+from specdec.compiled import hf_backend
 from specdec.lifecycle import Served
 from specdec.security import ClientSecurity, ServerSecurity, channel
 from specdec.telemetry import Telemetry
@@ -42,9 +42,9 @@ def start_model_service(
     it; returns (server, bound port)."""
     placement.apply(config.cpus, config.threads)
     if config.role == "draft":
-        backend, drafter = drafters.make(config.drafter, config.spec)
+        backend, drafter = drafters.make(config.drafter, config.spec, config.compile)
     else:
-        backend, drafter = HFBackend(config.spec), None
+        backend, drafter = hf_backend(config.spec, config.compile), None
     return serve_model(config, backend, host, port, drafter, security, telemetry)
 
 

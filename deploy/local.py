@@ -87,6 +87,7 @@ class PipelineConfig:
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
+    target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
 
 
 @dataclass
@@ -130,7 +131,9 @@ class LocalPipeline:
             draft_place, target_place = self._placements()
             draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
             self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
-            self._spawn("target", "target-service", 0, LOOPBACK, [*_model_args(cfg.target), *target_place.flags()])
+            compiled = [] if cfg.target_compile is None else ["--compile" if cfg.target_compile else "--no-compile"]
+            target_args = [*_model_args(cfg.target), *target_place.flags(), *compiled]
+            self._spawn("target", "target-service", 0, LOOPBACK, target_args)
             for name in MODEL_SERVICES:
                 self._wait(name)
             self._spawn(

@@ -31,14 +31,15 @@ MODEL = Drafter(proposer.propose, proposer.proposal_row)
 NGRAM = Drafter(ngram.propose, proposer.proposal_row)
 
 
-def make(method: str, spec):
-    """(backend, Drafter) for a method name; raises ValueError on an unknown one."""
+def make(method: str, spec, compile: bool | None = None):
+    """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
+    the model drafter's forwards compiled (specdec.compiled.hf_backend; None: by device)."""
     if method == "auto":
         method = auto(spec)
     if method == "model":
-        from specdec.backend import HFBackend
+        from specdec.compiled import hf_backend
 
-        return HFBackend(spec), MODEL
+        return hf_backend(spec, compile), MODEL
     if method == "ngram":
         return ngram.TokenizerBackend(spec), NGRAM
     if method == "llamacpp":

@@ -69,22 +69,7 @@ class HFBackend:
     def _forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
         order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # consecutive slots: no gather
         rows = [items[i] for i in order]
-        width = max(len(tokens) for _, tokens, _ in rows)
-        view = self.kv.view([slot for slot, _, _ in rows], width)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, (_, tokens, _) in enumerate(rows):  # right-padded; a pad's outputs are never read
-            ids[b, : len(tokens)] = torch.tensor(tokens)
-        keys = torch.arange(view.kv_length, device=self.device)
-        visible = keys[None, None, :] <= view.positions[:, :, None]  # [B, width, kv]: causal per row
-        mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.kv.dtype).min)[:, None]  # [B, 1, width, kv]
-        hidden = self.model.base_model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask,
-            position_ids=view.positions,
-            past_key_values=view,
-            use_cache=True,
-        ).last_hidden_state  # [B, width, hidden]
+        hidden = self._hidden([slot for slot, _, _ in rows], [tokens for _, tokens, _ in rows])
         pick = [(b, t) for b, (_, tokens, n) in enumerate(rows) for t in range(len(tokens) - n, len(tokens))]
         at_b, at_t = (torch.tensor(x, device=self.device) for x in zip(*pick, strict=True))
         logits = self.model.get_output_embeddings()(hidden[at_b, at_t]).float()  # [sum n_logits, vocab]
@@ -95,6 +80,26 @@ class HFBackend:
             out[i] = logits[start : start + n]
             start += n
         return out
+
+    def _hidden(self, slots: list[Slot], blocks: list[list[int]]) -> torch.Tensor:
+        """The last hidden states of row b's block at columns 0..len(blocks[b]) - 1:
+        [B, >= max width, hidden]. Writes the blocks' keys and values; lengths unchanged."""
+        width = max(len(tokens) for tokens in blocks)
+        view = self.kv.view(slots, width)
+        ids = torch.zeros(len(blocks), width, dtype=torch.long)
+        for b, tokens in enumerate(blocks):  # right-padded; a pad's outputs are never read
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+        keys = torch.arange(view.kv_length, device=self.device)
+        visible = keys[None, None, :] <= view.positions[:, :, None]  # [B, width, kv]: causal per row
+        mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.kv.dtype).min)[:, None]  # [B, 1, width, kv]
+        return self.model.base_model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask,
+            position_ids=view.positions,
+            past_key_values=view,
+            use_cache=True,
+        ).last_hidden_state  # [B, width, hidden]
 
     def crop(self, cache: Slot, keep: int) -> None:
         cache.length = min(cache.length, keep)
