@@ -1,8 +1,9 @@
 """Where a round's time goes, in one process: the cost of each forward the loop makes.
 
-    python scripts/cost_model.py [--reps 15] [--context 80]
+    python scripts/cost_model.py [--reps 15] [--context 80] [--threads N]
 
-For the default pair (fp32 target, bf16 draft, the Q4_1 GGUF on llama.cpp when installed) it
+For the default pair (fp32 target, bf16 draft; with llama.cpp installed, also the Q4_1 GGUF
+draft and the F32 GGUF target on llama.cpp) it
 times, on a cached context, a forward of n = 1, 3, 5, 9 new tokens (the target verifies k + 1
 = n tokens; a draft proposes one token per forward), interleaving the backends rep by rep so
 a drift in machine speed hits all alike, and prints medians. Then, for k = 2, 4, 8, the
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from specdec import models
+from specdec import models, placement
 from specdec.backend import HFBackend
 
 SIZES = (1, 3, 5, 9)
@@ -31,15 +32,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=15, help="timed forwards per backend and size (median)")
     parser.add_argument("--context", type=int, default=80, help="cached tokens before the timed forwards")
+    parser.add_argument("--threads", type=int, help="threads of every backend (default: one per usable core)")
     args = parser.parse_args()
+    placement.apply(None, args.threads)
 
     backends = {
         "target fp32": HFBackend(models.ModelSpec(dtype="float32")),
         "draft bf16": HFBackend(models.ModelSpec(dtype="bfloat16")),
     }
     try:
-        from draft_service.llamacpp import LlamaCppBackend
+        from specdec.llamacpp import LlamaCppBackend
 
+        backends["target llama.cpp F32"] = LlamaCppBackend(models.ModelSpec(), models.f32_gguf_path)
         backends["draft llama.cpp Q4_1"] = LlamaCppBackend(models.ModelSpec())
     except RuntimeError as err:
         print(f"(no llama.cpp: {err})")
@@ -55,17 +59,21 @@ def main() -> None:
             for n in sizes[name]:
                 new = [200 + i for i in range(n)]
                 t0 = time.perf_counter()
-                backend.forward(caches[name], new, 1 if "llama" in name else n)
+                backend.forward(caches[name], new, n)  # a verify wants the logits of all n
                 elapsed = time.perf_counter() - t0
                 backend.crop(caches[name], args.context)
                 if rep >= 2:
                     times.setdefault((name, n), []).append(elapsed)
     ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
 
-    print(f"\nforward cost, median of {args.reps}, {torch.get_num_threads()} threads, context {args.context}:")
+    print(f"\nforward cost, median of {args.reps}, {placement.threads()} threads, context {args.context}:")
     t1 = ms[("target fp32", 1)]
     for (name, n), value in ms.items():
         print(f"  {name:22s} {n} token(s): {value:7.1f} ms  ({value / t1:.2f}x target one token)")
+
+    if ("target llama.cpp F32", 1) in ms:
+        ratios = ", ".join(f"{n}: {ms[('target llama.cpp F32', n)] / ms[('target fp32', n)]:.2f}x" for n in SIZES)
+        print(f"  llama.cpp F32 target / fp32 torch target, by tokens fed: {ratios}")
 
     print("\npredicted speedup at full acceptance (k + 1 tokens a round):")
     print("  drafter               k  c      formula  with measured verify cost")
