@@ -61,9 +61,9 @@ def add_backend_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
         default="torch",
         choices=BACKENDS,
         help="what runs the target model: torch, transformers with --dtype and --device (default); llamacpp, "
-        f"llama.cpp on a GGUF file (needs llama-cpp-python): '{models.DEFAULT_ALIAS}' runs the embedded GGUF "
-        "requantised to F32 once (the same weights as the fp32 torch target; cached beside the fp32 conversion). "
-        f"A {model} ending in .gguf implies llamacpp",
+        "llama.cpp on a GGUF file, in the file's own type, not --dtype (needs llama-cpp-python): "
+        f"'{models.DEFAULT_ALIAS}' runs the embedded GGUF requantised to F32 once (the same weights as the fp32 "
+        f"torch target; cached beside the fp32 conversion). A {model} ending in .gguf implies llamacpp",
     )
 
 

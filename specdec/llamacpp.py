@@ -29,10 +29,11 @@ import torch
 
 from specdec import models, placement
 from specdec.backend import tokenizer_files, vocab_digest
+from specdec.errors import ResourceExhausted
 from specdec.kvcache import Slot
 
 DEFAULT_CONTEXT = 4096  # positions per session
-CONTEXT_CELLS = 8192  # KV cells shared by all sessions (the model's trained context)
+CONTEXT_CELLS = 8192  # KV cells shared by all sessions (the model's trained context); full: RESOURCE_EXHAUSTED
 MAX_SEQUENCES = 64  # sessions one context holds (the services' default max_sessions)
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 GGML_TYPE_F32 = 0
@@ -83,6 +84,7 @@ class LlamaCppBackend:
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        self._llama = llama_cpp
         self._batch = _internals.LlamaBatch(n_tokens=BATCH_TOKENS, embd=0, n_seq_max=1, verbose=False)
         self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self.vocab_size = int(self._model.n_vocab())
@@ -91,7 +93,7 @@ class LlamaCppBackend:
 
     def new_cache(self) -> Slot:
         if not self._free:
-            raise RuntimeError(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
+            raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
         return Slot(self._free.pop())
 
     def release(self, cache: Slot) -> None:
@@ -128,7 +130,13 @@ class LlamaCppBackend:
                 batch.logits[j] = i >= wanted
                 batch.n_tokens += 1
             first.append(batch.n_tokens - n_logits)
-        self._ctx.decode(self._batch)
+        code = self._llama.llama_decode(self._ctx.ctx, batch)
+        if code == 1:  # nothing was placed: the batch can be run again (alone, by the worker)
+            raise ResourceExhausted(
+                f"the llama.cpp context's {CONTEXT_CELLS} KV cells (all sessions together) are full; retry later"
+            )
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed with code {code}")
         for slot, tokens, _ in items:
             slot.length += len(tokens)
         # llama.cpp stores the rows asked for contiguously in batch order: an item's rows follow
