@@ -100,8 +100,11 @@ def f32_gguf_path() -> Path:
 def _requantize_f32(src: Path, target: Path) -> None:
     import ctypes
 
-    import llama_cpp
-    from llama_cpp import _logger
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as err:
+        raise RuntimeError("the llamacpp backend needs llama-cpp-python: pip install 'specdec[llamacpp]'") from err
 
     _logger.set_verbose(False)  # llama.cpp logs a line a tensor
     print(f"specdec: requantising {src.name} to F32 in {target} (once, a few seconds)", file=sys.stderr, flush=True)
@@ -113,6 +116,7 @@ def _requantize_f32(src: Path, target: Path) -> None:
     try:
         if llama_cpp.llama_model_quantize(str(src).encode(), tmp.encode(), ctypes.byref(params)) != 0:
             raise RuntimeError(f"llama.cpp could not requantise {src} to F32")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's file from other users
         os.rename(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
