@@ -71,7 +71,8 @@ class LlamaCppBackend:
         model_params.n_gpu_layers = -1 if spec.device.startswith("cuda") else 0
         self._model = _internals.LlamaModel(path_model=str(self.path), params=model_params, verbose=False)
         file_type = _file_type(self._model)
-        self.dtype = FILE_TYPES.get(file_type, f"gguf ftype {file_type}")
+        # "float32" for an F32 file, else llama.cpp's name of the file type ("Q4_1"); desc: "llama 256M Q4_1"
+        self.dtype = FILE_TYPES.get(file_type) or self._model.desc().split(" ", 2)[-1]
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = CONTEXT_CELLS
         params.n_batch = params.n_ubatch = BATCH_TOKENS

@@ -180,7 +180,8 @@ def test_f32_gguf_holds_the_fp32_weights():
 def test_describe_reports_the_backend(services):
     info = services.target.Describe(model_pb2.DescribeRequest())
     assert (info.backend, info.dtype, info.model_name) == ("llamacpp", "float32", "llama.cpp:" + _f32_name())
-    assert services.draft.Describe(model_pb2.DescribeRequest()).backend == "llamacpp"
+    draft = services.draft.Describe(model_pb2.DescribeRequest())
+    assert (draft.backend, draft.dtype) == ("llamacpp", "Q4_1")
 
 
 def _f32_name() -> str:
