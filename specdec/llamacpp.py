@@ -80,7 +80,7 @@ class LlamaCppBackend:
         params.kv_unified = True
         if file_type == 0:
             # An F32 model computes as the fp32 transformers target does: F32 keys and values, and
-            # plain attention (the CPU flash-attention kernel rounds through F16: logits ~1e-2 off).
+            # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
             params.type_k = params.type_v = GGML_TYPE_F32
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
