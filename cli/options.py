@@ -11,6 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
+from deploy.configs import BACKENDS
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from specdec import models, security, validation
@@ -29,8 +30,10 @@ def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") ->
 
 
 def add_pair_flags(p: argparse.ArgumentParser) -> None:
-    """The target and draft models of a local pipeline, their cores and threads, and the drafter."""
+    """The target and draft models of a local pipeline, their cores and threads, the target's
+    backend and the drafter."""
     add_model_flags(p, models.DEFAULT_TARGET_DTYPE, "target-")
+    add_backend_flag(p, "target-")
     add_model_flags(p, models.DEFAULT_DRAFT_DTYPE, "draft-")
     add_placement_flags(p, "target-")
     add_placement_flags(p, "draft-")
@@ -60,6 +63,20 @@ def add_compile_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
         "KV cache, in buckets of batch and width; CUDA graphs on CUDA), each bucket on first use. Default: "
         "on for a CUDA device, off on a CPU, where a bucket takes 1-2 minutes to compile and a forward "
         "gains ~10%% (specdec/compiled.py has the figures)",
+    )
+
+
+def add_backend_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """What runs the target model (deploy.configs.ModelServiceConfig.backend)."""
+    model = f"--{prefix}model" if prefix else "--model"
+    p.add_argument(
+        f"--{prefix}backend",
+        default="torch",
+        choices=BACKENDS,
+        help="what runs the target model: torch, transformers with --dtype and --device (default); llamacpp, "
+        "llama.cpp on a GGUF file, in the file's own type, not --dtype (needs llama-cpp-python): "
+        f"'{models.DEFAULT_ALIAS}' runs the embedded GGUF requantised to F32 once (the same weights as the fp32 "
+        f"torch target; cached beside the fp32 conversion). A {model} ending in .gguf implies llamacpp",
     )
 
 
@@ -197,6 +214,7 @@ def pipeline_config(args, **kw) -> PipelineConfig:
         target=model_spec(args, "target-"),
         draft=model_spec(args, "draft-"),
         drafter=args.drafter,
+        target_backend=args.target_backend,
         draft_placement=placement(args, "draft-"),
         target_placement=placement(args, "target-"),
         target_compile=args.target_compile,

@@ -84,6 +84,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
     up.add_argument("--no-dashboard", action="store_true", help="local cluster only: start it without the dashboard")
     up.add_argument("--quiet", action="store_true", help="print only the orchestrator address")
+    options.add_backend_flag(up, "target-")
     options.add_drafter_flag(up)
     options.add_server_security_flags(up)
     options.add_client_security_flags(up, "service-", "the model services")
@@ -138,6 +139,7 @@ def cmd_up(args) -> int:
             models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
             limits=limits,
             threads=args.target_threads or _threads(args.target_cpus),
+            backend=args.target_backend,
         ),
         draft=ModelServiceConfig(
             "draft",

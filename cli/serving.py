@@ -48,6 +48,7 @@ def add_service_parsers(sub) -> None:
     options.add_server_flags(t, 50061)
     options.add_model_flags(t, models.DEFAULT_TARGET_DTYPE)
     options.add_compile_flag(t)
+    options.add_backend_flag(t)
     options.add_placement_flags(t)
     options.add_server_security_flags(t)
     options.add_limit_flags(t, "model")
@@ -73,9 +74,8 @@ def model_service(args, role: str) -> int:
     from deploy import hosting  # torch and the model: only for the commands that host one
 
     cpus = None if args.cpus is None else parse_cpus(args.cpus)
-    config = ModelServiceConfig(
-        role, spec, getattr(args, "drafter", "auto"), limits, cpus, args.threads, compile=args.compile
-    )
+    drafter, backend = getattr(args, "drafter", "auto"), getattr(args, "backend", "torch")
+    config = ModelServiceConfig(role, spec, drafter, limits, cpus, args.threads, backend, compile=args.compile)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"
     address, reload = f"{args.host}:{port}", server_security.rotation.reload

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from draft_service import METHODS as DRAFTERS
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
-from specdec.models import ModelSpec
+from specdec.models import ALIASES, DEFAULT_ALIAS, ModelSpec
 
 ROLES = ("draft", "target")
+BACKENDS = ("torch", "llamacpp")  # what runs a target model (deploy.hosting.target_backend)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ModelServiceConfig:
     limits: SessionLimits = field(default_factory=SessionLimits)
     cpus: tuple[int, ...] | None = None  # the cores it may use (CPU affinity); None: as started
     threads: int | None = None  # threads of its forwards; None: one per core it may use
+    # Target only: "torch" (transformers) or "llamacpp" (a GGUF run by llama.cpp; the default alias
+    # runs its F32 requantisation). A target model that is a .gguf file implies llamacpp.
+    backend: str = "torch"
     # A transformers model's short forwards compiled (specdec.compiled); None: on for CUDA, off for a CPU.
     compile: bool | None = None
 
@@ -35,6 +39,17 @@ class ModelServiceConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.role == "draft" and self.backend != "torch":
+            raise ValueError("backend is the target's; a draft service picks its runtime with drafter")
+        if self.role == "target" and self.spec.model.endswith(".gguf"):
+            object.__setattr__(self, "backend", "llamacpp")  # only llama.cpp runs a GGUF file
+        if self.backend == "llamacpp" and self.spec.model not in ALIASES and not self.spec.model.endswith(".gguf"):
+            raise ValueError(
+                f"the llamacpp target backend runs a .gguf file or '{DEFAULT_ALIAS}', not {self.spec.model!r} "
+                "(a transformers model: backend torch)"
+            )
 
 
 @dataclass(frozen=True)

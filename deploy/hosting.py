@@ -23,7 +23,7 @@ from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec import placement
+from specdec import models, placement
 from specdec.compiled import hf_backend
 from specdec.lifecycle import Served
 from specdec.security import ClientSecurity, ServerSecurity, channel
@@ -44,8 +44,18 @@ def start_model_service(
     if config.role == "draft":
         backend, drafter = drafters.make(config.drafter, config.spec, config.compile)
     else:
-        backend, drafter = hf_backend(config.spec, config.compile), None
+        backend, drafter = target_backend(config), None
     return serve_model(config, backend, host, port, drafter, security, telemetry)
+
+
+def target_backend(config: ModelServiceConfig):
+    """The target's backend: transformers, or llama.cpp on a GGUF (the default alias: the
+    embedded GGUF requantised to F32, the same weights as the fp32 transformers target)."""
+    if config.backend == "torch":
+        return hf_backend(config.spec, config.compile)
+    from specdec.llamacpp import LlamaCppBackend  # llama-cpp-python: only when asked for
+
+    return LlamaCppBackend(config.spec, models.f32_gguf_path)
 
 
 def serve_model(

@@ -36,6 +36,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.configs import ModelServiceConfig
 from specdec import models, placement, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
@@ -71,6 +72,7 @@ class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
     drafter: str = "auto"  # auto | model | ngram | llamacpp (draft_service.drafters)
+    target_backend: str = "torch"  # torch | llamacpp (deploy.configs.ModelServiceConfig.backend)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
@@ -124,15 +126,18 @@ class LocalPipeline:
 
     def start(self) -> LocalPipeline:
         cfg = self.config
+        target = ModelServiceConfig("target", cfg.target, backend=cfg.target_backend)  # checked before anything starts
         if models.ALIASES & {cfg.target.model, cfg.draft.model}:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
+        if target.backend == "llamacpp" and cfg.target.model in models.ALIASES:
+            models.f32_gguf_path()  # likewise
         t0 = time.perf_counter()
         try:
             draft_place, target_place = self._placements()
             draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
             self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
             compiled = [] if cfg.target_compile is None else ["--compile" if cfg.target_compile else "--no-compile"]
-            target_args = [*_model_args(cfg.target), *target_place.flags(), *compiled]
+            target_args = [*_model_args(cfg.target), "--backend", target.backend, *target_place.flags(), *compiled]
             self._spawn("target", "target-service", 0, LOOPBACK, target_args)
             for name in MODEL_SERVICES:
                 self._wait(name)

@@ -3,7 +3,7 @@
 - model: a transformers causal LM, k autoregressive steps (draft_service.proposer);
 - ngram: model-free prompt lookup over the session's tokens (draft_service.ngram);
 - llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
-  (draft_service.llamacpp; needs the optional llama-cpp-python package);
+  (specdec.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - auto (the default): llamacpp for the embedded default (its Q4_1 GGUF drafts several times
   faster than the bf16 copy on a CPU, which is what makes speculation pay there), model for
   anything else or without llama-cpp-python.
@@ -43,7 +43,7 @@ def make(method: str, spec, compile: bool | None = None):
     if method == "ngram":
         return ngram.TokenizerBackend(spec), NGRAM
     if method == "llamacpp":
-        from draft_service.llamacpp import LlamaCppBackend
+        from specdec.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(spec), MODEL
     raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")

@@ -2,11 +2,12 @@
 
     python scripts/cost_model.py [--reps 15] [--context 80] [--threads N] [--no-compiled]
 
-For the default pair (the fp32 target eager and compiled, the bf16 draft, the Q4_1 GGUF on
-llama.cpp when installed) it times, on a cached context, a forward of n = 1, 3, 5, 9 new
-tokens (the target verifies k + 1 = n tokens; the compiled one in its default buckets, so
-n = 3, 5, 9 run padded to widths 4, 8, 16, each compiled once before the timing, minutes on
-a small CPU; a draft proposes one token per forward), interleaving the backends rep by rep so
+For the default pair (the fp32 target eager and compiled, the bf16 draft; with llama.cpp
+installed, also the Q4_1 GGUF draft and the F32 GGUF target on llama.cpp) it times, on a
+cached context, a forward of n = 1, 3, 5, 9 new tokens (the target verifies k + 1 = n tokens;
+the compiled one in its default buckets, so n = 3, 5, 9 run padded to widths 4, 8, 16, each
+compiled once before the timing, minutes on a small CPU; a draft proposes one token per
+forward), interleaving the backends rep by rep so
 a drift in machine speed hits all alike, and prints medians. Then, for k = 2, 4, 8, the
 speedup the formula of Leviathan et al. predicts from one-token costs (c = draft / target)
 next to the one these measured costs predict, where verifying k + 1 tokens costs what it was
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from specdec import models
+from specdec import models, placement
 from specdec.backend import HFBackend
 from specdec.compiled import CompiledBackend
 
@@ -34,19 +35,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=15, help="timed forwards per backend and size (median)")
     parser.add_argument("--context", type=int, default=80, help="cached tokens before the timed forwards")
-    parser.add_argument("--threads", type=int, help="torch (and llama.cpp) threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="threads of every backend (default: one per usable core)")
     parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled target")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    placement.apply(None, args.threads)
 
     backends = {"target fp32": HFBackend(models.ModelSpec(dtype="float32"))}
     if not args.no_compiled:
         backends["target fp32 compiled"] = CompiledBackend(models.ModelSpec(dtype="float32"))
     backends["draft bf16"] = HFBackend(models.ModelSpec(dtype="bfloat16"))
     try:
-        from draft_service.llamacpp import LlamaCppBackend
+        from specdec.llamacpp import LlamaCppBackend
 
+        backends["target llama.cpp F32"] = LlamaCppBackend(models.ModelSpec(), models.f32_gguf_path)
         backends["draft llama.cpp Q4_1"] = LlamaCppBackend(models.ModelSpec())
     except RuntimeError as err:
         print(f"(no llama.cpp: {err})")
@@ -65,17 +66,21 @@ def main() -> None:
             for n in sizes[name]:
                 new = [200 + i for i in range(n)]
                 t0 = time.perf_counter()
-                backend.forward(caches[name], new, 1 if "llama" in name else n)
+                backend.forward(caches[name], new, n)  # a verify wants the logits of all n
                 elapsed = time.perf_counter() - t0
                 backend.crop(caches[name], args.context)
                 if rep >= 2:
                     times.setdefault((name, n), []).append(elapsed)
     ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
 
-    print(f"\nforward cost, median of {args.reps}, {torch.get_num_threads()} threads, context {args.context}:")
+    print(f"\nforward cost, median of {args.reps}, {placement.threads()} threads, context {args.context}:")
     t1 = ms[("target fp32", 1)]
     for (name, n), value in ms.items():
         print(f"  {name:22s} {n} token(s): {value:7.1f} ms  ({value / t1:.2f}x target one token)")
+
+    if ("target llama.cpp F32", 1) in ms:
+        ratios = ", ".join(f"{n}: {ms[('target llama.cpp F32', n)] / ms[('target fp32', n)]:.2f}x" for n in SIZES)
+        print(f"  llama.cpp F32 target / fp32 torch target, by tokens fed: {ratios}")
 
     print("\npredicted speedup at full acceptance (k + 1 tokens a round):")
     print("  drafter               k  c      formula  with measured verify cost")

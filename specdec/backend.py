@@ -1,7 +1,8 @@
 """A causal LM behind the small interface the session engine needs.
 
 Backend interface (duck-typed; tests supply in-process stand-ins with fixed distributions):
-- vocab_size, max_context, eos_token_ids, name, dtype, device
+- vocab_size, max_context, eos_token_ids, name, dtype, device; optionally kind (what runs the
+  model, for Describe: "torch" here, "llamacpp" in specdec.llamacpp)
 - new_cache() -> cache
 - forward(cache, token_ids, n_logits) -> [n_logits, vocab] float32 logits of the last
   n_logits fed positions; the cache grows by len(token_ids)
@@ -31,6 +32,8 @@ class HFBackend:
     """A transformers causal LM over a slot KV cache (specdec.kvcache): a slot per session,
     the forwards of several sessions batched into one (ragged rows, per-row positions and a
     4D mask), the logits computed only at the positions asked for."""
+
+    kind = "torch"  # Describe's `backend`
 
     def __init__(self, spec: models.ModelSpec):
         self.spec = spec

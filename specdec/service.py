@@ -227,6 +227,7 @@ class SessionServicer:
             cpus=placement.usable_cores(),
             threads=placement.threads(),
             kv_tokens=self.engine.kv.held,
+            backend=getattr(backend, "kind", ""),
         )
 
     def GetTokenizer(self, request, context):

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from draft_service.drafters import MODEL
-from draft_service.llamacpp import LlamaCppBackend
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec import models
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
+from specdec.llamacpp import LlamaCppBackend
 from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer
 from tests.standins import Direct, SupportMarkovBackend

@@ -1,0 +1,170 @@
+"""A llama.cpp backend: a GGUF run natively (llama-cpp-python), sessions batched.
+
+Both services use it: the draft service runs the embedded SmolLM2 Q4_1 GGUF (the default
+alias, `--drafter llamacpp`), the target service its F32 requantisation
+(specdec.models.f32_gguf_path: the same weights as the fp32 transformers target,
+`--backend llamacpp`). One llama.cpp context holds every session: a session is a sequence id
+of its KV cache (unified: the cells are shared, so sessions of any lengths fit in
+CONTEXT_CELLS together), and `forward_batch` puts the new tokens of several sessions into one
+llama_batch, each at its own positions and sequence id, so the draft steps or the verify
+blocks (different widths, different lengths) of many sessions are one llama_decode. Rolling
+back removes the sequence's cells past the kept length (llama_memory_seq_rm, O(cells)); no
+re-prefill.
+
+Implements the backend interface of specdec.backend. Logits are computed only at the
+positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify)
+and only those rows are copied out of llama.cpp. An F32 model runs in float32 throughout (F32
+KV cache, no flash attention: its logits are within ~1e-4 of the fp32 transformers target's);
+a quantised one with llama.cpp's defaults (F16 KV cache, flash attention).
+Threads: the service's (specdec.placement, its --threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec import models, placement
+from specdec.backend import tokenizer_files, vocab_digest
+from specdec.errors import ResourceExhausted
+from specdec.kvcache import Slot
+
+DEFAULT_CONTEXT = 4096  # positions per session
+CONTEXT_CELLS = 8192  # KV cells shared by all sessions (the model's trained context); full: RESOURCE_EXHAUSTED
+MAX_SEQUENCES = 64  # sessions one context holds (the services' default max_sessions)
+BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
+GGML_TYPE_F32 = 0
+FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # llama_ftype -> the torch dtype's name
+
+
+class LlamaCppBackend:
+    kind = "llamacpp"  # Describe's `backend`
+
+    def __init__(
+        self, spec: models.ModelSpec, default_file: Callable[[], Path] = models.gguf_path, n_ctx: int = DEFAULT_CONTEXT
+    ):
+        """`spec.model`: a .gguf file, or the default alias, which runs `default_file()` (the
+        embedded Q4_1 GGUF by default; the target passes models.f32_gguf_path)."""
+        try:
+            import llama_cpp
+            from llama_cpp import _internals, _logger
+        except ImportError as err:
+            raise RuntimeError("the llamacpp backend needs llama-cpp-python: pip install 'specdec[llamacpp]'") from err
+        from transformers import AutoTokenizer
+
+        if spec.model in models.ALIASES:
+            self.path = default_file()
+            self.tokenizer = AutoTokenizer.from_pretrained(models.resolve(spec.model))
+        elif spec.model.endswith(".gguf") and Path(spec.model).is_file():
+            self.path = Path(spec.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        else:
+            raise ValueError(f"the llamacpp backend needs a .gguf file or '{models.DEFAULT_ALIAS}', not {spec.model!r}")
+        self.name = f"llama.cpp:{self.path.name}"
+        self.device = torch.device("cpu")
+        llama_cpp.llama_backend_init()
+        _logger.set_verbose(False)
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = -1 if spec.device.startswith("cuda") else 0
+        self._model = _internals.LlamaModel(path_model=str(self.path), params=model_params, verbose=False)
+        file_type = _file_type(self._model)
+        # "float32" for an F32 file, else llama.cpp's name of the file type ("Q4_1"); desc: "llama 256M Q4_1"
+        self.dtype = FILE_TYPES.get(file_type) or self._model.desc().split(" ", 2)[-1]
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = CONTEXT_CELLS
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True
+        if file_type == 0:
+            # An F32 model computes as the fp32 transformers target does: F32 keys and values, and
+            # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
+            params.type_k = params.type_v = GGML_TYPE_F32
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
+        self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        self._llama = llama_cpp
+        self._batch = _internals.LlamaBatch(n_tokens=BATCH_TOKENS, embd=0, n_seq_max=1, verbose=False)
+        self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self.vocab_size = int(self._model.n_vocab())
+        self.max_context = min(n_ctx, int(self._model.n_ctx_train()))
+        self.eos_token_ids = [int(self._model.token_eos())]
+
+    def new_cache(self) -> Slot:
+        if not self._free:
+            raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
+        return Slot(self._free.pop())
+
+    def release(self, cache: Slot) -> None:
+        self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
+        self._free.append(cache.index)
+
+    def forward(self, cache: Slot, token_ids: list[int], n_logits: int) -> torch.Tensor:
+        return self.forward_batch([(cache, token_ids, n_logits)])[0]
+
+    def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
+        """The new tokens of every session in llama_batches of up to BATCH_TOKENS tokens; the
+        logits of the last n_logits positions of each ([n_logits, vocab] float32)."""
+        out, group, size = [], [], 0
+        for item in items:
+            if group and size + len(item[1]) > BATCH_TOKENS:
+                out += self._decode(group)
+                group, size = [], 0
+            group.append(item)
+            size += len(item[1])
+        return out + self._decode(group)
+
+    def _decode(self, items) -> list[torch.Tensor]:
+        batch = self._batch.batch
+        batch.n_tokens = 0
+        first = []  # the batch index of each item's first position with logits
+        for slot, tokens, n_logits in items:
+            assert len(tokens) <= BATCH_TOKENS, "a block is fed in chunks (specdec.engine.PREFILL_CHUNK)"
+            assert 1 <= n_logits <= len(tokens), (n_logits, len(tokens))
+            wanted = len(tokens) - n_logits
+            for i, token in enumerate(tokens):
+                j = batch.n_tokens
+                batch.token[j], batch.pos[j] = token, slot.length + i
+                batch.seq_id[j][0], batch.n_seq_id[j] = slot.index, 1
+                batch.logits[j] = i >= wanted
+                batch.n_tokens += 1
+            first.append(batch.n_tokens - n_logits)
+        code = self._llama.llama_decode(self._ctx.ctx, batch)
+        if code == 1:  # nothing was placed: the batch can be run again (alone, by the worker)
+            raise ResourceExhausted(
+                f"the llama.cpp context's {CONTEXT_CELLS} KV cells (all sessions together) are full; retry later"
+            )
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed with code {code}")
+        for slot, tokens, _ in items:
+            slot.length += len(tokens)
+        # llama.cpp stores the rows asked for contiguously in batch order: an item's rows follow
+        # its first one, so each item is one copy of exactly its rows.
+        return [
+            torch.from_numpy(np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(n, self.vocab_size)).copy())
+            for j, (_, _, n) in zip(first, items, strict=True)
+        ]
+
+    def crop(self, cache: Slot, keep: int) -> None:
+        if keep < cache.length:
+            self._ctx.kv_cache_seq_rm(cache.index, keep, -1)
+            cache.length = keep
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return tokenizer_files(self.tokenizer)
+
+    def tokenizer_digest(self) -> str:
+        return vocab_digest(self.tokenizer)
+
+
+def _file_type(model) -> int:
+    """The GGUF's general.file_type (a llama_ftype); -1 if it does not say."""
+    import ctypes
+
+    import llama_cpp
+
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model.model, b"general.file_type", buf, len(buf))
+    return int(buf.value) if n > 0 else -1
