@@ -5,7 +5,9 @@
 For the default pair (fp32 target, bf16 draft, the Q4_1 GGUF on llama.cpp when installed) it
 times, on a cached context, a forward of n = 1, 3, 5, 9 new tokens (the target verifies k + 1
 = n tokens; a draft proposes one token per forward), interleaving the backends rep by rep so
-a drift in machine speed hits all alike, and prints medians. Then, for k = 2, 4, 8, the
+a drift in machine speed hits all alike, and prints medians. With llama.cpp, the same target
+weights as an F32 GGUF are timed too, at every n, next to the transformers target (llama.cpp
+computes only the last position's logits there: the forward's cost is what is compared). Then, for k = 2, 4, 8, the
 speedup the formula of Leviathan et al. predicts from one-token costs (c = draft / target)
 next to the one these measured costs predict, where verifying k + 1 tokens costs what it was
 measured to cost: (k + 1) * target(1) / (k * draft(1) + target(k + 1)) at full acceptance.
@@ -21,6 +23,7 @@ import time
 
 import torch
 
+from bench import engines
 from specdec import models
 from specdec.backend import HFBackend
 
@@ -41,6 +44,7 @@ def main() -> None:
         from draft_service.llamacpp import LlamaCppBackend
 
         backends["draft llama.cpp Q4_1"] = LlamaCppBackend(models.ModelSpec())
+        backends["target llama.cpp F32"] = LlamaCppBackend(models.ModelSpec(str(engines.f32_gguf_path())))
     except RuntimeError as err:
         print(f"(no llama.cpp: {err})")
     context = [100 + i % 1000 for i in range(args.context)]
@@ -66,6 +70,9 @@ def main() -> None:
     t1 = ms[("target fp32", 1)]
     for (name, n), value in ms.items():
         print(f"  {name:22s} {n} token(s): {value:7.1f} ms  ({value / t1:.2f}x target one token)")
+    if ("target llama.cpp F32", 1) in ms:
+        ratios = ", ".join(f"n={n} {ms[('target llama.cpp F32', n)] / ms[('target fp32', n)]:.2f}x" for n in SIZES)
+        print(f"  the same target weights, llama.cpp F32 over transformers fp32: {ratios}")
 
     print("\npredicted speedup at full acceptance (k + 1 tokens a round):")
     print("  drafter               k  c      formula  with measured verify cost")
