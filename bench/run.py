@@ -351,8 +351,9 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
                 entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
         table.append(entry)
     cores = placement.usable_cores()
+    binary = str(config.llama_speculative) if config.llama_speculative else None
     return {
-        "config": {**asdict(config), "out": str(config.out), "cores": cores},
+        "config": {**asdict(config), "out": str(config.out), "cores": cores, "llama_speculative": binary},
         "environment": {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
