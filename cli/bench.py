@@ -24,7 +24,9 @@ def add_bench_parser(sub) -> None:
         help="benchmark specdec against target-only and assisted generation",
         description="Side by side on bench/prompts.json: (a) transformers target-only generate, (b) transformers "
         "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
-        "adaptive lookahead, per drafter. Prints a table, writes results.json and speedup.png.",
+        "adaptive lookahead, per drafter, and what a CPU user would run instead: llama.cpp target-only "
+        "(llamacpp-target) and llama.cpp's own speculative decoding (--llama-speculative). Prints a table, writes "
+        "results.json and speedup.png.",
     )
     b.add_argument(
         "--quick", action="store_true", help="a small run: first 2 prompts (of --kinds), 32 tokens, greedy, k in {2, 4}"
