@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in three sentences.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 
-.PHONY: setup demo test lint protos clean
+.PHONY: setup demo test lint protos clean llama-tools
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,23 @@ $(VENV)/.installed: pyproject.toml
 # Speculative decoding, then the same request with the target alone: prints both speeds and the speedup.
 demo: setup
 	$(BIN)/specdec generate "$(PROMPT)" --compare
+
+# llama.cpp's own tools, built from the llama.cpp tree vendored in the installed llama-cpp-python's
+# sdist (the same llama.cpp, the same CMake flags): llama-speculative (`specdec bench
+# --llama-speculative build/llama-tools/build/bin/llama-speculative`), llama-bench, llama-quantize.
+LLAMA_TOOLS ?= build/llama-tools
+JOBS ?= 2
+LLAMA_CPP_PYTHON_VERSION = $(shell $(BIN)/pip show llama-cpp-python 2>/dev/null | sed -n 's/^Version: //p')
+llama-tools: setup
+	@test -n "$(LLAMA_CPP_PYTHON_VERSION)" || { echo "llama-cpp-python is not installed in $(VENV)"; exit 1; }
+	rm -rf $(LLAMA_TOOLS)/src && mkdir -p $(LLAMA_TOOLS)/src
+	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) -d $(LLAMA_TOOLS)
+	tar xzf $(LLAMA_TOOLS)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(LLAMA_TOOLS)/src --strip-components=1
+	cmake -S $(LLAMA_TOOLS)/src/vendor/llama.cpp -B $(LLAMA_TOOLS)/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF $(LLAMA_CMAKE_ARGS) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+	cmake --build $(LLAMA_TOOLS)/build -j$(JOBS) --target llama-speculative llama-bench llama-quantize
+	@ls $(LLAMA_TOOLS)/build/bin/llama-speculative $(LLAMA_TOOLS)/build/bin/llama-bench $(LLAMA_TOOLS)/build/bin/llama-quantize
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -12,6 +12,9 @@ lists), for each temperature:
 Next to (a), the one-process anchor on one core: hf-target-1core, the same `generate` pinned
 to the target's core with one thread (the services run on their own cores: the draft on the
 first quarter of the machine's, the target on the rest, or as --draft-cpus/--target-cpus say).
+The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
+target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
+llama-speculative, llama.cpp's speculative example with the Q4_1 draft, per fixed k.
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), the acceptance
@@ -35,11 +38,12 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import timeline
+from bench import engines, timeline
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
 
 PROMPTS = Path(__file__).with_name("prompts.json")
+IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class BenchConfig:
     draft_placement: Placement = field(default_factory=Placement)  # default: LocalPipeline's split
     target_placement: Placement = field(default_factory=Placement)
     timeline: bool = True
+    llamacpp_target: bool = True  # the llamacpp-target rows (llama-cpp-python on the F32 GGUF)
+    llama_speculative: Path | None = None  # the llama-speculative binary: its rows, per fixed k
 
 
 @dataclass
@@ -173,6 +179,7 @@ def theoretical_speedup(alpha: float, k: float, cost_ratio: float) -> float:
 # -- the run --------------------------------------------------------------------------------------
 def run(config: BenchConfig) -> dict:
     import grpc
+    import torch
     from tqdm import tqdm
 
     from specdec.v1 import orchestrator_pb2_grpc
@@ -180,6 +187,15 @@ def run(config: BenchConfig) -> dict:
     prompts = load_prompts(config)
     target_model, tokenizer = models.load(config.target)
     prompt_ids = [_chat_ids(tokenizer, p["prompt"]) for p in prompts]
+    prompt_texts = [_chat_text(tokenizer, p["prompt"]) for p in prompts]
+    threads = torch.get_num_threads()  # hf-target's; the llama.cpp engines get as many
+    # The llama.cpp engines run the embedded model's GGUFs: only next to it as the target.
+    default_target = config.target.model in models.ALIASES
+    if config.llama_speculative and not default_target:
+        raise ValueError("--llama-speculative runs the embedded model's GGUFs: it needs the default --target-model")
+    llama_target = None
+    if config.llamacpp_target and default_target:
+        llama_target = engines.LlamaCppTarget(models.f32_gguf_path(), threads)
     draft_model = models.load(config.draft)[0] if config.hf_baselines and "model" in config.drafters else None
 
     ks = [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
@@ -192,6 +208,10 @@ def run(config: BenchConfig) -> dict:
                 plan.append((("hf-assisted", "model", t, "auto"), "hf", {"assistant_model": draft_model}))
             if "ngram" in config.drafters:
                 plan.append((("hf-assisted", "ngram", t, "10"), "hf", {"prompt_lookup_num_tokens": 10}))
+        if llama_target is not None:
+            plan.append((("llamacpp-target", "-", t, "-"), "llamacpp-target", {}))
+        if config.llama_speculative:
+            plan += [(("llama-speculative", "llamacpp", t, str(k)), "llama-speculative", {}) for k in config.ks]
         for i, drafter in enumerate(config.drafters):
             if i == 0:
                 plan.append((("specdec-off", "-", t, "-"), drafter, {}))
@@ -204,7 +224,7 @@ def run(config: BenchConfig) -> dict:
     with ExitStack() as stack:
         stubs = {}  # every pipeline is up for the whole run, so methods can alternate
         pipelines = {}
-        for where in dict.fromkeys(w for _, w, _ in plan if w != "hf"):
+        for where in dict.fromkeys(w for _, w, _ in plan if w not in IN_PROCESS):
             cfg = PipelineConfig(
                 target=config.target,
                 draft=config.draft,
@@ -217,13 +237,24 @@ def run(config: BenchConfig) -> dict:
         # Methods alternate prompt by prompt: this machine's speed drifts by up to 2x over
         # minutes, and a drift then slows every method alike instead of the ones run last.
         # The first pass, on one prompt, warms every method up and is dropped.
+        inputs = list(zip(prompts, prompt_ids, prompt_texts, strict=True))
         for rep in range(config.repeats + 1):
-            for prompt, ids in list(zip(prompts, prompt_ids, strict=True))[: 1 if rep == 0 else None]:
+            for prompt, ids, text in inputs[: 1 if rep == 0 else None]:
                 for key, where, extra in plan:
                     method, drafter, temperature, k = key
                     bar.set_postfix_str(f"{method} {drafter} T={temperature} k={k}")
                     if where == "hf":
                         result = _hf_generate(target_model, ids, config, temperature, **extra)
+                    elif where == "llamacpp-target":
+                        result = llama_target.generate(ids, config.max_tokens, temperature, config.seed)
+                        del result["token_ids"]
+                    elif where == "llama-speculative":
+                        result = engines.run_speculative(
+                            config.llama_speculative, text, len(ids), config.max_tokens, int(k), temperature,
+                            config.seed, threads,
+                        )  # fmt: skip
+                        if rep == 0:  # what was parsed, once per row
+                            bar.write(f"llama-speculative T={temperature} k={k}: {result}")
                     else:
                         result = _specdec_generate(stubs[where], ids, config, temperature, k, **extra)
                     if rep > 0:
@@ -248,6 +279,15 @@ def _timelines(config: BenchConfig, pipelines: dict, ids: list[int]) -> dict:
         title = f"{drafter} k={k} {'overlapped' if overlap else 'sequential'}"
         out[title] = {"spans": [asdict(s) for s in spans], "round_ends": ends}
     return out
+
+
+def _chat_text(tokenizer, prompt: str) -> str:
+    """The text _chat_ids tokenizes: the chat template applied (for engines that take text)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    return prompt
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -285,6 +325,9 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
         if row.temperature in baseline:
             kinds = dict.fromkeys(r["kind"] for r in row.runs)
             entry["speedup_by_kind"] = {kind: paired_speedup(row, baseline[row.temperature], kind) for kind in kinds}
+        if row.method == "llama-speculative":
+            for key in ("acceptance_rate", "tokens_per_round", "drafts_per_round", "decode_tokens_per_second"):
+                entry[key] = row.median(key)
         if row.method in ("specdec", "specdec-seq", "specdec-off"):
             for key in (
                 "acceptance_rate",
@@ -308,8 +351,9 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
                 entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
         table.append(entry)
     cores = placement.usable_cores()
+    binary = str(config.llama_speculative) if config.llama_speculative else None
     return {
-        "config": {**asdict(config), "out": str(config.out), "cores": cores},
+        "config": {**asdict(config), "out": str(config.out), "cores": cores, "llama_speculative": binary},
         "environment": {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
@@ -385,11 +429,11 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results["config"]["temperatures"]), figsize=(6 * 2, 4), squeeze=False)
     for ax, t in zip(axes[0], results["config"]["temperatures"], strict=False):
         rows = [r for r in results["rows"] if r["temperature"] == t]
-        for method in ("specdec", "specdec-seq"):
+        for method in ("specdec", "specdec-seq", "llama-speculative"):
             for drafter in dict.fromkeys(r["drafter"] for r in rows if r["method"] == method):
                 mine = [r for r in rows if r["method"] == method and r["drafter"] == drafter]
                 fixed = sorted((int(r["k"]), r["speedup"]) for r in mine if r["k"].isdigit())
-                style = "-" if method == "specdec" else "--"
+                style = {"specdec": "-", "specdec-seq": "--"}.get(method, "-.")
                 label = f"{method} {drafter}"
                 line = ax.plot([k for k, _ in fixed], [s for _, s in fixed], style, marker="o", label=label)[0]
                 for r in mine:
@@ -397,8 +441,9 @@ def plot(results: dict, path: Path) -> None:
                         ax.scatter([r["drafts_per_round"]], [r["speedup"]], marker="*", s=150, color=line.get_color(),
                                    label=f"{label} adaptive")  # fmt: skip
         for r in rows:
-            if r["method"] in ("hf-assisted", "specdec-off", "hf-target-1core"):
+            if r["method"] in ("hf-assisted", "specdec-off", "hf-target-1core", "llamacpp-target"):
                 style = {"specdec-off": ("gray", "--"), "hf-target-1core": ("red", ":")}
+                style |= {"llamacpp-target": ("green", "-.")}
                 style |= {"model": ("black", "--"), "ngram": ("black", ":")}
                 color, line = style[r["drafter"] if r["method"] == "hf-assisted" else r["method"]]
                 label = f"{r['method']} {r['drafter']}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,9 @@ def add_bench_parser(sub) -> None:
         help="benchmark specdec against target-only and assisted generation",
         description="Side by side on bench/prompts.json: (a) transformers target-only generate, (b) transformers "
         "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
-        "adaptive lookahead, per drafter. Prints a table, writes results.json and speedup.png.",
+        "adaptive lookahead, per drafter, and what a CPU user would run instead: llama.cpp target-only "
+        "(llamacpp-target) and llama.cpp's own speculative decoding (--llama-speculative). Prints a table, writes "
+        "results.json and speedup.png.",
     )
     b.add_argument(
         "--quick", action="store_true", help="a small run: first 2 prompts (of --kinds), 32 tokens, greedy, k in {2, 4}"
@@ -43,6 +46,19 @@ def add_bench_parser(sub) -> None:
         help="overlapped rounds (specdec rows), sequential (specdec-seq rows) or both (default)",
     )
     b.add_argument("--no-timeline", action="store_true", help="skip timeline.png (services busy, round by round)")
+    b.add_argument(
+        "--no-llamacpp-target",
+        action="store_true",
+        help="skip the llamacpp-target rows: llama.cpp target-only (llama-cpp-python) on the F32 GGUF of the "
+        "embedded model, with hf-target's threads (run by default when the target is the embedded default)",
+    )
+    b.add_argument(
+        "--llama-speculative",
+        type=Path,
+        metavar="PATH",
+        help="the llama-speculative binary (`make llama-tools` builds it): adds its rows, llama.cpp's own "
+        "speculative decoding with the F32 target and the Q4_1 draft GGUFs, per --ks (default: no such rows)",
+    )
     b.add_argument(
         "--concurrency",
         default="",
@@ -88,6 +104,10 @@ def bench(args) -> int:
     def floats(text):
         return tuple(float(x) for x in text.split(",") if x)
 
+    binary = args.llama_speculative
+    if binary and not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise SystemExit(f"specdec bench: --llama-speculative {binary} is not an executable (make llama-tools)")
+
     config = BenchConfig(
         target=options.model_spec(args, "target-"),
         draft=options.model_spec(args, "draft-"),
@@ -104,6 +124,8 @@ def bench(args) -> int:
         draft_placement=options.placement(args, "draft-"),
         target_placement=options.placement(args, "target-"),
         timeline=not args.no_timeline,
+        llamacpp_target=not args.no_llamacpp_target,
+        llama_speculative=args.llama_speculative,
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)

@@ -77,7 +77,6 @@ def main() -> None:
     t1 = ms[("target fp32", 1)]
     for (name, n), value in ms.items():
         print(f"  {name:22s} {n} token(s): {value:7.1f} ms  ({value / t1:.2f}x target one token)")
-
     if ("target llama.cpp F32", 1) in ms:
         ratios = ", ".join(f"{n}: {ms[('target llama.cpp F32', n)] / ms[('target fp32', n)]:.2f}x" for n in SIZES)
         print(f"  llama.cpp F32 target / fp32 torch target, by tokens fed: {ratios}")

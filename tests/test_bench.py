@@ -1,14 +1,19 @@
-"""`specdec bench --quick` runs end to end on tiny models: JSON, table and plot."""
+"""`specdec bench --quick` runs end to end on tiny models: JSON, table and plot. The engine
+rows: llama-speculative's output parsed (a recorded sample), llamacpp-target on the real GGUF."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from bench.run import alpha_from_tokens_per_round, theoretical_speedup
+from bench import engines
+from bench.run import _chat_ids, alpha_from_tokens_per_round, theoretical_speedup
+
+DATA = Path(__file__).with_name("data")
 
 
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
@@ -49,3 +54,42 @@ def test_alpha_inverts_tokens_per_round():
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
         assert alpha_from_tokens_per_round(tokens, k) == pytest.approx(alpha, abs=1e-6)
         assert theoretical_speedup(alpha, k, 0.0) == pytest.approx(tokens)
+
+
+def test_llama_speculative_output_parsed():
+    # A recorded sample: the output of the llama-speculative built by `make llama-tools`
+    # (llama-cpp-python 0.3.36's llama.cpp) on the first chat prompt, greedy, k = 4, -n 63,
+    # on a machine shared by several jobs (hence its low speed).
+    text = (DATA / "llama_speculative_greedy_k4.txt").read_text()
+    run = engines.parse_speculative_output(text)
+    assert run["prompt_tokens"] == 44 and run["tokens"] == 67
+    assert run["wall"] == pytest.approx(19.880 + 65.004)
+    assert run["tokens_per_second"] == pytest.approx(67 / (19.880 + 65.004))
+    assert run["decode_tokens_per_second"] == pytest.approx(67 / 65.004)
+    assert run["acceptance_rate"] == pytest.approx(52 / 56)
+    assert run["tokens_per_round"] == pytest.approx(67 / 15) and run["drafts_per_round"] == pytest.approx(56 / 15)
+
+
+def test_llama_speculative_output_not_recognised():
+    text = (DATA / "llama_speculative_greedy_k4.txt").read_text().replace("n_accept", "n_accepted_tokens")
+    with pytest.raises(ValueError, match=r"not recognised \(no accepted\)"):
+        engines.parse_speculative_output(text)
+
+
+@pytest.mark.real_model
+def test_llamacpp_target_greedy_equals_transformers():
+    """The llamacpp-target row decodes what hf-target decodes: the F32 GGUF holds the fp32
+    target's weights. EOS is masked: always max_tokens tokens."""
+    import torch
+
+    from specdec import models
+
+    model, tokenizer = models.load(models.ModelSpec())
+    ids = _chat_ids(tokenizer, "List three colours.")
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    target = engines.LlamaCppTarget(models.f32_gguf_path(), threads=torch.get_num_threads())
+    run = target.generate(ids, 12, 0.0, seed=1)
+    assert run["token_ids"] == expected[0, len(ids) :].tolist()
+    sampled = [target.generate(ids, 12, 0.7, seed=1)["token_ids"] for _ in range(2)]
+    assert len(sampled[0]) == 12 and sampled[0] == sampled[1]  # seeded, from a fresh state each time
