@@ -38,6 +38,8 @@ class ConcurrencyConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
     out: Path = Path("bench-results")
+    target_backend: str = "torch"  # what runs the target service (deploy.configs.BACKENDS)
+    target_compile: bool | None = None
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -104,7 +106,14 @@ def run(config: ConcurrencyConfig) -> dict:
             # Admit every client at once: the orchestrator's default (8 generating) would queue the rest.
             most = max(config.concurrency)
             admission = AdmissionLimits(max_concurrent=most, max_queue=most)
-            cfg = PipelineConfig(target=config.target, draft=config.draft, drafter=drafter, admission=admission)
+            cfg = PipelineConfig(
+                target=config.target,
+                draft=config.draft,
+                drafter=drafter,
+                admission=admission,
+                target_backend=config.target_backend,
+                target_compile=config.target_compile,
+            )
             pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
             for mode in modes if i == 0 else modes[1:]:

@@ -67,6 +67,8 @@ class BenchConfig:
     timeline: bool = True
     llamacpp_target: bool = True  # the llamacpp-target rows (llama-cpp-python on the F32 GGUF)
     llama_speculative: Path | None = None  # the llama-speculative binary: its rows, per fixed k
+    target_backend: str = "torch"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
+    target_compile: bool | None = None  # its --compile; None: by device
 
 
 @dataclass
@@ -231,6 +233,8 @@ def run(config: BenchConfig) -> dict:
                 drafter=where,
                 draft_placement=config.draft_placement,
                 target_placement=config.target_placement,
+                target_backend=config.target_backend,
+                target_compile=config.target_compile,
             )
             pipelines[where] = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
             stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipelines[where].address))
@@ -461,6 +465,8 @@ def main(config: BenchConfig) -> dict:
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, config.out / "speedup.png")
+    backend = "llama.cpp (the F32 GGUF)" if config.target_backend == "llamacpp" else "transformers"
+    print(f"specdec rows: the target service runs {backend}")
     print(format_table(results))
     if kinds := format_kinds_table(results):
         print("\nspeedup over hf-target by prompt kind\n" + kinds)

@@ -126,6 +126,8 @@ def bench(args) -> int:
         timeline=not args.no_timeline,
         llamacpp_target=not args.no_llamacpp_target,
         llama_speculative=args.llama_speculative,
+        target_backend=args.target_backend,
+        target_compile=args.target_compile,
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
@@ -143,6 +145,8 @@ def bench(args) -> int:
             target=config.target,
             draft=config.draft,
             out=config.out,
+            target_backend=config.target_backend,
+            target_compile=config.target_compile,
         )
         print(concurrency.format_table(concurrency.run(cc)))
         return 0
