@@ -31,7 +31,7 @@ def backend(role: str):
 
         return HFBackend(models.ModelSpec(dtype="float32"))
     try:
-        from draft_service.llamacpp import LlamaCppBackend
+        from specdec.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(models.ModelSpec())
     except RuntimeError:
