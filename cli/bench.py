@@ -71,6 +71,8 @@ def add_bench_parser(sub) -> None:
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
     options.add_placement_flags(b, "target-")
     options.add_placement_flags(b, "draft-")
+    options.add_backend_flag(b, "target-")
+    options.add_compile_flag(b, "target-")
 
 
 def add_loadtest_parser(sub) -> None:
