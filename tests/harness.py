@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,3 +168,26 @@ def run_clients(address: str, per_client: list[list[orchestrator_pb2.GenerateReq
 def run_sequentially(address: str, per_client) -> list[list[tuple]]:
     stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
     return [[tuple(stub.Generate(r, timeout=600).token_ids) for r in requests] for requests in per_client]
+
+
+class ServiceProcess:
+    """`specdec {role}-service` as a child process (`extra`: more of its flags)."""
+
+    def __init__(self, role, model, workdir, port=0, extra=()):
+        self.ready = workdir / f"{role}.ready"
+        self.ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "cli", f"{role}-service", "--port", str(port)]
+        cmd += ["--model", model, "--dtype", "float32", "--ready-file", str(self.ready), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout=120) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            assert self.proc.poll() is None, f"service exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, "service did not start"
+            time.sleep(0.1)
+        return json.loads(self.ready.read_text())["address"]
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()

@@ -25,8 +25,6 @@ turns on by default, the logits move by ~1e-2: the F32 target runs without it.)
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
 import time
@@ -45,7 +43,7 @@ from specdec import models, wire
 from specdec.llamacpp import LlamaCppBackend
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.v1 import model_pb2, orchestrator_pb2
-from tests.harness import open_sessions, pipeline, run_clients, run_sequentially
+from tests.harness import ServiceProcess, open_sessions, pipeline, run_clients, run_sequentially
 
 real_model = pytest.mark.real_model  # every test but the selection ones loads the GGUF
 
@@ -298,35 +296,17 @@ def test_rollback(services, prompts, alone):
         target.CloseSession(model_pb2.CloseSessionRequest(session_id=sid))
 
 
-class TargetProcess:
+def target_process(workdir, port=0) -> ServiceProcess:
     """`specdec target-service --backend llamacpp` as a child process."""
-
-    def __init__(self, workdir, port=0):
-        self.ready = workdir / "target.ready"
-        self.ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "cli", "target-service", "--backend", "llamacpp", "--port", str(port)]
-        cmd += ["--threads", "1", "--ready-file", str(self.ready)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout=180) -> str:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            assert self.proc.poll() is None, f"the target service exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "the target service did not start"
-            time.sleep(0.1)
-        return json.loads(self.ready.read_text())["address"]
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+    return ServiceProcess("target", models.DEFAULT_ALIAS, workdir, port, ["--backend", "llamacpp", "--threads", "1"])
 
 
 @real_model
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
 def test_killed_target_process_leaves_the_output_unchanged(services, prompts, tmp_path, temperature):
-    target = TargetProcess(tmp_path)
+    target = target_process(tmp_path)
     try:
-        address = target.wait_ready()
+        address = target.wait_ready(timeout=180)
         pair = connect(services.addresses["draft"], address)
         config = LoopConfig(SamplingParams(temperature=temperature), 30, lookahead=4, seed=3)
 
@@ -342,7 +322,7 @@ def test_killed_target_process_leaves_the_output_unchanged(services, prompts, tm
         def kill_and_restart():
             nonlocal target
             target.kill()
-            target = TargetProcess(tmp_path, port=address.rsplit(":", 1)[1])
+            target = target_process(tmp_path, port=address.rsplit(":", 1)[1])
 
         loop = run(kill_after=2, restart=kill_and_restart)  # the restarted process is still starting
         assert loop.stats.recoveries == 1 and pair.target.reopens == 1
@@ -350,7 +330,7 @@ def test_killed_target_process_leaves_the_output_unchanged(services, prompts, tm
             assert_equal_but_near_ties(services.target, prompts[1], loop.generated, reference.generated, "recovered")
         else:  # the same seed, the same uniforms: equal unless a near-tie moved a draw
             assert loop.generated == reference.generated
-        assert target.wait_ready() == address
+        assert target.wait_ready(timeout=180) == address
     finally:
         target.kill()
 

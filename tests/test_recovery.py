@@ -9,12 +9,6 @@ in-process server stopped and replaced by a fresh one on the same port.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-
 import grpc
 import pytest
 
@@ -27,6 +21,7 @@ from specdec.limits import RecoveryConfig
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
+from tests.harness import ServiceProcess
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 GREEDY = SamplingParams()
@@ -127,29 +122,6 @@ def test_reopen_replaces_a_session_the_service_still_holds(services):
     state = target.GetSession(model_pb2.GetSessionRequest(session_id="kept"))
     assert list(state.token_ids) == [3, 4, 5, 8, 9] and state.cached_length == 4
     target.CloseSession(model_pb2.CloseSessionRequest(session_id="kept"))
-
-
-class ServiceProcess:
-    """`specdec target-service` (or draft-service) as a child process."""
-
-    def __init__(self, role, model, workdir, port=0):
-        self.ready = workdir / f"{role}.ready"
-        self.ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "cli", f"{role}-service", "--port", str(port)]
-        cmd += ["--model", model, "--dtype", "float32", "--ready-file", str(self.ready)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout=120) -> str:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            assert self.proc.poll() is None, f"service exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "service did not start"
-            time.sleep(0.1)
-        return json.loads(self.ready.read_text())["address"]
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
 
 
 def test_killed_service_process_restarted_on_the_same_port(tiny_models, tiny_backends, tmp_path):
