@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specdec import models
-from specdec.kvcache import Slot, SlotCache
+from specdec.kvcache import Slot, SlotCache, causal_mask
 
 
 class HFBackend:
@@ -92,13 +92,9 @@ class HFBackend:
         ids = torch.zeros(len(blocks), width, dtype=torch.long)
         for b, tokens in enumerate(blocks):  # right-padded; a pad's outputs are never read
             ids[b, : len(tokens)] = torch.tensor(tokens)
-        keys = torch.arange(view.kv_length, device=self.device)
-        visible = keys[None, None, :] <= view.positions[:, :, None]  # [B, width, kv]: causal per row
-        mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.kv.dtype).min)[:, None]  # [B, 1, width, kv]
         return self.model.base_model(
             input_ids=ids.to(self.device),
-            attention_mask=mask,
+            attention_mask=causal_mask(view.positions, view.kv_length, self.kv.dtype),
             position_ids=view.positions,
             past_key_values=view,
             use_cache=True,

@@ -61,7 +61,7 @@ import torch
 
 from specdec import models
 from specdec.backend import HFBackend
-from specdec.kvcache import Slot
+from specdec.kvcache import Slot, causal_mask
 from specdec.validation import MAX_LOOKAHEAD
 
 WIDTHS = (1, 2, 4, 8, 16, MAX_LOOKAHEAD + 1)  # a verify block is k + 1 wide
@@ -132,14 +132,9 @@ class CompiledBackend(HFBackend):
 
     def _static_forward(self, ids, positions, rows, keys, values) -> torch.Tensor:
         """ids, positions: [B, W]; rows: [B] slot indices -> [B, W, hidden]."""
-        capacity = keys[0].shape[2]
-        visible = torch.arange(capacity, device=ids.device) <= positions[:, :, None]  # [B, W, capacity]
-        dtype = keys[0].dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device)
-        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, W, capacity]
         return self.model.base_model(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=causal_mask(positions, keys[0].shape[2], keys[0].dtype),  # over the whole capacity
             position_ids=positions,
             past_key_values=StaticView(keys, values, rows, positions),
             use_cache=True,

@@ -94,6 +94,14 @@ class SlotCache:
         return BatchView(self, slots, width)
 
 
+def causal_mask(positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of a batched forward: [B, 1, width, kv_length], 0 where row
+    b's query at positions[b, t] may see key j (j <= its position), the dtype's minimum elsewhere."""
+    visible = torch.arange(kv_length, device=positions.device) <= positions[:, :, None]  # [B, width, kv]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+
+
 class BatchView:
     """The cache of one batched forward (transformers' `past_key_values`).
 
