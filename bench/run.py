@@ -17,12 +17,15 @@ target-only on the F32 GGUF in process with (a)'s threads; and, given the binary
 llama-speculative, llama.cpp's speculative example with the Q4_1 draft, per fixed k.
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
-included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), the acceptance
+included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), rounds tok/s
+(the orchestrator's round time only: what overlapping changes), ovl/seq and ovl/seq rounds
+(overlapped rounds over the same k's sequential rounds, paired per prompt), the acceptance
 rate, tokens per round, the measured draft/target cost ratio c (service compute time per
 draft token / per target round), alpha (per-token acceptance under the i.i.d. model, solved
 from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))
 (Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
-service compute time (draft ms per draft token, target ms per round), and orchestrator
+service compute time (draft ms per token it proposed, thrown-away continuations included;
+target ms per round), and orchestrator
 overhead per round (round time not spent computing in a model service).
 Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
 round by round, sequential vs overlapped: bench.timeline) to --out and prints a table.
@@ -139,7 +142,11 @@ def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str
     s = reply.stats
     n = len(reply.token_ids)
     run = {"tokens": n, "wall": wall, "tokens_per_second": n / wall, "finish": reply.finish_reason}
+    # The rounds alone (prefill, tokenising and the RPC to the orchestrator excluded): what
+    # overlapping changes.
+    run["round_tokens_per_second"] = n / s.round_seconds if s.round_seconds else None
     rounds = max(s.rounds, 1)
+    drafted = s.drafted_tokens  # what the draft's compute was spent on, thrown-away continuations included
     compute = s.draft_compute_seconds + s.target_compute_seconds
     run |= {
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
@@ -147,12 +154,12 @@ def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str
         "drafts_per_round": s.draft_tokens / rounds,
         "bytes_per_round": s.wire_bytes / rounds,
         "overhead_ms_per_round": 1000 * (s.round_seconds - compute) / rounds,
-        "draft_ms_per_token": 1000 * s.draft_compute_seconds / s.draft_tokens if s.draft_tokens else None,
+        "draft_ms_per_token": 1000 * s.draft_compute_seconds / drafted if drafted else None,
         "target_ms_per_round": 1000 * s.target_compute_seconds / rounds,
         "overhead_fraction": (s.round_seconds - compute) / s.round_seconds if s.round_seconds else None,
         "cost_ratio": (
-            (s.draft_compute_seconds / s.draft_tokens) / (s.target_compute_seconds / rounds)
-            if s.draft_tokens and s.target_compute_seconds
+            (s.draft_compute_seconds / drafted) / (s.target_compute_seconds / rounds)
+            if drafted and s.target_compute_seconds
             else None
         ),
     }
@@ -301,13 +308,13 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def paired_speedup(row: Row, baseline: Row, kind: str | None = None) -> float:
-    """Median over (prompt, repeat) of tokens/s over the baseline's on the same prompt in the
-    same pass, run moments apart: a drift in machine speed cancels out of each ratio.
+def paired_speedup(row: Row, baseline: Row, kind: str | None = None, key: str = "tokens_per_second") -> float:
+    """Median over (prompt, repeat) of tokens/s (`key`) over the baseline's on the same prompt
+    in the same pass, run moments apart: a drift in machine speed cancels out of each ratio.
     `kind`: only the prompts of that kind."""
     pairs = zip(row.runs, baseline.runs, strict=True)
-    ratios = [r["tokens_per_second"] / b["tokens_per_second"] for r, b in pairs if kind in (None, r["kind"])]
-    return statistics.median(ratios)
+    ratios = [r[key] / b[key] for r, b in pairs if kind in (None, r["kind"]) and r[key] and b[key]]
+    return statistics.median(ratios) if ratios else None
 
 
 def _summarise(config: BenchConfig, rows: dict) -> dict:
@@ -345,6 +352,12 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
                 "overhead_fraction",
             ):
                 entry[key] = row.median(key)
+        if row.method in ("specdec", "specdec-seq", "specdec-off"):
+            entry["round_tokens_per_second"] = row.median("round_tokens_per_second")
+        seq = rows.get(("specdec-seq", row.drafter, row.temperature, row.k))
+        if row.method == "specdec" and seq is not None:  # overlapped over sequential rounds, paired
+            entry["overlap_speedup"] = paired_speedup(row, seq)
+            entry["overlap_round_speedup"] = paired_speedup(row, seq, key="round_tokens_per_second")
         if row.method in ("specdec", "specdec-seq"):
             k = entry["drafts_per_round"]
             alpha = alpha_from_tokens_per_round(entry["tokens_per_round"], k)
@@ -376,6 +389,9 @@ COLUMNS = [
     ("k", "{}"),
     ("tokens_per_second", "{:.2f}"),
     ("speedup", "{:.2f}x"),
+    ("round_tokens_per_second", "{:.2f}"),
+    ("overlap_speedup", "{:.2f}x"),
+    ("overlap_round_speedup", "{:.2f}x"),
     ("acceptance_rate", "{:.2f}"),
     ("tokens_per_round", "{:.2f}"),
     ("cost_ratio", "{:.3f}"),
@@ -388,8 +404,9 @@ COLUMNS = [
     ("overhead_ms_per_round", "{:.2f}"),
     ("overhead_fraction", "{:.1%}"),
 ]
-HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "accept", "tok/round", "c", "alpha", "theory", "eff",
-           "B/round", "draft ms", "target ms", "ovh ms", "ovh %"]  # fmt: skip
+HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "rounds tok/s", "ovl/seq", "ovl/seq rounds", "accept",
+           "tok/round", "c", "alpha", "theory", "eff", "B/round", "draft ms", "target ms", "ovh ms",
+           "ovh %"]  # fmt: skip
 
 
 def format_table(results: dict) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec import validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
@@ -44,6 +45,8 @@ class ModelPair:
     vocab_size: int
     eos_token_ids: frozenset[int]
     model_name: str = ""  # the target's, as it describes itself (what GET /v1/models lists)
+    # What adaptive lookahead has measured of this pair, shared by the generations on it.
+    costs: PairCosts = field(default_factory=PairCosts, compare=False)
 
 
 @dataclass
@@ -144,7 +147,7 @@ def generate(
     config = loop_config(pair, request, len(ids), overlap)
     stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
-    loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout)
+    loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout, costs=pair.costs)
     tok = pair.tokenizer
     emitted = 0  # characters of text already sent
     text = ""
@@ -243,4 +246,5 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_compute_seconds=s.draft_compute_seconds,
         target_compute_seconds=s.target_compute_seconds,
         wire_bytes=s.wire_bytes,
+        drafted_tokens=s.drafted_tokens,
     )

@@ -8,16 +8,18 @@ The formula assumes a round costs one target step whatever k; on a CPU verifying
 costs more than one (an fp32 135M target: 5 tokens 1.7x one token). With the target's round
 time T(k) = T1 + b k (b: seconds per extra token scored), a round costs k (c + s) + 1 target
 steps, s = b / T1, so the same S applies with c + s in place of c.
-Each round picks the k in 1..k_max that maximises S with these estimated from the session:
+Each round picks the k in 1..k_max that maximises S with these estimated from the rounds:
 - alpha: accepted / (accepted + rejections), the maximum-likelihood estimate for the
   geometric accept-until-first-reject process (a round that accepted everything contributes
-  no rejection), over an exponentially weighted window (~5 rounds);
+  no rejection), over an exponentially weighted window (~5 rounds), the generation's own
+  with the pair's as a prior (the text decides it);
 - c: draft seconds per proposed token / T1, likewise weighted;
 - T1 and b: a weighted least-squares line through (tokens scored, target seconds) of the
   rounds so far (a slow window, ~30 rounds: the cost curve is the hardware's). While every
   round in it scored the same number of tokens the slope is unknown; then one round explores
   another k (half the usual one) and the fit has its two points.
-Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
+The costs are the pair's (PairCosts): every generation on the orchestrator's pair measures
+them and starts from them. Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
 exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
 
 Load. The model services batch the forwards of concurrent sessions (specdec.worker), so with
@@ -45,14 +47,16 @@ continuation end about when the verify does, less where rejections waste the dra
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the past per round: an effective window of ~5 rounds
 FIT_DECAY = 0.97  # the same for the verify-cost line: ~30 rounds
 MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
 EXPLORE_EVERY = 8  # rounds without speculation before one round tries it again
 EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation does not pay
+PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance in a generation's
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
@@ -77,78 +81,117 @@ def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: floa
     return max(range(1, k_max + 1), key=lambda k: overlapped_rate(alpha, k, draft, t1, slope))
 
 
-@dataclass
-class AdaptiveLookahead:
-    k_max: int
-    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k) (one generation)
-    load: Callable[[], int] = lambda: 1  # generations sharing the services' forwards
-    accepted: float = 0.0
-    rejections: float = 0.0
-    draft_seconds: float = 0.0
-    draft_tokens: float = 0.0
-    # weighted sums for the line target_seconds = T1 + b * (tokens scored - 1)
-    fit_w: float = 0.0
-    fit_n: float = 0.0
-    fit_t: float = 0.0
-    fit_nn: float = 0.0
-    fit_nt: float = 0.0
-    off_rounds: int = 0  # rounds in a row chosen without speculation
-    explore_after: int = EXPLORE_EVERY  # rounds off before the next exploration
+class PairCosts:
+    """What the rounds of every generation on one draft/target pair measure: the target's verify
+    cost line, the draft's seconds per token, the acceptance, and how long speculation has been
+    off. One per orchestrator (generation.ModelPair), shared by its generations, as vLLM's
+    dynamic speculative decoding keeps its statistics per engine and not per request: a new
+    generation starts from what the others measured instead of from k_max with no evidence (a
+    short generation under load used to spend most of its rounds learning), and under a steady
+    load where speculation does not pay the explorations are paid once for all generations, not
+    once by each. Updated and read under its lock (generations run on their own threads)."""
 
-    def next_k(self) -> int:
-        """The k for the next round (called once a round: it counts the rounds off)."""
-        k = self._best_k()
-        if k > 0:
-            self.off_rounds, self.explore_after = 0, EXPLORE_EVERY
-            return k
-        self.off_rounds += 1
-        if self.off_rounds < self.explore_after:
-            return 0
-        self.off_rounds, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MAX)
-        return min(2, self.k_max)
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.accepted = 0.0  # all generations' rounds, weighted by DECAY
+        self.rejections = 0.0
+        self.draft_seconds = 0.0
+        self.draft_tokens = 0.0
+        # weighted sums for the line target_seconds = T1 + b * (tokens scored - 1), FIT_DECAY
+        self.fit_w = 0.0
+        self.fit_n = 0.0
+        self.fit_t = 0.0
+        self.fit_nn = 0.0
+        self.fit_nt = 0.0
+        self.off_rounds = 0  # rounds in a row (any generation's) chosen without speculation
+        self.explore_after = EXPLORE_EVERY  # rounds off before the next exploration
 
-    def _best_k(self) -> int:
-        if self.fit_w == 0 or self.accepted + self.rejections == 0 or self.draft_tokens == 0:
-            return self.k_max
-        line = self.verify_cost()
-        if line is None:  # every recent round scored the same number of tokens: try another k
-            usual = round(self.fit_n / self.fit_w) - 1
-            if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
-                return 0
-            return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
-        t1, slope = line
-        alpha = self.accepted / (self.accepted + self.rejections)
-        draft_per_token = self.draft_seconds / self.draft_tokens
-        n = max(1, self.load())
-        if self.overlap and n == 1:
-            return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
-        t0 = max(t1 - (n - 1) * slope * (self.fit_n / self.fit_w - 1), t1 / n)  # all at one token
-        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max)
-
-    def verify_cost(self) -> tuple[float, float] | None:
+    def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a round scoring one token and per extra token scored;
         None while the rounds do not spread over enough sizes to fit a slope."""
         mean_n, mean_t = self.fit_n / self.fit_w, self.fit_t / self.fit_w
         spread = self.fit_nn / self.fit_w - mean_n**2
         if spread < MIN_SPREAD:
-            return None if self.k_max > 1 else (mean_t, 0.0)
+            return None if k_max > 1 else (mean_t, 0.0)
         slope = max(0.0, (self.fit_nt / self.fit_w - mean_n * mean_t) / spread)
         t1 = mean_t - slope * (mean_n - 1)
         return (t1, slope) if t1 > 0 else (mean_t, 0.0)
+
+    def update(self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int) -> None:
+        d, f, n = DECAY, FIT_DECAY, proposed + 1  # n: tokens the target scored
+        self.accepted = d * self.accepted + accepted
+        self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
+        self.draft_seconds = d * self.draft_seconds + draft_seconds
+        self.draft_tokens = d * self.draft_tokens + drafted
+        self.fit_w = f * self.fit_w + 1
+        self.fit_n = f * self.fit_n + n
+        self.fit_t = f * self.fit_t + target_seconds
+        self.fit_nn = f * self.fit_nn + n * n
+        self.fit_nt = f * self.fit_nt + n * target_seconds
+
+
+@dataclass
+class AdaptiveLookahead:
+    """One generation's policy over its pair's shared costs (a private PairCosts when none is
+    given). Acceptance is the generation's own (its text), with the pair's as a prior of
+    PRIOR_TRIALS trials: alone on a pair, the estimate is exactly its own."""
+
+    k_max: int
+    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k) (one generation)
+    load: Callable[[], int] = lambda: 1  # generations sharing the services' forwards
+    costs: PairCosts = field(default_factory=PairCosts)
+    accepted: float = 0.0
+    rejections: float = 0.0
+
+    def next_k(self) -> int:
+        """The k for the next round (called once a round: it counts the rounds off)."""
+        with self.costs.lock:
+            costs = self.costs
+            k = self._best_k()
+            if k > 0:
+                costs.off_rounds, costs.explore_after = 0, EXPLORE_EVERY
+                return k
+            costs.off_rounds += 1
+            if costs.off_rounds < costs.explore_after:
+                return 0
+            costs.off_rounds, costs.explore_after = 0, min(2 * costs.explore_after, EXPLORE_MAX)
+            return min(2, self.k_max)
+
+    def alpha(self) -> float | None:
+        """Per-token acceptance: this generation's, the pair's as a prior; None: no evidence."""
+        shared = self.costs.accepted + self.costs.rejections
+        if shared == 0:
+            return None
+        prior = self.costs.accepted / shared
+        return (self.accepted + PRIOR_TRIALS * prior) / (self.accepted + self.rejections + PRIOR_TRIALS)
+
+    def _best_k(self) -> int:
+        costs = self.costs
+        alpha = self.alpha()
+        if costs.fit_w == 0 or alpha is None or costs.draft_tokens == 0:
+            return self.k_max
+        line = costs.verify_cost(self.k_max)
+        if line is None:  # every recent round scored the same number of tokens: try another k
+            usual = round(costs.fit_n / costs.fit_w) - 1
+            if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
+                return 0
+            return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
+        t1, slope = line
+        draft_per_token = costs.draft_seconds / costs.draft_tokens
+        n = max(1, self.load())
+        if self.overlap and n == 1:
+            return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
+        t0 = max(t1 - (n - 1) * slope * (costs.fit_n / costs.fit_w - 1), t1 / n)  # all at one token
+        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max)
 
     def update(
         self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int | None = None
     ) -> None:
         """One round: drafts verified and accepted, the draft's seconds for `drafted` tokens
         (default: the proposed ones; overlapped, also the continuation's), the target's seconds."""
-        d = DECAY
-        self.accepted = d * self.accepted + accepted
-        self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
-        self.draft_seconds = d * self.draft_seconds + draft_seconds
-        self.draft_tokens = d * self.draft_tokens + (proposed if drafted is None else drafted)
-        f, n = FIT_DECAY, proposed + 1  # tokens the target scored
-        self.fit_w = f * self.fit_w + 1
-        self.fit_n = f * self.fit_n + n
-        self.fit_t = f * self.fit_t + target_seconds
-        self.fit_nn = f * self.fit_nn + n * n
-        self.fit_nt = f * self.fit_nt + n * target_seconds
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
+        with self.costs.lock:
+            self.costs.update(
+                proposed, accepted, draft_seconds, target_seconds, proposed if drafted is None else drafted
+            )

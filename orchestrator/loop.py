@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.lookahead import AdaptiveLookahead
+from orchestrator.lookahead import AdaptiveLookahead, PairCosts
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
@@ -95,6 +95,7 @@ class LoopStats:
     committed_tokens: int = 0  # what the rounds committed, before stop handling
     draft_seconds: float = 0.0  # waiting on the draft service
     target_seconds: float = 0.0  # waiting on the target service
+    drafted_tokens: int = 0  # tokens the draft service proposed, continuations thrown away included
     draft_compute_seconds: float = 0.0  # of which the draft service reported computing
     target_compute_seconds: float = 0.0  # of which the target service reported computing
     round_seconds: float = 0.0  # in rounds, prefill excluded
@@ -176,7 +177,11 @@ class _Side:
 
 
 class SpeculativeLoop:
-    def __init__(self, draft, target, prompt: list[int], config: LoopConfig, timeout=None):
+    def __init__(
+        self, draft, target, prompt: list[int], config: LoopConfig, timeout=None, costs: PairCosts | None = None
+    ):
+        """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
+        the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own."""
         self.config = config
         self.prompt = list(prompt)
         self.session_id = uuid.uuid4().hex
@@ -188,8 +193,11 @@ class SpeculativeLoop:
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
         self.overlap = config.overlap and self.draft is not None
-        policy = AdaptiveLookahead(config.lookahead, overlap=self.overlap, load=RUNNING.count)
-        self.policy = policy if config.adaptive else None
+        self.policy = None
+        if config.adaptive:
+            self.policy = AdaptiveLookahead(
+                config.lookahead, overlap=self.overlap, load=RUNNING.count, costs=costs or PairCosts()
+            )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
         self._stats_lock = threading.Lock()
@@ -204,18 +212,21 @@ class SpeculativeLoop:
         opened = []
         RUNNING.add(1)
         try:
-            for side in sides:
-                # Closed whatever happens from here: an open that failed or timed out here may
-                # still complete on the service.
-                opened.append(side)
-                try:
-                    side.stub.OpenSession(
-                        model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
-                        timeout=self._timeout(),
-                    )
-                except SessionLost:  # the service is down or restarting: wait for it
-                    side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
-                side.length = len(self.prompt)
+            # Closed whatever happens from here: an open that failed or timed out here may still
+            # complete on the service.
+            opened.extend(sides)
+            # Both prefills at once, each on its own service: the first round waits for the
+            # slower one, not for their sum.
+            other = None
+            if self.draft is not None:
+                other = _CONTINUATIONS.submit(contextvars.copy_context().run, self._open, self.draft)
+            try:
+                self._open(self.target)
+            except BaseException:
+                _wait_quietly(other, self._timeout())
+                raise
+            if other is not None:
+                other.result(timeout=self._timeout())
             while True:
                 step = self._round()
                 yield step
@@ -229,6 +240,16 @@ class SpeculativeLoop:
                     side.stub.CloseSession(request, timeout=CLOSE_TIMEOUT)
                 except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
                     pass
+
+    def _open(self, side: _Side) -> None:
+        try:
+            side.stub.OpenSession(
+                model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
+                timeout=self._timeout(),
+            )
+        except SessionLost:  # the service is down or restarting: wait for it
+            side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
+        side.length = len(self.prompt)
 
     # -- one round -------------------------------------------------------------------------
     def _call(self, method, request):
@@ -290,6 +311,7 @@ class SpeculativeLoop:
         )
         with self._stats_lock:
             self.stats.draft_compute_seconds += proposal.compute_seconds
+            self.stats.drafted_tokens += len(proposal.token_ids)
         self.draft.length, self.draft.pending = proposal.length, []
         return _Proposal(list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k])), seconds
 

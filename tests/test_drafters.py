@@ -8,7 +8,7 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM, make
 from draft_service.ngram import lookup
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import AdaptiveLookahead, best_lookahead, expected_speedup
+from orchestrator.lookahead import AdaptiveLookahead, PairCosts, best_lookahead, expected_speedup
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -100,7 +100,43 @@ def test_explorations_back_off_while_speculation_does_not_pay():
     for _ in range(200):  # the draft starts paying: found by the next exploration, and kept
         k = policy.next_k()
         policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
-    assert policy.next_k() > 0 and policy.explore_after == 8
+    assert policy.next_k() > 0 and policy.costs.explore_after == 8
+
+
+def test_generations_on_a_pair_start_from_its_costs():
+    """What one generation measured of its pair (here: speculation does not pay) the next one
+    starts from, instead of from k_max with no evidence; its acceptance is its own, with the
+    pair's as a prior; the pair's explorations back off for all its generations together."""
+    costs = PairCosts()
+    first = AdaptiveLookahead(k_max=8, costs=costs)
+    for _ in range(20):  # every draft rejected, expensive draft
+        k = first.next_k()
+        first.update(proposed=k, accepted=0, draft_seconds=0.4 * k / 8, target_seconds=0.1)
+    assert first.next_k() == 0
+    assert AdaptiveLookahead(k_max=8).next_k() == 8  # alone: no evidence yet
+    second = AdaptiveLookahead(k_max=8, costs=costs)
+    assert second.alpha() == pytest.approx(costs.accepted / (costs.accepted + costs.rejections))
+    assert second.next_k() == 0  # the pair's evidence
+    off = costs.off_rounds
+    assert first.next_k() == 0 and costs.off_rounds == off + 1  # one count of rounds off for both
+    third = AdaptiveLookahead(k_max=8, costs=costs)
+    for _ in range(5):  # the second's text is one its draft predicts, the third's one it does not
+        second.update(proposed=2, accepted=2, draft_seconds=0.002, target_seconds=0.1)
+        third.update(proposed=2, accepted=0, draft_seconds=0.002, target_seconds=0.1)
+    assert second.alpha() > 0.8 > 0.3 > third.alpha()
+
+
+def test_loops_given_one_pairs_costs_share_them():
+    target_probs = random_markov(12, 31)
+    draft, target = pair(target_probs, random_markov(12, 32), "model")
+    costs = PairCosts()
+    config = LoopConfig(SamplingParams(), 40, lookahead=4, adaptive=True, seed=3)
+    loops = [SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs) for _ in range(2)]
+    list(loops[0].rounds())
+    measured = costs.fit_w
+    assert measured > 0 and loops[1].policy.costs is costs
+    list(loops[1].rounds())
+    assert costs.fit_w > measured
 
 
 def test_unknown_drafter_is_refused():
