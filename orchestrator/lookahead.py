@@ -22,18 +22,20 @@ The costs are the pair's (PairCosts): every generation on the orchestrator's pai
 them and starts from them. Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
 exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
 
-Load. The model services batch the forwards of concurrent sessions (specdec.worker), so with
-N generations running a target step costs about a + beta N n when each scores n tokens: the
-slope b a session fits is beta, but when every session lengthens its rounds by one token
-every step grows by N b. The policy is given N (`load`, the generations running in this
-process) and prices speculation against everyone decoding without it: s = N b / T0 and
-c = draft seconds per token / T0, with T0 = T1 - (N - 1) b (n_mean - 1) the step of N
-one-token rounds. k = 0 (no speculation: the round is one target step) is a choice too,
-S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY
-rounds off one round explores k = 2, so acceptance and costs are measured again when the
-load falls. An exploration that finds speculation still does not pay doubles the wait before
-the next (up to EXPLORE_MAX rounds): under a steady high load the explorations' cost falls
-towards nothing, so adaptive k stays as fast as speculation off.
+Load. The model services batch the forwards of concurrent sessions (specdec.worker), and the
+target reports the tokens of the batched forward that scored each round, all sessions'
+together (ScoreResponse.step_tokens): the line is fitted over those, T(m) = T1 + b (m - 1),
+the cost of a step of m tokens whoever fed them (alone, m = k + 1 and the line is the one
+above). With N generations running (`load`, those of this process) the policy prices
+speculation against everyone decoding without it: N one-token rounds are a step of
+t0 = T(N), and every round lengthened by k tokens makes it t0 + N b k, so s = N b / t0 and
+c = draft seconds per token / t0. k = 0 (no speculation: the round is one target step) is a
+choice too, S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and after
+EXPLORE_EVERY rounds off (any generation's on the pair) one round explores k = 2, so acceptance
+and costs are measured again when the load falls. An exploration that finds speculation still
+does not pay doubles the wait before the next (up to EXPLORE_MAX rounds): under a steady high
+load the explorations' cost falls towards nothing, so adaptive k stays as fast as speculation
+off.
 
 Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
@@ -97,8 +99,10 @@ class PairCosts:
         self.rejections = 0.0
         self.draft_seconds = 0.0
         self.draft_tokens = 0.0
-        # weighted sums for the line target_seconds = T1 + b * (tokens scored - 1), FIT_DECAY
+        # weighted sums for the line target_seconds = T1 + b * (step tokens - 1), FIT_DECAY; step
+        # tokens: of the target's batched forward that scored the round, all sessions' together
         self.fit_w = 0.0
+        self.fit_k = 0.0  # drafts proposed
         self.fit_n = 0.0
         self.fit_t = 0.0
         self.fit_nn = 0.0
@@ -117,13 +121,16 @@ class PairCosts:
         t1 = mean_t - slope * (mean_n - 1)
         return (t1, slope) if t1 > 0 else (mean_t, 0.0)
 
-    def update(self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int) -> None:
-        d, f, n = DECAY, FIT_DECAY, proposed + 1  # n: tokens the target scored
+    def update(
+        self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int, step: int
+    ) -> None:
+        d, f, n = DECAY, FIT_DECAY, step
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         self.draft_seconds = d * self.draft_seconds + draft_seconds
         self.draft_tokens = d * self.draft_tokens + drafted
         self.fit_w = f * self.fit_w + 1
+        self.fit_k = f * self.fit_k + proposed
         self.fit_n = f * self.fit_n + n
         self.fit_t = f * self.fit_t + target_seconds
         self.fit_nn = f * self.fit_nn + n * n
@@ -171,8 +178,8 @@ class AdaptiveLookahead:
         if costs.fit_w == 0 or alpha is None or costs.draft_tokens == 0:
             return self.k_max
         line = costs.verify_cost(self.k_max)
-        if line is None:  # every recent round scored the same number of tokens: try another k
-            usual = round(costs.fit_n / costs.fit_w) - 1
+        if line is None:  # every recent step fed the same number of tokens: try another k
+            usual = round(costs.fit_k / costs.fit_w)
             if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
                 return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
@@ -181,17 +188,25 @@ class AdaptiveLookahead:
         n = max(1, self.load())
         if self.overlap and n == 1:
             return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
-        t0 = max(t1 - (n - 1) * slope * (costs.fit_n / costs.fit_w - 1), t1 / n)  # all at one token
+        t0 = t1 + (n - 1) * slope  # the step of n one-token rounds
         return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max)
 
     def update(
-        self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int | None = None
+        self,
+        proposed: int,
+        accepted: int,
+        draft_seconds: float,
+        target_seconds: float,
+        drafted: int | None = None,
+        step_tokens: int | None = None,
     ) -> None:
         """One round: drafts verified and accepted, the draft's seconds for `drafted` tokens
-        (default: the proposed ones; overlapped, also the continuation's), the target's seconds."""
+        (default: the proposed ones; overlapped, also the continuation's), the target's seconds,
+        and the tokens of the target's batched forward that scored them (default: this round's
+        alone, proposed + 1, as when no other session shares the target)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
+        drafted = proposed if drafted is None else drafted
+        step = proposed + 1 if step_tokens is None else step_tokens
         with self.costs.lock:
-            self.costs.update(
-                proposed, accepted, draft_seconds, target_seconds, proposed if drafted is None else drafted
-            )
+            self.costs.update(proposed, accepted, draft_seconds, target_seconds, drafted, step)

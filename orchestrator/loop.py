@@ -415,7 +415,7 @@ class SpeculativeLoop:
         if self.policy:  # k = 0 rounds too: they measure the one-token step
             drafted += k_next + 1 if continuation is not None else 0
             spent = fresh + continued if self.overlap else draft_time  # overlapped: the draft's own time
-            self.policy.update(k, min(accepted, k), spent, target_time, drafted)
+            self.policy.update(k, min(accepted, k), spent, target_time, drafted, scores.step_tokens or None)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
 

@@ -76,6 +76,7 @@ class Forward:
     tokens: list[int]
     n_logits: int
     cached: list[int]
+    step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
 
 
 class SessionEngine:
@@ -121,8 +122,9 @@ class SessionEngine:
             logits = batch(items)
         else:
             logits = [self.backend.forward(*item) for item in items]
+        step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
-            f.session.cached = f.cached
+            f.session.cached, f.step_tokens = f.cached, step
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ class Scores:
     draft_token_probs: list[float]  # sampling: [k] target_probs[i][x_i]
     row_position: int  # sampling: which row `row` is
     row: np.ndarray | None  # sampling: [vocab] float32
+    step_tokens: int = 0  # tokens of the batched forward that scored them, all sessions'
 
 
 def score(
@@ -40,11 +41,12 @@ def score(
     k = len(draft_ids)
     # checked at the edge (specdec.validation)
     assert params.greedy or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
-    logits = yield engine.forward(session, draft_ids, k + 1)  # [k + 1, vocab]
+    forward = engine.forward(session, draft_ids, k + 1)
+    logits = yield forward  # [k + 1, vocab]
     if params.greedy:
-        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None)
+        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, forward.step_tokens)
     probs = probs_from_logits(logits, params)
     rows = torch.arange(k, device=probs.device)
     at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
     n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
-    return Scores([], at, n, probs[n].cpu().numpy())
+    return Scores([], at, n, probs[n].cpu().numpy(), forward.step_tokens)

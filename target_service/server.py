@@ -41,6 +41,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 row=wire.encode_row(scores.row) if scores.row is not None else None,
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
+                step_tokens=scores.step_tokens,
             )
 
         return self.engine.call(ref.session_id, ref.expected_length, run, context)

@@ -21,11 +21,13 @@ import torch
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.backend import HFBackend
+from specdec.engine import SessionEngine
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
+from target_service.server import TargetServicer
 from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, status_of
-from tests.standins import MarkovBackend, random_markov
+from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
 from tests.test_loop import kernel_after_transform, pair
 
@@ -184,6 +186,30 @@ def test_sampling_through_batched_verification_follows_the_target():
     assert markov_chisquare(chains, kernel) > 1e-3
     assert max(target_engine.backend.rows) > 1  # verifications of different sessions shared forwards
     assert draft_engine.open_sessions == target_engine.open_sessions == 0
+
+
+def test_score_reports_the_tokens_of_its_batched_step():
+    """ScoreResponse.step_tokens: the tokens of the batched forward that scored the request, all
+    sessions' together (what adaptive lookahead prices a round by); alone, its own block."""
+    target = Direct(TargetServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.3), "target")))
+    for sid in "abc":
+        target.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
+    steps = {}
+
+    def score(sid, drafts):  # feeds the last prompt token again, then the drafts
+        ref = model_pb2.SessionRef(session_id=sid, expected_length=3)
+        request = model_pb2.ScoreRequest(session=ref, draft_token_ids=drafts)
+        steps[sid] = target.Score(request).step_tokens
+
+    blocker = threading.Thread(target=score, args=("c", [1]))
+    blocker.start()
+    time.sleep(0.1)  # c's step is running: a and b queue behind it and run as one step
+    both = [threading.Thread(target=score, args=(sid, drafts)) for sid, drafts in (("a", [1, 2]), ("b", [3, 4, 5, 6]))]
+    for t in both:
+        t.start()
+    for t in (blocker, *both):
+        t.join()
+    assert steps == {"c": 2, "a": 3 + 5, "b": 3 + 5}
 
 
 @pytest.fixture(autouse=True)
