@@ -7,6 +7,12 @@ see specdec.engine) and wait for its result. Each step the worker
   nothing; a running one stops between forwards),
 - runs the pending forward of every active item as one batched forward (`run_batch`), and
   feeds each item its logits; an item that returns resolves its future.
+A step waits, briefly, for callers it has just served: a session's next request usually
+follows its answer within a round trip (the orchestrator's rule, the wire), and a step that
+starts without it splits the sessions into cohorts that take turns, each step half full. So
+before a step the worker waits up to GATHER_MAX seconds (and GATHER_SHARE of the last step's
+time) for the keys served in recent steps whose callers came back that quickly last time;
+callers that come back later (a session drafting between its verifications) are not waited for.
 An error raised by an item fails that item only; when a batched forward fails, its items
 run again one by one, so only those that fail alone get the error. Continuous batching:
 items join and leave between any two steps, so a session's k-step proposal or a chunked
@@ -19,7 +25,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -27,6 +35,10 @@ from concurrent.futures import Future
 from specdec.errors import Cancelled, Unavailable
 
 log = logging.getLogger("specdec")
+
+GATHER_MAX = 0.010  # seconds a step waits, at most, for callers it has just served
+GATHER_SHARE = 0.25  # ... and at most this share of the last step's time
+FORGET = 1.0  # seconds after which a served key that did not come back is no longer expected
 
 
 class Item:
@@ -51,6 +63,9 @@ class Worker:
         self._cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._served: dict = {}  # key -> when its last item finished, until its next one comes
+        self._gaps: dict = {}  # key -> (seconds its caller took to come back last time, when)
+        self._last_step = 0.0  # seconds the last batched forward took
 
     # -- callers' side -----------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +87,10 @@ class Worker:
             if self._stopped:
                 raise Unavailable("the model worker has stopped")
             self._queue.append(item)
+            served = self._served.pop(key, None)
+            if served is not None:
+                now = time.monotonic()
+                self._gaps[key] = (now - served, now)
             self._cond.notify_all()
         if context is not None and not context.add_callback(lambda: self._cancel(item)):
             self._cancel(item)  # the call had already ended
@@ -88,7 +107,29 @@ class Worker:
             return {i.key for i in (*self._queue, *self._active)}
 
     # -- the worker thread -------------------------------------------------------------------
+    def _gather(self) -> bool:
+        """Wait for the callers served in recent steps that come back within the window;
+        True if any came (the caller admits them into this step)."""
+        window = min(GATHER_MAX, GATHER_SHARE * self._last_step)
+        now = time.monotonic()
+        deadline = now + window
+        with self._cond:
+            for key in [k for k, at in self._served.items() if now - at > FORGET]:
+                del self._served[key]
+            for key in [k for k, (_, at) in self._gaps.items() if now - at > 10 * FORGET]:
+                del self._gaps[key]
+            expected = {k for k in self._served if self._gaps.get(k, (math.inf,))[0] <= window}
+            if not expected:
+                return False
+            while not self._stopped and expected & self._served.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return bool(self._queue)
+
     def _run(self) -> None:
+        gathered = False
         while True:
             with self._cond:
                 while not self._stopped and not self._queue and not self._active:
@@ -105,6 +146,11 @@ class Worker:
             batch = [i for i in self._active if i.pending is not None]
             if not batch:
                 continue
+            if not gathered and self._gather():
+                gathered = True
+                continue  # admit those who came, then run the step with them
+            gathered = False
+            started = time.perf_counter()
             try:
                 # In the first item's context: a batched forward's span joins that request's trace.
                 results = batch[0].context.run(self.run_batch, [i.pending for i in batch])
@@ -113,6 +159,7 @@ class Worker:
                 for item in batch:
                     self._run_alone(item)
                 continue
+            self._last_step = time.perf_counter() - started
             for item, result in zip(batch, results, strict=True):
                 self._advance(item, result)
 
@@ -169,3 +216,5 @@ class Worker:
         with self._cond:
             if item in self._active:
                 self._active.remove(item)
+            if item.key is not None:
+                self._served[item.key] = time.monotonic()

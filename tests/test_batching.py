@@ -212,6 +212,31 @@ def test_score_reports_the_tokens_of_its_batched_step():
     assert steps == {"c": 2, "a": 3 + 5, "b": 3 + 5}
 
 
+def test_sessions_that_come_back_at_once_share_every_step():
+    """Four sessions scoring in a loop, each sending its next request 2 ms after its answer (a
+    round trip): a step waits that long for them, so every step holds all four, instead of
+    the first to come back starting a step alone and the sessions splitting into cohorts."""
+    backend = BatchingMarkov(random_markov(8, 31))
+    target = Direct(TargetServicer(SessionEngine(SlowBackend(backend, 0.05), "target")))
+
+    def loop(sid):
+        target.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
+        length, pending = 3, []
+        for _ in range(12):
+            ref = model_pb2.SessionRef(session_id=sid, expected_length=length)
+            reply = target.Score(model_pb2.ScoreRequest(session=ref, append_tokens=pending))
+            length, pending = reply.length, [reply.argmax_token_ids[0]]
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=loop, args=(sid,)) for sid in "abcd"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # 4 x 13 forwards (a prefill and 12 scores each): all but the first and last few steps full
+    assert sum(backend.rows) == 52 and backend.rows.count(4) >= 10, backend.rows
+
+
 @pytest.fixture(autouse=True)
 def _quiet_worker_logs(caplog):
     caplog.set_level("CRITICAL", logger="specdec")
