@@ -26,7 +26,8 @@ from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)
 (Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
 service compute time (draft ms per token it proposed, thrown-away continuations included;
 target ms per round), and orchestrator
-overhead per round (round time not spent computing in a model service).
+overhead per round (round time not spent computing in a model service; sequential rounds
+only: overlapped, the services compute at once).
 Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
 round by round, sequential vs overlapped: bench.timeline) to --out and prints a table.
 """
@@ -148,15 +149,17 @@ def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str
     rounds = max(s.rounds, 1)
     drafted = s.drafted_tokens  # what the draft's compute was spent on, thrown-away continuations included
     compute = s.draft_compute_seconds + s.target_compute_seconds
+    # Overlapped, the two services compute at once: the round time less their sum says nothing.
+    overhead = None if overlap and k != "-" else s.round_seconds - compute
     run |= {
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
         "tokens_per_round": s.mean_accepted_length,
         "drafts_per_round": s.draft_tokens / rounds,
         "bytes_per_round": s.wire_bytes / rounds,
-        "overhead_ms_per_round": 1000 * (s.round_seconds - compute) / rounds,
+        "overhead_ms_per_round": None if overhead is None else 1000 * overhead / rounds,
         "draft_ms_per_token": 1000 * s.draft_compute_seconds / drafted if drafted else None,
         "target_ms_per_round": 1000 * s.target_compute_seconds / rounds,
-        "overhead_fraction": (s.round_seconds - compute) / s.round_seconds if s.round_seconds else None,
+        "overhead_fraction": overhead / s.round_seconds if overhead is not None and s.round_seconds else None,
         "cost_ratio": (
             (s.draft_compute_seconds / drafted) / (s.target_compute_seconds / rounds)
             if drafted and s.target_compute_seconds
