@@ -19,8 +19,9 @@ Each round picks the k in 1..k_max that maximises S with these estimated from th
   round in it scored the same number of tokens the slope is unknown; then one round explores
   another k (half the usual one) and the fit has its two points.
 The costs are the pair's (PairCosts): every generation on the orchestrator's pair measures
-them and starts from them. Before any evidence it uses k_max. The choice of k never changes the output law (the rule is
-exact for every k), only the speed. Pure: no clock, no RPC; the loop feeds it measurements.
+them and starts from them. Before any evidence it uses k_max. The choice of k never changes
+the output law (the rule is exact for every k), only the speed. Pure: no clock, no RPC; the
+loop feeds it measurements.
 
 Load. The model services batch the forwards of concurrent sessions (specdec.worker), and the
 target reports the tokens of the batched forward that scored each round, all sessions'
@@ -111,8 +112,8 @@ class PairCosts:
         self.explore_after = EXPLORE_EVERY  # rounds off before the next exploration
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
-        """(T1, b): target seconds for a round scoring one token and per extra token scored;
-        None while the rounds do not spread over enough sizes to fit a slope."""
+        """(T1, b): target seconds for a step of one token and per extra token in the step;
+        None while the steps do not spread over enough sizes to fit a slope."""
         mean_n, mean_t = self.fit_n / self.fit_w, self.fit_t / self.fit_w
         spread = self.fit_nn / self.fit_w - mean_n**2
         if spread < MIN_SPREAD:
