@@ -14,7 +14,7 @@ Each round picks the k in 1..k_max that maximises S with these estimated from th
   no rejection), over an exponentially weighted window (~5 rounds), the generation's own
   with the pair's as a prior (the text decides it);
 - c: draft seconds per proposed token / T1, likewise weighted;
-- T1 and b: a weighted least-squares line through (tokens scored, target seconds) of the
+- T1 and b: a weighted least-squares line through (tokens scored, target compute seconds) of the
   rounds so far (a slow window, ~30 rounds: the cost curve is the hardware's). While every
   round in it scored the same number of tokens the slope is unknown; then one round explores
   another k (half the usual one) and the fit has its two points.
@@ -25,25 +25,31 @@ loop feeds it measurements.
 
 Load. The model services batch the forwards of concurrent sessions (specdec.worker), and the
 target reports the tokens of the batched forward that scored each round, all sessions'
-together (ScoreResponse.step_tokens): the line is fitted over those, T(m) = T1 + b (m - 1),
-the cost of a step of m tokens whoever fed them (alone, m = k + 1 and the line is the one
-above). With N generations running (`load`, those of this process) the policy prices
-speculation against everyone decoding without it: N one-token rounds are a step of
-t0 = T(N), and every round lengthened by k tokens makes it t0 + N b k, so s = N b / t0 and
-c = draft seconds per token / t0. k = 0 (no speculation: the round is one target step) is a
-choice too, S(0) = 1, taken when no k pays; rounds at k = 0 keep the fit fresh, and after
-EXPLORE_EVERY rounds off (any generation's on the pair) one round explores k = 2, so acceptance
-and costs are measured again when the load falls. An exploration that finds speculation still
-does not pay doubles the wait before the next (up to EXPLORE_MAX rounds): under a steady high
-load the explorations' cost falls towards nothing, so adaptive k stays as fast as speculation
-off.
+together (ScoreResponse.step_tokens), and that step's seconds (compute_seconds): the line is
+fitted over those, T(m) = T1 + b (m - 1), the cost of a step of m tokens whoever fed them
+(alone, m = k + 1 and the line is the one above). What a round waits on the target beyond its
+step (the RPC; under load, the step in progress when it arrives) is measured apart, for rounds
+that speculated (w_on) and rounds that did not (w_off): sessions decoding without speculation
+come back together and share every step, while speculating ones come back from the draft at
+different times and queue behind others' steps. (Fitted into the line, as before, the
+queueing made every step look dear and speculation cheap by comparison.) With N generations
+running (`load`, those of this process) the policy prices speculation against everyone
+decoding without it: N one-token rounds are a step of T(N), a round t0 = T(N) + w_off, and a
+speculating round of k drafts costs T(N) + w_on + k (d + N b) (d: the draft's seconds per
+token, its own queueing included), so S(k) = E[tokens] t0 / (T(N) + w_on + k (d + N b)).
+k = 0 (no speculation: the round is one target step) is a choice too, S(0) = 1, taken when no
+k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY rounds off (any
+generation's on the pair) one round explores k = 2, so acceptance and costs are measured again
+when the load falls. An exploration that finds speculation still does not pay doubles the wait
+before the next (up to EXPLORE_MAX rounds): under a steady high load the explorations' cost
+falls towards nothing.
 
 Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
 drafts were proposed that way starts at once, which happens when all k drafts and the
 continuation's first token are accepted (alpha^(k+1)); otherwise it first waits for k fresh
 drafts. Tokens per second in steady state:
-    R(k) = E[tokens] / (max(T1 + b k, (k + 1) d) + (1 - alpha^(k+1)) k d),
+    R(k) = E[tokens] / (max(T1 + w_on + b k, (k + 1) d) + (1 - alpha^(k+1)) k d),
 with E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) as before. Its best k makes the draft's
 continuation end about when the verify does, less where rejections waste the drafting.
 """
@@ -62,15 +68,18 @@ EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation
 PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance in a generation's
 
 
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """S(k) above; alpha in [0, 1]; S(0) = 1."""
+def expected_speedup(alpha: float, k: int, cost_ratio: float, base: float = 1.0) -> float:
+    """S(k) above; alpha in [0, 1]; S(0) = 1. `base`: a speculating round's cost at k = 0 over a
+    round without speculation (1 unless they wait differently for the target, see Load)."""
+    if k == 0:
+        return 1.0
     tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * cost_ratio + 1)
+    return tokens / (k * cost_ratio + base)
 
 
-def best_lookahead(alpha: float, cost_ratio: float, k_max: int) -> int:
+def best_lookahead(alpha: float, cost_ratio: float, k_max: int, base: float = 1.0) -> int:
     """The k in 0..k_max with the highest S (0: no speculation pays)."""
-    return max(range(0, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio))
+    return max(range(0, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, base))
 
 
 def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
@@ -86,9 +95,10 @@ def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: floa
 
 class PairCosts:
     """What the rounds of every generation on one draft/target pair measure: the target's verify
-    cost line, the draft's seconds per token, the acceptance, and how long speculation has been
-    off. One per orchestrator (generation.ModelPair), shared by its generations, as vLLM's
-    dynamic speculative decoding keeps its statistics per engine and not per request: a new
+    cost line, the waits, the draft's seconds per token, the acceptance, and how long speculation
+    has been off. One per orchestrator
+    (generation.ModelPair), shared by its generations, as vLLM's dynamic speculative decoding
+    keeps its statistics per engine and not per request: a new
     generation starts from what the others measured instead of from k_max with no evidence (a
     short generation under load used to spend most of its rounds learning), and under a steady
     load where speculation does not pay the explorations are paid once for all generations, not
@@ -100,7 +110,7 @@ class PairCosts:
         self.rejections = 0.0
         self.draft_seconds = 0.0
         self.draft_tokens = 0.0
-        # weighted sums for the line target_seconds = T1 + b * (step tokens - 1), FIT_DECAY; step
+        # weighted sums for the line step compute = T1 + b * (step tokens - 1), FIT_DECAY; step
         # tokens: of the target's batched forward that scored the round, all sessions' together
         self.fit_w = 0.0
         self.fit_k = 0.0  # drafts proposed
@@ -108,6 +118,10 @@ class PairCosts:
         self.fit_t = 0.0
         self.fit_nn = 0.0
         self.fit_nt = 0.0
+        # seconds a round waited on the target beyond its step's compute (the RPC, and queueing
+        # behind a step in progress), weighted by DECAY: [sum, weight] for rounds that
+        # speculated (k > 0) and rounds that did not
+        self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.off_rounds = 0  # rounds in a row (any generation's) chosen without speculation
         self.explore_after = EXPLORE_EVERY  # rounds off before the next exploration
 
@@ -122,10 +136,31 @@ class PairCosts:
         t1 = mean_t - slope * (mean_n - 1)
         return (t1, slope) if t1 > 0 else (mean_t, 0.0)
 
+    def wait(self, speculating: bool) -> float:
+        """Seconds a round waits on the target beyond its step's compute, speculating or not;
+        one mode not measured lately: the other's."""
+        total, weight = self.waits[speculating]
+        if weight < 0.5:
+            total, weight = self.waits[not speculating]
+        return total / weight if weight else 0.0
+
     def update(
-        self, proposed: int, accepted: int, draft_seconds: float, target_seconds: float, drafted: int, step: int
+        self,
+        proposed: int,
+        accepted: int,
+        draft_seconds: float,
+        target_seconds: float,
+        drafted: int,
+        step: int,
+        target_compute: float,
     ) -> None:
         d, f, n = DECAY, FIT_DECAY, step
+        for mode, waited in self.waits.items():
+            waited[0] *= d
+            waited[1] *= d
+            if mode == (proposed > 0):
+                waited[0] += max(0.0, target_seconds - target_compute)
+                waited[1] += 1
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         self.draft_seconds = d * self.draft_seconds + draft_seconds
@@ -133,9 +168,9 @@ class PairCosts:
         self.fit_w = f * self.fit_w + 1
         self.fit_k = f * self.fit_k + proposed
         self.fit_n = f * self.fit_n + n
-        self.fit_t = f * self.fit_t + target_seconds
+        self.fit_t = f * self.fit_t + target_compute
         self.fit_nn = f * self.fit_nn + n * n
-        self.fit_nt = f * self.fit_nt + n * target_seconds
+        self.fit_nt = f * self.fit_nt + n * target_compute
 
 
 @dataclass
@@ -186,11 +221,13 @@ class AdaptiveLookahead:
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         t1, slope = line
         draft_per_token = costs.draft_seconds / costs.draft_tokens
+        waits = costs.wait(True), costs.wait(False)
         n = max(1, self.load())
         if self.overlap and n == 1:
-            return best_overlapped_lookahead(alpha, draft_per_token, t1, slope, self.k_max)
-        t0 = t1 + (n - 1) * slope  # the step of n one-token rounds
-        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max)
+            return best_overlapped_lookahead(alpha, draft_per_token, t1 + waits[0], slope, self.k_max)
+        step = t1 + (n - 1) * slope  # the step of n one-token rounds
+        t0 = step + waits[1]  # a round without speculation
+        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max, base=(step + waits[0]) / t0)
 
     def update(
         self,
@@ -200,9 +237,11 @@ class AdaptiveLookahead:
         target_seconds: float,
         drafted: int | None = None,
         step_tokens: int | None = None,
+        target_compute: float | None = None,
     ) -> None:
         """One round: drafts verified and accepted, the draft's seconds for `drafted` tokens
-        (default: the proposed ones; overlapped, also the continuation's), the target's seconds,
+        (default: the proposed ones; overlapped, also the continuation's), the seconds waited on
+        the target, of which `target_compute` its step's (as the target reports; default: all),
         and the tokens of the target's batched forward that scored them (default: this round's
         alone, proposed + 1, as when no other session shares the target)."""
         self.accepted = DECAY * self.accepted + accepted
@@ -210,4 +249,5 @@ class AdaptiveLookahead:
         drafted = proposed if drafted is None else drafted
         step = proposed + 1 if step_tokens is None else step_tokens
         with self.costs.lock:
-            self.costs.update(proposed, accepted, draft_seconds, target_seconds, drafted, step)
+            compute = target_seconds if target_compute is None else target_compute
+            self.costs.update(proposed, accepted, draft_seconds, target_seconds, drafted, step, compute)

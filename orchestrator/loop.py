@@ -201,6 +201,7 @@ class SpeculativeLoop:
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
         self._stats_lock = threading.Lock()
+        self._draft_opening = None  # adaptive: the draft's OpenSession while it runs (_draft_ready)
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -225,8 +226,10 @@ class SpeculativeLoop:
             except BaseException:
                 _wait_quietly(other, self._timeout())
                 raise
-            if other is not None:
+            if other is not None and self.policy is None:
                 other.result(timeout=self._timeout())
+            elif other is not None:  # adaptive: rounds go without speculation until it is done
+                self._draft_opening = other
             while True:
                 step = self._round()
                 yield step
@@ -234,12 +237,19 @@ class SpeculativeLoop:
                     return
         finally:
             RUNNING.add(-1)
+            opening, self._draft_opening = self._draft_opening, None
+            if opening is not None:  # the draft's open still runs: closed once it is done
+                opened.remove(self.draft)
+                opening.add_done_callback(lambda _: self._close(self.draft))
             for side in opened:
-                try:  # its own timeout: the request's deadline may have passed
-                    request = model_pb2.CloseSessionRequest(session_id=self.session_id)
-                    side.stub.CloseSession(request, timeout=CLOSE_TIMEOUT)
-                except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
-                    pass
+                self._close(side)
+
+    def _close(self, side: _Side) -> None:
+        try:  # its own timeout: the request's deadline may have passed
+            request = model_pb2.CloseSessionRequest(session_id=self.session_id)
+            side.stub.CloseSession(request, timeout=CLOSE_TIMEOUT)
+        except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
+            pass
 
     def _open(self, side: _Side) -> None:
         try:
@@ -250,6 +260,20 @@ class SpeculativeLoop:
         except SessionLost:  # the service is down or restarting: wait for it
             side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
         side.length = len(self.prompt)
+
+    def _draft_ready(self, wait: bool = False) -> bool:
+        """Whether the draft's session is open; its open's error goes up here. Under load the
+        draft prefills many prompts (a Q4_1 draft on one core: ~0.3 s each), so an adaptive
+        generation does not wait for its own before its first rounds: they go without
+        speculation (k = 0; the tokens they commit reach the draft with its first Propose)."""
+        opening = self._draft_opening
+        if opening is None:
+            return True
+        if not wait and not opening.done():
+            return False
+        self._draft_opening = None
+        opening.result(timeout=self._timeout())
+        return True
 
     # -- one round -------------------------------------------------------------------------
     def _call(self, method, request):
@@ -266,8 +290,9 @@ class SpeculativeLoop:
         remaining = cfg.max_new_tokens - len(self.generated)
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
-        wanted = 0 if self.draft is None else self._wanted_k()  # asked once a round: the policy counts them
-        if self.draft is None:
+        ready = self.draft is not None and self._draft_ready()
+        wanted = self._wanted_k() if ready else 0  # asked once a round: the policy counts them
+        if not ready:
             k = 0
         elif self._carried is not None:
             k = len(self._carried.tokens)  # proposed last round, as its continuation
@@ -415,7 +440,15 @@ class SpeculativeLoop:
         if self.policy:  # k = 0 rounds too: they measure the one-token step
             drafted += k_next + 1 if continuation is not None else 0
             spent = fresh + continued if self.overlap else draft_time  # overlapped: the draft's own time
-            self.policy.update(k, min(accepted, k), spent, target_time, drafted, scores.step_tokens or None)
+            self.policy.update(
+                k,
+                min(accepted, k),
+                spent,
+                target_time,
+                drafted,
+                scores.step_tokens or None,
+                scores.compute_seconds or None,  # a service that does not report it: all the wait
+            )
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
 
@@ -459,6 +492,8 @@ class SpeculativeLoop:
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
         for side in (self.draft, self.target):
+            if side is self.draft and side is not None:
+                self._draft_ready(wait=True)
             if side is not None and side.pending:
                 side.stub.Append(
                     model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),

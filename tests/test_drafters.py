@@ -201,3 +201,26 @@ def test_adaptive_lookahead_speculates_less_under_load():
         load[0] = n
         ks.append(policy._best_k())
     assert ks[0] >= 2 and ks == sorted(ks, reverse=True) and ks[-1] == 0, ks
+
+
+@pytest.mark.parametrize("queued", [0.0, 0.1])
+def test_adaptive_lookahead_prices_what_speculating_rounds_wait(queued):
+    """The line is fitted over the step's compute as the target reports it (here 50 ms + 2 ms a
+    token), and what a round waits beyond it is measured apart for rounds that speculated and
+    rounds that did not. 8 generations, a cheap draft (5 ms a token), acceptance 2/3: when
+    speculating rounds wait as long as the others, k = 2..3 pays; when they queue 100 ms more
+    (sessions back from the draft at different times wait for the step in progress), none does."""
+    policy = AdaptiveLookahead(k_max=8, load=lambda: 8)
+    for i in range(60):
+        k = (0, 2, 4)[i % 3]
+        step = 8 * (k + 1)
+        compute = 0.05 + 0.002 * (step - 1)
+        waited = compute + 0.002 + (queued if k else 0.0)
+        policy.update(k, 3 * k // 4, 0.005 * k, waited, step_tokens=step, target_compute=compute)
+    assert policy.costs.verify_cost(8) == pytest.approx((0.05, 0.002))
+    assert policy.costs.wait(True) == pytest.approx(0.002 + queued)
+    assert policy.costs.wait(False) == pytest.approx(0.002)
+    if queued:
+        assert policy._best_k() == 0
+    else:
+        assert 2 <= policy._best_k() <= 3

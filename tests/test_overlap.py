@@ -6,6 +6,9 @@ overlapped rounds leaving the output as it was (tests/test_recovery.py runs that
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -145,3 +148,57 @@ def test_adaptive_overlapped_policy_learns_from_the_rounds():
     for k in (8, 4, 8, 4, 8, 4):  # rounds of two sizes: the verify line has two points
         policy.update(k + 1, k + 1, draft_seconds=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k, drafted=k + 1)
     assert policy.next_k() == best_overlapped_lookahead(1.0, 0.010, 0.060, 0.008, 16)
+
+
+class SlowOpen:
+    """A draft stub whose OpenSession waits for `opened` to be set (a draft busy prefilling
+    others' prompts); every other call goes straight through."""
+
+    def __init__(self, stub):
+        self.stub = stub
+        self.opened = threading.Event()
+
+        self.calls = []
+
+    def OpenSession(self, request, timeout=None):
+        assert self.opened.wait(30)
+        response = self.stub.OpenSession(request, timeout=timeout)
+        self.calls.append("open")
+        return response
+
+    def CloseSession(self, request, timeout=None):
+        response = self.stub.CloseSession(request, timeout=timeout)
+        self.calls.append("close")
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+
+def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
+    """An adaptive generation does not wait for the draft's prefill: its first rounds go without
+    speculation, then it speculates, the commits of those rounds delivered to the draft with its
+    first Propose. Greedy output unchanged; the draft's session is closed at the end."""
+    target_probs = random_markov(12, 33, alpha=0.2)
+    draft, target = pair(target_probs, target_probs)
+    plain, _ = run(draft, target, SamplingParams(), 60, speculate=False)
+    slow = SlowOpen(draft)
+    config = LoopConfig(SamplingParams(), 60, lookahead=4, adaptive=True)
+    loop = SpeculativeLoop(slow, target, [0, 1, 2], config)
+    rounds = loop.rounds()
+    early = [next(rounds) for _ in range(3)]
+    assert [r.proposed for r in early] == [0, 0, 0]
+    slow.opened.set()
+    later = list(rounds)
+    assert loop.generated == plain and sum(r.proposed for r in later) > 0
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+    # A generation that ends before its draft's prefill does: the session is closed when it is.
+    short = SlowOpen(draft)
+    loop = SpeculativeLoop(short, target, [0, 1, 2], LoopConfig(SamplingParams(), 2, lookahead=4, adaptive=True))
+    assert sum(len(r.token_ids) for r in loop.rounds()) == 2
+    short.opened.set()
+    deadline = time.monotonic() + 10
+    while len(short.calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert short.calls == ["open", "close"]
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
