@@ -189,6 +189,9 @@ def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
     early = [next(rounds) for _ in range(3)]
     assert [r.proposed for r in early] == [0, 0, 0]
     slow.opened.set()
+    deadline = time.monotonic() + 10
+    while not slow.calls and time.monotonic() < deadline:  # the open done: the next rounds speculate
+        time.sleep(0.01)
     later = list(rounds)
     assert loop.generated == plain and sum(r.proposed for r in later) > 0
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
