@@ -96,9 +96,8 @@ def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: floa
 class PairCosts:
     """What the rounds of every generation on one draft/target pair measure: the target's verify
     cost line, the waits, the draft's seconds per token, the acceptance, and how long speculation
-    has been off. One per orchestrator
-    (generation.ModelPair), shared by its generations, as vLLM's dynamic speculative decoding
-    keeps its statistics per engine and not per request: a new
+    has been off. One per orchestrator (generation.ModelPair), shared by its generations, as
+    vLLM's dynamic speculative decoding keeps its statistics per engine and not per request: a new
     generation starts from what the others measured instead of from k_max with no evidence (a
     short generation under load used to spend most of its rounds learning), and under a steady
     load where speculation does not pay the explorations are paid once for all generations, not

@@ -226,10 +226,11 @@ class SpeculativeLoop:
             except BaseException:
                 _wait_quietly(other, self._timeout())
                 raise
-            if other is not None and self.policy is None:
-                other.result(timeout=self._timeout())
-            elif other is not None:  # adaptive: rounds go without speculation until it is done
-                self._draft_opening = other
+            if other is not None:
+                if self.policy is None:
+                    other.result(timeout=self._timeout())
+                else:  # adaptive: rounds go without speculation until it is done (_draft_ready)
+                    self._draft_opening = other
             while True:
                 step = self._round()
                 yield step
@@ -491,9 +492,8 @@ class SpeculativeLoop:
 
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
+        self._draft_ready(wait=True)
         for side in (self.draft, self.target):
-            if side is self.draft and side is not None:
-                self._draft_ready(wait=True)
             if side is not None and side.pending:
                 side.stub.Append(
                     model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),

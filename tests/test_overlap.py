@@ -7,7 +7,6 @@ overlapped rounds leaving the output as it was (tests/test_recovery.py runs that
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer
+from tests.harness import wait_until
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import counts_chisquare, markov_chisquare, transition_counts
 
@@ -157,7 +157,6 @@ class SlowOpen:
     def __init__(self, stub):
         self.stub = stub
         self.opened = threading.Event()
-
         self.calls = []
 
     def OpenSession(self, request, timeout=None):
@@ -189,9 +188,7 @@ def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
     early = [next(rounds) for _ in range(3)]
     assert [r.proposed for r in early] == [0, 0, 0]
     slow.opened.set()
-    deadline = time.monotonic() + 10
-    while not slow.calls and time.monotonic() < deadline:  # the open done: the next rounds speculate
-        time.sleep(0.01)
+    wait_until(lambda: slow.calls, within=10)  # the open done: the next rounds speculate
     later = list(rounds)
     assert loop.generated == plain and sum(r.proposed for r in later) > 0
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
@@ -200,8 +197,6 @@ def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
     loop = SpeculativeLoop(short, target, [0, 1, 2], LoopConfig(SamplingParams(), 2, lookahead=4, adaptive=True))
     assert sum(len(r.token_ids) for r in loop.rounds()) == 2
     short.opened.set()
-    deadline = time.monotonic() + 10
-    while len(short.calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(short.calls) == 2, within=10)
     assert short.calls == ["open", "close"]
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
