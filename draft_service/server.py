@@ -19,6 +19,19 @@ from specdec.v1 import model_pb2, model_pb2_grpc
 SERVICE_NAME = "specdec.v1.DraftService"
 
 
+def _metered(proposal, steps: list[int]):
+    """Run a proposal's forwards (engine.Forward) on the worker, appending the tokens of each
+    batched forward it ran in to `steps`."""
+    logits = None
+    try:
+        while True:
+            forward = proposal.send(logits)
+            logits = yield forward
+            steps.append(forward.step_tokens)
+    except StopIteration as stop:
+        return stop.value
+
+
 class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine: SessionEngine, drafter: Drafter = MODEL):
         super().__init__(engine)
@@ -41,12 +54,15 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 list(request.uniforms),
                 list(request.assumed_tokens),
             )
-            tokens, probs = (yield from proposal) if inspect.isgenerator(proposal) else proposal
+            steps: list[int] = []  # tokens of each batched forward the proposal ran in
+            tokens, probs = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
             return model_pb2.ProposeResponse(
                 token_ids=tokens,
                 token_probs=probs,
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
+                steps=len(steps),
+                step_tokens=sum(steps),
             )
 
         return self.engine.call(ref.session_id, ref.expected_length, run, context)

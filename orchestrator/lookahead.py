@@ -11,11 +11,11 @@ steps, s = b / T1, so the same S applies with c + s in place of c.
 Each round picks the k in 1..k_max that maximises S with these estimated from the rounds:
 - alpha: accepted / (accepted + rejections), the maximum-likelihood estimate for the
   geometric accept-until-first-reject process (a round that accepted everything contributes
-  no rejection), over an exponentially weighted window (~5 rounds), the generation's own
+  no rejection), over an exponentially weighted window (~5 steps, see Load), the generation's own
   with the pair's as a prior (the text decides it);
 - c: draft seconds per proposed token / T1, likewise weighted;
 - T1 and b: a weighted least-squares line through (tokens scored, target compute seconds) of the
-  rounds so far (a slow window, ~30 rounds: the cost curve is the hardware's). While every
+  rounds so far (a slow window, ~30 steps: the cost curve is the hardware's). While every
   round in it scored the same number of tokens the slope is unknown; then one round explores
   another k (half the usual one) and the fit has its two points.
 The costs are the pair's (PairCosts): every generation on the orchestrator's pair measures
@@ -32,17 +32,33 @@ step (the RPC; under load, the step in progress when it arrives) is measured apa
 that speculated (w_on) and rounds that did not (w_off): sessions decoding without speculation
 come back together and share every step, while speculating ones come back from the draft at
 different times and queue behind others' steps. (Fitted into the line, as before, the
-queueing made every step look dear and speculation cheap by comparison.) With N generations
+queueing made every step look dear and speculation cheap by comparison.) A wait is counted up
+to two steps' compute: longer is a transient (behind the prefills of a wave of new prompts,
+seconds) that says nothing of the rounds to come. Every generation reports its rounds, so the
+windows count steps, not reports: a round of each of N generations weighs as one step (counted
+one by one, under load the line's window shrank to two steps and its intercept swung from 12
+to 234 ms between rounds). With N generations
 running (`load`, those of this process) the policy prices speculation against everyone
 decoding without it: N one-token rounds are a step of T(N), a round t0 = T(N) + w_off, and a
-speculating round of k drafts costs T(N) + w_on + k (d + N b) (d: the draft's seconds per
-token, its own queueing included), so S(k) = E[tokens] t0 / (T(N) + w_on + k (d + N b)).
+speculating round of k drafts costs T(N) + w_on + k (d(N) + N b), so
+S(k) = E[tokens] t0 / (T(N) + w_on + k (d(N) + N b)). d(N) is the draft's seconds per token
+when the N generations draft together, as they all choose alike: the draft reports the steps
+that ran each proposal and their tokens, all sessions' (ProposeResponse.steps, step_tokens),
+and its step's compute is fitted over them as the target's is, D(m) = D1 + e (m - 1); d(N) is
+D(N) a token, plus what a round waits for the draft beyond its compute. A draft that batches
+nothing (the llama.cpp Q4_1 draft on one core: 13, 26, 38, 85, 164 ms a step for 1, 2, 4, 8, 16
+sessions) costs a round drafting alone one session's step, and N generations drafting together
+N each: priced at its mean cost, measured mostly by lone explorations while speculation was
+off, speculation looked cheap, every generation took it up, the draft's cost rose N-fold, and
+k swung between 0 and k_max. Under load (N > 1) speculation is taken only when its best k
+promises 1 + MARGIN: near the break-even the model's error (~10%) decides, and switching costs
+(sessions that speculate come back out of step with the others).
 k = 0 (no speculation: the round is one target step) is a choice too, S(0) = 1, taken when no
-k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY rounds off (any
-generation's on the pair) one round explores k = 2, so acceptance and costs are measured again
-when the load falls. An exploration that finds speculation still does not pay doubles the wait
-before the next (up to EXPLORE_MAX rounds): under a steady high load the explorations' cost
-falls towards nothing.
+k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY steps off (rounds of the
+pair's generations, counted as above) one round explores k = 2, so acceptance and costs are
+measured again when the load falls. An exploration that finds speculation still does not pay
+doubles the wait before the next (up to EXPLORE_MAX steps): under a steady high load the
+explorations' cost falls towards nothing.
 
 Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
@@ -60,10 +76,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-DECAY = 0.8  # weight of the past per round: an effective window of ~5 rounds
-FIT_DECAY = 0.97  # the same for the verify-cost line: ~30 rounds
+DECAY = 0.8  # weight of the past per step (a round of each generation): a window of ~5 steps
+FIT_DECAY = 0.97  # the same for the cost lines: ~30 steps
 MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
-EXPLORE_EVERY = 8  # rounds without speculation before one round tries it again
+MARGIN = 0.1  # under load, the gain speculation must promise to be taken: the model's error there
+EXPLORE_EVERY = 8  # steps without speculation before one round tries it again
 EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation does not pay
 PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance in a generation's
 
@@ -82,6 +99,15 @@ def best_lookahead(alpha: float, cost_ratio: float, k_max: int, base: float = 1.
     return max(range(0, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, base))
 
 
+def speculates(gain: float, speculating: bool | None) -> bool:
+    """Under load: whether to speculate, given the best k's expected gain and whether the rounds
+    speculate now (None: no decision yet, taken when it gains); taken above 1 + MARGIN, dropped
+    below 1 - MARGIN, kept in between."""
+    if speculating is None:
+        return gain > 1
+    return gain >= (1 - MARGIN if speculating else 1 + MARGIN)
+
+
 def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
     """R(k) above: tokens per second of overlapped rounds; draft, t1, slope in seconds."""
     tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -93,9 +119,56 @@ def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: floa
     return max(range(1, k_max + 1), key=lambda k: overlapped_rate(alpha, k, draft, t1, slope))
 
 
+@dataclass
+class DraftCost:
+    """What a round waited for the draft: `seconds` for `tokens` proposed; of which the service
+    reported `compute` seconds in `steps` batched forwards of `step_tokens` tokens in all (all
+    sessions'; steps 0: not reported, or a model-free drafter)."""
+
+    seconds: float
+    tokens: int
+    compute: float = 0.0
+    steps: int = 0
+    step_tokens: int = 0
+
+
+class CostLine:
+    """A weighted least-squares line y = y1 + slope (x - 1) through (x, y) points, older points
+    weighted down by `decay` per point: a cost per step over the tokens in the step."""
+
+    def __init__(self, decay: float = FIT_DECAY):
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float, share: float = 1.0) -> None:
+        """A point; `share`: the part of one step it stands for (older points decay by that)."""
+        f = self.decay**share
+        self.w = f * self.w + 1
+        self.x = f * self.x + x
+        self.y = f * self.y + y
+        self.xx = f * self.xx + x * x
+        self.xy = f * self.xy + x * y
+
+    def mean(self) -> float:
+        return self.y / self.w
+
+    def fit(self) -> tuple[float, float] | None:
+        """(y1, slope), the slope at least 0 (the mean and 0 where the line would cost nothing
+        at x = 1); None while the points do not spread over enough x to fit a slope."""
+        if self.w == 0:
+            return None
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        spread = self.xx / self.w - mean_x**2
+        if spread < MIN_SPREAD:
+            return None
+        slope = max(0.0, (self.xy / self.w - mean_x * mean_y) / spread)
+        y1 = mean_y - slope * (mean_x - 1)
+        return (y1, slope) if y1 > 0 else (mean_y, 0.0)
+
+
 class PairCosts:
     """What the rounds of every generation on one draft/target pair measure: the target's verify
-    cost line, the waits, the draft's seconds per token, the acceptance, and how long speculation
+    cost line, the waits, the draft's cost line, the acceptance, and how long speculation
     has been off. One per orchestrator (generation.ModelPair), shared by its generations, as
     vLLM's dynamic speculative decoding keeps its statistics per engine and not per request: a new
     generation starts from what the others measured instead of from k_max with no evidence (a
@@ -107,33 +180,42 @@ class PairCosts:
         self.lock = threading.Lock()
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
+        # the draft: seconds waited for it, of which its service computed, its steps, the tokens
+        # it proposed (DECAY); and its step's compute over the tokens in the step (all sessions')
         self.draft_seconds = 0.0
+        self.draft_compute = 0.0
+        self.draft_steps = 0.0
         self.draft_tokens = 0.0
-        # weighted sums for the line step compute = T1 + b * (step tokens - 1), FIT_DECAY; step
-        # tokens: of the target's batched forward that scored the round, all sessions' together
-        self.fit_w = 0.0
-        self.fit_k = 0.0  # drafts proposed
-        self.fit_n = 0.0
-        self.fit_t = 0.0
-        self.fit_nn = 0.0
-        self.fit_nt = 0.0
+        self.draft_line = CostLine()
+        # the target's step compute over the step's tokens, all sessions' together
+        self.verify = CostLine()
+        self.usual_k = 0.0  # drafts proposed a round, weighted like the verify line
         # seconds a round waited on the target beyond its step's compute (the RPC, and queueing
         # behind a step in progress), weighted by DECAY: [sum, weight] for rounds that
         # speculated (k > 0) and rounds that did not
         self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
-        self.off_rounds = 0  # rounds in a row (any generation's) chosen without speculation
+        self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
         self.explore_after = EXPLORE_EVERY  # rounds off before the next exploration
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a step of one token and per extra token in the step;
         None while the steps do not spread over enough sizes to fit a slope."""
-        mean_n, mean_t = self.fit_n / self.fit_w, self.fit_t / self.fit_w
-        spread = self.fit_nn / self.fit_w - mean_n**2
-        if spread < MIN_SPREAD:
-            return None if k_max > 1 else (mean_t, 0.0)
-        slope = max(0.0, (self.fit_nt / self.fit_w - mean_n * mean_t) / spread)
-        t1 = mean_t - slope * (mean_n - 1)
-        return (t1, slope) if t1 > 0 else (mean_t, 0.0)
+        line = self.verify.fit()
+        return (self.verify.mean(), 0.0) if line is None and k_max <= 1 else line
+
+    def draft_cost(self, sessions: int) -> float:
+        """Seconds a drafted token costs when `sessions` draft together: the draft's step for
+        that many (its line; a llama.cpp draft on one core batches nothing, a step of 16
+        sessions costs 16 of one) per token, plus what a round waits for the draft beyond its
+        compute. The mean measured cost while the line is unknown (the steps all the same size,
+        or a service that does not report them)."""
+        line = self.draft_line.fit()
+        if line is None or self.draft_steps == 0:
+            return self.draft_seconds / self.draft_tokens
+        d1, slope = line
+        step = d1 + slope * (sessions - 1)
+        waited = max(0.0, self.draft_seconds - self.draft_compute)
+        return (step * self.draft_steps + waited) / self.draft_tokens
 
     def wait(self, speculating: bool) -> float:
         """Seconds a round waits on the target beyond its step's compute, speculating or not;
@@ -147,29 +229,38 @@ class PairCosts:
         self,
         proposed: int,
         accepted: int,
-        draft_seconds: float,
+        draft: DraftCost,
         target_seconds: float,
-        drafted: int,
         step: int,
         target_compute: float,
+        sessions: int = 1,
     ) -> None:
-        d, f, n = DECAY, FIT_DECAY, step
+        """One round of one of `sessions` generations running: each reports its rounds, so the
+        windows above count rounds of them all (a round of each of 16 generations is one step,
+        not 16: counted one by one, the line's window shrank to two steps under load and its
+        intercept swung from 12 to 234 ms)."""
+        share = 1 / max(1, sessions)
+        d = DECAY**share
         for mode, waited in self.waits.items():
             waited[0] *= d
             waited[1] *= d
             if mode == (proposed > 0):
-                waited[0] += max(0.0, target_seconds - target_compute)
+                # Capped at two steps: a round arriving during a step waits for it (about as long
+                # as its own), no more, while the load holds; a longer wait is a transient (behind
+                # the prefills of a wave of new prompts: seconds) that says nothing of the next round
+                waited[0] += min(max(0.0, target_seconds - target_compute), 2 * target_compute)
                 waited[1] += 1
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
-        self.draft_seconds = d * self.draft_seconds + draft_seconds
-        self.draft_tokens = d * self.draft_tokens + drafted
-        self.fit_w = f * self.fit_w + 1
-        self.fit_k = f * self.fit_k + proposed
-        self.fit_n = f * self.fit_n + n
-        self.fit_t = f * self.fit_t + target_compute
-        self.fit_nn = f * self.fit_nn + n * n
-        self.fit_nt = f * self.fit_nt + n * target_compute
+        if draft.tokens:
+            self.draft_seconds = d * self.draft_seconds + draft.seconds
+            self.draft_compute = d * self.draft_compute + (draft.compute if draft.steps else 0.0)
+            self.draft_steps = d * self.draft_steps + draft.steps
+            self.draft_tokens = d * self.draft_tokens + draft.tokens
+            if draft.steps:
+                self.draft_line.add(draft.step_tokens / draft.steps, draft.compute / draft.steps, share)
+        self.usual_k = FIT_DECAY**share * self.usual_k + proposed
+        self.verify.add(step, target_compute, share)
 
 
 @dataclass
@@ -184,6 +275,7 @@ class AdaptiveLookahead:
     costs: PairCosts = field(default_factory=PairCosts)
     accepted: float = 0.0
     rejections: float = 0.0
+    speculating: bool | None = None  # under load: the side of the MARGIN band it is on (see Load)
 
     def next_k(self) -> int:
         """The k for the next round (called once a round: it counts the rounds off)."""
@@ -193,7 +285,7 @@ class AdaptiveLookahead:
             if k > 0:
                 costs.off_rounds, costs.explore_after = 0, EXPLORE_EVERY
                 return k
-            costs.off_rounds += 1
+            costs.off_rounds += 1 / max(1, self.load())  # counted in steps: a round of each generation is one
             if costs.off_rounds < costs.explore_after:
                 return 0
             costs.off_rounds, costs.explore_after = 0, min(2 * costs.explore_after, EXPLORE_MAX)
@@ -210,43 +302,48 @@ class AdaptiveLookahead:
     def _best_k(self) -> int:
         costs = self.costs
         alpha = self.alpha()
-        if costs.fit_w == 0 or alpha is None or costs.draft_tokens == 0:
+        if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
             return self.k_max
         line = costs.verify_cost(self.k_max)
         if line is None:  # every recent step fed the same number of tokens: try another k
-            usual = round(costs.fit_k / costs.fit_w)
+            usual = round(costs.usual_k / costs.verify.w)
             if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
                 return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         t1, slope = line
-        draft_per_token = costs.draft_seconds / costs.draft_tokens
-        waits = costs.wait(True), costs.wait(False)
+        waits = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         n = max(1, self.load())
+        draft = costs.draft_cost(n)  # every generation drafting, as they all choose alike
         if self.overlap and n == 1:
-            return best_overlapped_lookahead(alpha, draft_per_token, t1 + waits[0], slope, self.k_max)
+            return best_overlapped_lookahead(alpha, draft, t1 + waits[0], slope, self.k_max)
         step = t1 + (n - 1) * slope  # the step of n one-token rounds
         t0 = step + waits[1]  # a round without speculation
-        return best_lookahead(alpha, (draft_per_token + n * slope) / t0, self.k_max, base=(step + waits[0]) / t0)
+        ratio, base = (draft + n * slope) / t0, (step + waits[0]) / t0
+        k = best_lookahead(alpha, ratio, self.k_max, base)
+        if n > 1:  # a band around break-even: switching costs (a continuation dropped, out of step)
+            self.speculating = speculates(expected_speedup(alpha, k, ratio, base), self.speculating)
+            k = k if self.speculating else 0
+        return k
 
     def update(
         self,
         proposed: int,
         accepted: int,
-        draft_seconds: float,
+        draft: DraftCost | float,
         target_seconds: float,
-        drafted: int | None = None,
         step_tokens: int | None = None,
         target_compute: float | None = None,
     ) -> None:
-        """One round: drafts verified and accepted, the draft's seconds for `drafted` tokens
-        (default: the proposed ones; overlapped, also the continuation's), the seconds waited on
-        the target, of which `target_compute` its step's (as the target reports; default: all),
-        and the tokens of the target's batched forward that scored them (default: this round's
-        alone, proposed + 1, as when no other session shares the target)."""
+        """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
+        for the proposed tokens, the service's steps unknown), the seconds waited on the target,
+        of which `target_compute` its step's (as the target reports; default: all), and the
+        tokens of the target's batched forward that scored them (default: this round's alone,
+        proposed + 1, as when no other session shares the target)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
-        drafted = proposed if drafted is None else drafted
+        if not isinstance(draft, DraftCost):
+            draft = DraftCost(draft, proposed)
         step = proposed + 1 if step_tokens is None else step_tokens
         with self.costs.lock:
             compute = target_seconds if target_compute is None else target_compute
-            self.costs.update(proposed, accepted, draft_seconds, target_seconds, drafted, step, compute)
+            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load())

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.lookahead import AdaptiveLookahead, PairCosts
+from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
@@ -125,6 +125,7 @@ class _Proposal:
     probs: list[float]  # sampling: draft_probs of each token
     uniforms: list[float]  # sampling: the uniforms that drew them
     lost: bool = False  # a continuation whose rows a restarted draft service lost: proposed again
+    report: model_pb2.ProposeResponse | None = None  # the service's reply (its costs), when proposed now
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,9 @@ class SpeculativeLoop:
             self.stats.draft_compute_seconds += proposal.compute_seconds
             self.stats.drafted_tokens += len(proposal.token_ids)
         self.draft.length, self.draft.pending = proposal.length, []
-        return _Proposal(list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k])), seconds
+        return _Proposal(
+            list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k]), report=proposal
+        ), seconds
 
     def _speculate(self, k: int, wanted: int, draws: _Draws, start: float) -> Round:
         cfg = self.config
@@ -441,12 +444,18 @@ class SpeculativeLoop:
         if self.policy:  # k = 0 rounds too: they measure the one-token step
             drafted += k_next + 1 if continuation is not None else 0
             spent = fresh + continued if self.overlap else draft_time  # overlapped: the draft's own time
+            reports = [p.report for p in (drafts, after) if p is not None and p.report is not None]
             self.policy.update(
                 k,
                 min(accepted, k),
-                spent,
+                DraftCost(
+                    spent,
+                    drafted,
+                    sum(r.compute_seconds for r in reports),
+                    sum(r.steps for r in reports),
+                    sum(r.step_tokens for r in reports),
+                ),
                 target_time,
-                drafted,
                 scores.step_tokens or None,
                 scores.compute_seconds or None,  # a service that does not report it: all the wait
             )

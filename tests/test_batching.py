@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
@@ -210,6 +211,29 @@ def test_score_reports_the_tokens_of_its_batched_step():
     for t in (blocker, *both):
         t.join()
     assert steps == {"c": 2, "a": 3 + 5, "b": 3 + 5}
+
+
+def test_propose_reports_its_steps_and_their_tokens():
+    """ProposeResponse.steps and step_tokens: the batched forwards that ran a proposal and their
+    tokens, all sessions' (what adaptive lookahead prices the draft by); a proposal of 3 run
+    alone is 3 one-token steps, two proposals of 3 side by side share their steps."""
+    draft = Direct(DraftServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.2), "draft")))
+    for sid in "ab":
+        draft.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
+    replies = {}
+
+    def propose(sid):
+        ref = model_pb2.SessionRef(session_id=sid, expected_length=3)
+        replies[sid] = draft.Propose(model_pb2.ProposeRequest(session=ref, k=3))
+
+    propose("a")
+    assert (replies["a"].steps, replies["a"].step_tokens) == (3, 3)
+    both = [threading.Thread(target=propose, args=(sid,)) for sid in "ab"]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    assert {(r.steps, r.step_tokens) for r in replies.values()} == {(3, 6)}
 
 
 def test_sessions_that_come_back_at_once_share_every_step():

@@ -8,7 +8,15 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM, make
 from draft_service.ngram import lookup
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import AdaptiveLookahead, PairCosts, best_lookahead, expected_speedup
+from orchestrator.lookahead import (
+    MARGIN,
+    AdaptiveLookahead,
+    DraftCost,
+    PairCosts,
+    best_lookahead,
+    expected_speedup,
+    speculates,
+)
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -75,11 +83,11 @@ def test_adaptive_lookahead_moves_with_acceptance():
     assert policy.next_k() == 8  # no evidence yet
     for _ in range(20):  # every draft rejected, expensive draft
         k = policy.next_k()
-        policy.update(proposed=k, accepted=0, draft_seconds=0.4 * k / 8, target_seconds=0.1)
+        policy.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
     assert policy.next_k() == 0  # no speculation
     for _ in range(60):  # every draft accepted, cheap draft: found by the exploring rounds
         k = policy.next_k()
-        policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
+        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
     assert policy.next_k() == 8
 
 
@@ -93,13 +101,13 @@ def test_explorations_back_off_while_speculation_does_not_pay():
         k = policy.next_k()
         if k and i > 5:
             explored.append(i)
-        policy.update(proposed=k, accepted=0, draft_seconds=0.05 * k, target_seconds=0.1)
+        policy.update(proposed=k, accepted=0, draft=0.05 * k, target_seconds=0.1)
     gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
     assert 3 <= len(explored) <= 7 and gaps == sorted(gaps), explored
     assert gaps[-1] > 100  # capped at EXPLORE_MAX rounds off
     for _ in range(200):  # the draft starts paying: found by the next exploration, and kept
         k = policy.next_k()
-        policy.update(proposed=k, accepted=k, draft_seconds=0.001 * k, target_seconds=0.1)
+        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
     assert policy.next_k() > 0 and policy.costs.explore_after == 8
 
 
@@ -111,7 +119,7 @@ def test_generations_on_a_pair_start_from_its_costs():
     first = AdaptiveLookahead(k_max=8, costs=costs)
     for _ in range(20):  # every draft rejected, expensive draft
         k = first.next_k()
-        first.update(proposed=k, accepted=0, draft_seconds=0.4 * k / 8, target_seconds=0.1)
+        first.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
     assert first.next_k() == 0
     assert AdaptiveLookahead(k_max=8).next_k() == 8  # alone: no evidence yet
     second = AdaptiveLookahead(k_max=8, costs=costs)
@@ -121,8 +129,8 @@ def test_generations_on_a_pair_start_from_its_costs():
     assert first.next_k() == 0 and costs.off_rounds == off + 1  # one count of rounds off for both
     third = AdaptiveLookahead(k_max=8, costs=costs)
     for _ in range(5):  # the second's text is one its draft predicts, the third's one it does not
-        second.update(proposed=2, accepted=2, draft_seconds=0.002, target_seconds=0.1)
-        third.update(proposed=2, accepted=0, draft_seconds=0.002, target_seconds=0.1)
+        second.update(proposed=2, accepted=2, draft=0.002, target_seconds=0.1)
+        third.update(proposed=2, accepted=0, draft=0.002, target_seconds=0.1)
     assert second.alpha() > 0.8 > 0.3 > third.alpha()
 
 
@@ -133,10 +141,10 @@ def test_loops_given_one_pairs_costs_share_them():
     config = LoopConfig(SamplingParams(), 40, lookahead=4, adaptive=True, seed=3)
     loops = [SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs) for _ in range(2)]
     list(loops[0].rounds())
-    measured = costs.fit_w
+    measured = costs.verify.w
     assert measured > 0 and loops[1].policy.costs is costs
     list(loops[1].rounds())
-    assert costs.fit_w > measured
+    assert costs.verify.w > measured
 
 
 def test_unknown_drafter_is_refused():
@@ -154,7 +162,7 @@ def test_adaptive_lookahead_prices_the_verify_cost():
         policy = AdaptiveLookahead(k_max=8)
         for _ in range(30):
             k = policy.next_k()
-            policy.update(proposed=k, accepted=k, draft_seconds=0.05 * k, target_seconds=0.1 + slope * k)
+            policy.update(proposed=k, accepted=k, draft=0.05 * k, target_seconds=0.1 + slope * k)
         return policy
 
     flat, steep = run(0.0), run(0.07)
@@ -224,3 +232,61 @@ def test_adaptive_lookahead_prices_what_speculating_rounds_wait(queued):
         assert policy._best_k() == 0
     else:
         assert 2 <= policy._best_k() <= 3
+
+
+def test_adaptive_lookahead_prices_the_drafts_step_for_everyone_drafting():
+    """The draft service reports the steps that ran a proposal and their tokens, all sessions'
+    (ProposeResponse.steps, step_tokens), and the policy fits the draft's step cost over them.
+    A draft that batches nothing (10 ms a session in the step, as the llama.cpp draft measures
+    on one core) is cheap for a round drafting alone and dear when 16 generations all draft:
+    at load 16 no speculation pays. Measured by rounds drafting alone only, its cost would be
+    the lone one, and speculation would look like it pays."""
+
+    def policy(drafting: tuple[int, ...], load: int) -> AdaptiveLookahead:
+        policy = AdaptiveLookahead(k_max=8, load=lambda: load)
+        for i in range(60):
+            k, sessions = (2, 4)[i % 2], drafting[i % len(drafting)]
+            compute = 0.010 * sessions * k
+            draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
+            step = 16 * (k + 1)
+            target = 0.05 + 0.001 * (step - 1)
+            policy.update(k, 3 * k // 4, draft, target, step_tokens=step, target_compute=target)
+        return policy
+
+    measured = policy((1, 4, 16), load=16)
+    assert measured.costs.draft_line.fit() == pytest.approx((0.010, 0.010))
+    assert measured.costs.draft_cost(16) == pytest.approx(0.160 + 0.001 / 3, abs=1e-4)  # + the RPC a token
+    assert measured._best_k() == 0
+    assert policy((1, 4, 16), load=1)._best_k() >= 2
+    assert policy((1,), load=16)._best_k() >= 1  # the lone cost alone: speculation looks cheap
+
+
+def test_under_load_speculation_switches_only_outside_a_band():
+    """Near break-even the model's error decides, and every switch costs (a continuation
+    dropped, sessions out of step): the first decision goes by the gain, later ones switch only
+    outside 1 +- MARGIN."""
+    assert speculates(1.05, None) and not speculates(0.95, None)
+    assert speculates(1 - MARGIN / 2, True) and not speculates(1 - 2 * MARGIN, True)
+    assert not speculates(1 + MARGIN / 2, False) and speculates(1 + 2 * MARGIN, False)
+
+
+def test_a_wave_of_prefills_does_not_make_speculation_look_cheap():
+    """The first rounds of a wave of 16 new generations go without speculation and wait behind
+    the others' prefills, seconds beyond their step. Priced as what every round without
+    speculation waits, that made speculation look cheap, and once it ran no round without it
+    measured the wait again. A wait counts up to two steps, and a round without speculation is
+    priced as waiting no longer than a speculating one: here (a draft that batches nothing, 10 ms a
+    session in its step) no speculation at load 16."""
+    policy = AdaptiveLookahead(k_max=8, load=lambda: 16)
+    for _ in range(16):  # the wave: each first round waits 3 s for the prefills
+        policy.update(0, 0, 0.0, 3.0 + 0.08, step_tokens=16, target_compute=0.08)
+    assert policy.costs.wait(False) == pytest.approx(0.16)  # two steps
+    for i in range(64):
+        k, sessions = (2, 4)[i % 2], (1, 16)[i % 4 // 2]
+        compute = 0.010 * sessions * k
+        step = 16 * (k + 1)
+        target = 0.05 + 0.002 * (step - 1)
+        draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
+        policy.update(k, 3 * k // 4, draft, target + 0.005, step_tokens=step, target_compute=target)
+    assert policy.costs.wait(False) > 0.05 > policy.costs.wait(True)  # the wave's, still there
+    assert policy._best_k() == 0

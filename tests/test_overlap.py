@@ -146,7 +146,7 @@ def test_policy_makes_the_continuation_end_with_the_verify():
 def test_adaptive_overlapped_policy_learns_from_the_rounds():
     policy = AdaptiveLookahead(k_max=16, overlap=True)
     for k in (8, 4, 8, 4, 8, 4):  # rounds of two sizes: the verify line has two points
-        policy.update(k + 1, k + 1, draft_seconds=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k, drafted=k + 1)
+        policy.update(k + 1, k + 1, draft=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k)
     assert policy.next_k() == best_overlapped_lookahead(1.0, 0.010, 0.060, 0.008, 16)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"B\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\xb3\x01\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\"b\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\xc9\x01\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\"\xc1\x01\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x80\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"B\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\xb3\x01\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\"\x86\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\xc9\x01\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\"\xc1\x01\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x80\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,38 +43,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREF']._serialized_end=386
   _globals['_PROPOSEREQUEST']._serialized_start=389
   _globals['_PROPOSEREQUEST']._serialized_end=568
-  _globals['_PROPOSERESPONSE']._serialized_start=570
-  _globals['_PROPOSERESPONSE']._serialized_end=668
-  _globals['_PROPOSALROWREQUEST']._serialized_start=670
-  _globals['_PROPOSALROWREQUEST']._serialized_end=785
-  _globals['_SCOREREQUEST']._serialized_start=788
-  _globals['_SCOREREQUEST']._serialized_end=989
-  _globals['_SCORERESPONSE']._serialized_start=992
-  _globals['_SCORERESPONSE']._serialized_end=1185
-  _globals['_APPENDREQUEST']._serialized_start=1187
-  _globals['_APPENDREQUEST']._serialized_end=1262
-  _globals['_ROLLBACKREQUEST']._serialized_start=1264
-  _globals['_ROLLBACKREQUEST']._serialized_end=1320
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1322
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1363
-  _globals['_GETSESSIONREQUEST']._serialized_start=1365
-  _globals['_GETSESSIONREQUEST']._serialized_end=1404
-  _globals['_SESSIONSTATE']._serialized_start=1406
-  _globals['_SESSIONSTATE']._serialized_end=1478
-  _globals['_DESCRIBEREQUEST']._serialized_start=1480
-  _globals['_DESCRIBEREQUEST']._serialized_end=1497
-  _globals['_MODELINFO']._serialized_start=1500
-  _globals['_MODELINFO']._serialized_end=1756
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1758
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1779
-  _globals['_TOKENIZERFILE']._serialized_start=1781
-  _globals['_TOKENIZERFILE']._serialized_end=1827
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1829
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1893
-  _globals['_EMPTY']._serialized_start=1895
-  _globals['_EMPTY']._serialized_end=1902
-  _globals['_DRAFTSERVICE']._serialized_start=1905
-  _globals['_DRAFTSERVICE']._serialized_end=2551
-  _globals['_TARGETSERVICE']._serialized_start=2554
-  _globals['_TARGETSERVICE']._serialized_end=3127
+  _globals['_PROPOSERESPONSE']._serialized_start=571
+  _globals['_PROPOSERESPONSE']._serialized_end=705
+  _globals['_PROPOSALROWREQUEST']._serialized_start=707
+  _globals['_PROPOSALROWREQUEST']._serialized_end=822
+  _globals['_SCOREREQUEST']._serialized_start=825
+  _globals['_SCOREREQUEST']._serialized_end=1026
+  _globals['_SCORERESPONSE']._serialized_start=1029
+  _globals['_SCORERESPONSE']._serialized_end=1222
+  _globals['_APPENDREQUEST']._serialized_start=1224
+  _globals['_APPENDREQUEST']._serialized_end=1299
+  _globals['_ROLLBACKREQUEST']._serialized_start=1301
+  _globals['_ROLLBACKREQUEST']._serialized_end=1357
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1359
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1400
+  _globals['_GETSESSIONREQUEST']._serialized_start=1402
+  _globals['_GETSESSIONREQUEST']._serialized_end=1441
+  _globals['_SESSIONSTATE']._serialized_start=1443
+  _globals['_SESSIONSTATE']._serialized_end=1515
+  _globals['_DESCRIBEREQUEST']._serialized_start=1517
+  _globals['_DESCRIBEREQUEST']._serialized_end=1534
+  _globals['_MODELINFO']._serialized_start=1537
+  _globals['_MODELINFO']._serialized_end=1793
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1795
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1816
+  _globals['_TOKENIZERFILE']._serialized_start=1818
+  _globals['_TOKENIZERFILE']._serialized_end=1864
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1866
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1930
+  _globals['_EMPTY']._serialized_start=1932
+  _globals['_EMPTY']._serialized_end=1939
+  _globals['_DRAFTSERVICE']._serialized_start=1942
+  _globals['_DRAFTSERVICE']._serialized_end=2588
+  _globals['_TARGETSERVICE']._serialized_start=2591
+  _globals['_TARGETSERVICE']._serialized_end=3164
 # @@protoc_insertion_point(module_scope)

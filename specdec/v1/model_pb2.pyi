@@ -65,16 +65,20 @@ class ProposeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds")
+    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     length: int
     compute_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    steps: int
+    step_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
     __slots__ = ("session", "position", "token_id")
