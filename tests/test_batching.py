@@ -217,23 +217,27 @@ def test_propose_reports_its_steps_and_their_tokens():
     """ProposeResponse.steps and step_tokens: the batched forwards that ran a proposal and their
     tokens, all sessions' (what adaptive lookahead prices the draft by); a proposal of 3 run
     alone is 3 one-token steps, two proposals of 3 side by side share their steps."""
-    draft = Direct(DraftServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.2), "draft")))
-    for sid in "ab":
+    draft = Direct(DraftServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.3), "draft")))
+    for sid in "abc":
         draft.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
     replies = {}
 
-    def propose(sid):
+    def propose(sid, k=3):
         ref = model_pb2.SessionRef(session_id=sid, expected_length=3)
-        replies[sid] = draft.Propose(model_pb2.ProposeRequest(session=ref, k=3))
+        replies[sid] = draft.Propose(model_pb2.ProposeRequest(session=ref, k=k))
 
     propose("a")
     assert (replies["a"].steps, replies["a"].step_tokens) == (3, 3)
+    blocker = threading.Thread(target=propose, args=("c", 1))
+    blocker.start()
+    time.sleep(0.1)  # c's step is running: a and b queue behind it and start together
     both = [threading.Thread(target=propose, args=(sid,)) for sid in "ab"]
     for t in both:
         t.start()
-    for t in both:
+    for t in (blocker, *both):
         t.join()
-    assert {(r.steps, r.step_tokens) for r in replies.values()} == {(3, 6)}
+    assert (replies["c"].steps, replies["c"].step_tokens) == (1, 1)
+    assert {(replies[sid].steps, replies[sid].step_tokens) for sid in "ab"} == {(3, 6)}
 
 
 def test_sessions_that_come_back_at_once_share_every_step():
