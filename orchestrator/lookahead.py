@@ -195,7 +195,7 @@ class PairCosts:
         # speculated (k > 0) and rounds that did not
         self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
-        self.explore_after = EXPLORE_EVERY  # rounds off before the next exploration
+        self.explore_after = EXPLORE_EVERY  # steps off before the next exploration
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a step of one token and per extra token in the step;
@@ -205,8 +205,8 @@ class PairCosts:
 
     def draft_cost(self, sessions: int) -> float:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
-        that many (its line; a llama.cpp draft on one core batches nothing, a step of 16
-        sessions costs 16 of one) per token, plus what a round waits for the draft beyond its
+        that many (its line; a llama.cpp draft on one core batches almost nothing, a step of
+        16 sessions costs 12 of one) per token, plus what a round waits for the draft beyond its
         compute. The mean measured cost while the line is unknown (the steps all the same size,
         or a service that does not report them)."""
         line = self.draft_line.fit()
@@ -278,7 +278,7 @@ class AdaptiveLookahead:
     speculating: bool | None = None  # under load: the side of the MARGIN band it is on (see Load)
 
     def next_k(self) -> int:
-        """The k for the next round (called once a round: it counts the rounds off)."""
+        """The k for the next round (called once a round: it counts the steps off)."""
         with self.costs.lock:
             costs = self.costs
             k = self._best_k()
