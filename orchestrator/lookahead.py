@@ -134,15 +134,14 @@ class DraftCost:
 
 class CostLine:
     """A weighted least-squares line y = y1 + slope (x - 1) through (x, y) points, older points
-    weighted down by `decay` per point: a cost per step over the tokens in the step."""
+    weighted down by FIT_DECAY per step: a cost per step over the tokens in the step."""
 
-    def __init__(self, decay: float = FIT_DECAY):
-        self.decay = decay
+    def __init__(self):
         self.w = self.x = self.y = self.xx = self.xy = 0.0
 
     def add(self, x: float, y: float, share: float = 1.0) -> None:
         """A point; `share`: the part of one step it stands for (older points decay by that)."""
-        f = self.decay**share
+        f = FIT_DECAY**share
         self.w = f * self.w + 1
         self.x = f * self.x + x
         self.y = f * self.y + y
