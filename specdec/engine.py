@@ -223,8 +223,9 @@ class SessionEngine:
             return
         self.check_tokens(token_ids, "append_tokens")
         self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
+        agreed = min(len(session.cached), len(session.tokens))  # the invariant: equal up to here
         session.tokens.extend(token_ids)
-        self._truncate_cache(session, common_prefix(session.cached, session.tokens))
+        self._truncate_cache(session, common_prefix(session.cached, session.tokens, agreed))
 
     def rollback(self, session: Session, to_length: int) -> None:
         if not 1 <= to_length <= len(session.tokens):
@@ -243,7 +244,9 @@ class SessionEngine:
         self.reserve(session, len(sequence))
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
-        self._crop(session, common_prefix(session.cached, sequence[: len(sequence) - n_logits]))
+        agreed = min(len(session.cached), len(session.tokens))  # the invariant: equal up to here
+        fed = len(sequence) - n_logits
+        self._crop(session, common_prefix(session.cached, sequence, min(agreed, fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         return Forward(session, pending, n_logits, sequence)
@@ -285,11 +288,12 @@ def warm_up(backend) -> None:
             release(cache)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading items a and b share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
+def common_prefix(a: list[int], b: list[int], start: int = 0, end: int | None = None) -> int:
+    """How many leading items a and b[:end] share, given that they share the first `start`
+    (compared from there on: a session's committed prefix is not walked on every step, which
+    made a step O(session length) and a long generation quadratic)."""
+    n = min(len(a), len(b) if end is None else min(end, len(b)))
+    for i in range(start, n):
+        if a[i] != b[i]:
+            return i
     return n

@@ -22,7 +22,7 @@ import torch
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.backend import HFBackend
-from specdec.engine import SessionEngine
+from specdec.engine import Session, SessionEngine
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
@@ -268,3 +268,27 @@ def test_sessions_that_come_back_at_once_share_every_step():
 @pytest.fixture(autouse=True)
 def _quiet_worker_logs(caplog):
     caplog.set_level("CRITICAL", logger="specdec")
+
+
+def test_a_step_feeds_only_what_the_cache_does_not_hold():
+    """The engine keeps a session's cached prefix across commits and speculative tails, and
+    feeds from the first token it does not hold (it compares only past the committed prefix)."""
+    engine = SessionEngine(MarkovBackend(random_markov(10, 0)), "draft")
+    session = Session(tokens=[0, 1, 2], cache=engine.backend.new_cache())
+
+    def step(speculative, n_logits=1):
+        forward = engine.forward(session, speculative, n_logits)
+        engine._run_batch([forward])
+        return forward.tokens
+
+    assert step([3, 4, 5]) == [0, 1, 2, 3, 4, 5]
+    engine.commit(session, [3, 9])  # drafts 3 accepted, 4 replaced by 9: the tail past 3 goes
+    assert session.cached == [0, 1, 2, 3]
+    assert step([]) == [9]
+    engine.commit(session, [7])  # the last committed token is fed again with the next block
+    assert session.cached == [0, 1, 2, 3, 9]
+    assert step([8, 6]) == [7, 8, 6]
+    assert step([8, 5, 1]) == [5, 1]  # the same first draft, kept; the cache past it is not
+    assert step([8, 5, 1, 2, 4], n_logits=3) == [1, 2, 4]  # the logits of 1 wanted: fed again
+    engine.rollback(session, 3)
+    assert session.cached == [0, 1] and step([]) == [2]
