@@ -39,13 +39,23 @@ windows count steps, not reports: a round of each of N generations weighs as one
 one by one, under load the line's window shrank to two steps and its intercept swung from 12
 to 234 ms between rounds). With N generations
 running (`load`, those of this process) the policy prices speculation against everyone
-decoding without it: N one-token rounds are a step of T(N), a round t0 = T(N) + w_off, and a
-speculating round of k drafts costs T(N) + w_on + k (d(N) + N b), so
-S(k) = E[tokens] t0 / (T(N) + w_on + k (d(N) + N b)). d(N) is the draft's seconds per token
+decoding without it: N one-token rounds are a step of T(N), a round t0 = T(N) + w_off. The N
+generations' speculating rounds interleave: while some draft, others are verified, so a round
+of them all costs the busier device's work, not the sum: the draft's k steps of all N, k d(N),
+or the target's verify of N blocks of k + 1, T(N) + w_on + N b k. So
+S(k) = E[tokens] t0 / max(k d(N), T(N) + w_on + N b k). (Priced as the sum, as if every
+generation drafted and then verified in lockstep, speculation at 8 clients looked 1.3x dearer
+than decoding without it, where sequential k = 4 measured 1.1-1.25x faster than it.) Under load
+the rounds are sequential, not overlapped (`overlapping`): the other generations' rounds
+already fill each device, and a continuation that a rejection throws away costs the draft,
+which sets the pace (measured at 8 clients: sequential k = 4 1.12x overlapped). d(N) is the draft's seconds per token
 when the N generations draft together, as they all choose alike: the draft reports the steps
 that ran each proposal and their tokens, all sessions' (ProposeResponse.steps, step_tokens),
 and its step's compute is fitted over them as the target's is, D(m) = D1 + e (m - 1); d(N) is
-D(N) a token, plus what a round waits for the draft beyond its compute. A draft that batches
+D(N) a token, plus what a round waits for the draft beyond its compute (up to two of its
+computes, as for the target: a proposal queued behind the draft's prefills of a wave of new
+prompts waits seconds, and that wait, uncapped, priced the draft at 100 ms a token for minutes
+after a burst of 16 clients, its step at 2 being 31 ms). A draft that batches
 nothing (the llama.cpp Q4_1 draft on one core: 13, 26, 38, 85, 164 ms a step for 1, 2, 4, 8, 16
 sessions) costs a round drafting alone one session's step, and N generations drafting together
 N each: priced at its mean cost, measured mostly by lone explorations while speculation was
@@ -60,7 +70,7 @@ measured again when the load falls. An exploration that finds speculation still 
 doubles the wait before the next (up to EXPLORE_MAX steps): under a steady high load the
 explorations' cost falls towards nothing.
 
-Overlapped rounds (orchestrator.loop) change the cost: the draft proposes round r + 1 (k + 1
+Overlapped rounds (orchestrator.loop; one generation on the pair) change the cost: the draft proposes round r + 1 (k + 1
 tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
 drafts were proposed that way starts at once, which happens when all k drafts and the
 continuation's first token are accepted (alpha^(k+1)); otherwise it first waits for k fresh
@@ -106,6 +116,21 @@ def speculates(gain: float, speculating: bool | None) -> bool:
     if speculating is None:
         return gain > 1
     return gain >= (1 - MARGIN if speculating else 1 + MARGIN)
+
+
+def pipelined_speedup(alpha: float, k: int, draft: float, verify: float, slope: float, t0: float) -> float:
+    """Under load: sequential rounds of lookahead k, all N generations' interleaved, over rounds
+    without speculation (t0 seconds a token). Per round of them all the draft computes k steps
+    of all N (draft: seconds a token at N) and the target verifies N blocks of k + 1 (verify +
+    slope k): one device's work goes on while the other's does, so the busier one sets the pace."""
+    if k == 0:
+        return 1.0
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens * t0 / max(k * draft, verify + slope * k)
+
+
+def best_pipelined_lookahead(alpha: float, draft: float, verify: float, slope: float, t0: float, k_max: int) -> int:
+    return max(range(0, k_max + 1), key=lambda k: pipelined_speedup(alpha, k, draft, verify, slope, t0))
 
 
 def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
@@ -252,7 +277,10 @@ class PairCosts:
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         if draft.tokens:
-            self.draft_seconds = d * self.draft_seconds + draft.seconds
+            seconds = draft.seconds
+            if draft.steps:  # its queueing capped as the target's is: behind a wave's prefills, seconds
+                seconds = draft.compute + min(max(0.0, draft.seconds - draft.compute), 2 * draft.compute)
+            self.draft_seconds = d * self.draft_seconds + seconds
             self.draft_compute = d * self.draft_compute + (draft.compute if draft.steps else 0.0)
             self.draft_steps = d * self.draft_steps + draft.steps
             self.draft_tokens = d * self.draft_tokens + draft.tokens
@@ -275,6 +303,7 @@ class AdaptiveLookahead:
     accepted: float = 0.0
     rejections: float = 0.0
     speculating: bool | None = None  # under load: the side of the MARGIN band it is on (see Load)
+    overlapping: bool = True  # with `overlap`: whether its last choice overlaps the rounds (see Overlapped rounds)
 
     def next_k(self) -> int:
         """The k for the next round (called once a round: it counts the steps off)."""
@@ -313,16 +342,21 @@ class AdaptiveLookahead:
         waits = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         n = max(1, self.load())
         draft = costs.draft_cost(n)  # every generation drafting, as they all choose alike
-        if self.overlap and n == 1:
-            return best_overlapped_lookahead(alpha, draft, t1 + waits[0], slope, self.k_max)
+        if n == 1:
+            self.overlapping = self.overlap
+            if self.overlap:
+                return best_overlapped_lookahead(alpha, draft, t1 + waits[0], slope, self.k_max)
+            ratio, base = (draft + slope) / (t1 + waits[1]), (t1 + waits[0]) / (t1 + waits[1])
+            return best_lookahead(alpha, ratio, self.k_max, base)
+        # Under load: sequential rounds, pipelined across the generations (see Load).
+        self.overlapping = False
         step = t1 + (n - 1) * slope  # the step of n one-token rounds
         t0 = step + waits[1]  # a round without speculation
-        ratio, base = (draft + n * slope) / t0, (step + waits[0]) / t0
-        k = best_lookahead(alpha, ratio, self.k_max, base)
-        if n > 1:  # a band around break-even: switching costs (a continuation dropped, out of step)
-            self.speculating = speculates(expected_speedup(alpha, k, ratio, base), self.speculating)
-            k = k if self.speculating else 0
-        return k
+        k = best_pipelined_lookahead(alpha, draft, step + waits[0], n * slope, t0, self.k_max)
+        self.speculating = speculates(
+            pipelined_speedup(alpha, k, draft, step + waits[0], n * slope, t0), self.speculating
+        )
+        return k if self.speculating else 0
 
     def update(
         self,

@@ -363,7 +363,8 @@ class SpeculativeLoop:
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
-        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if self.overlap else 0
+        overlap = self.overlap and (self.policy is None or self.policy.overlapping)  # adaptive: its choice
+        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if overlap else 0
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread

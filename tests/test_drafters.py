@@ -195,8 +195,9 @@ def test_adaptive_lookahead_speculates_less_under_load():
     """The target reports the tokens of the batched step that scored each round; the policy
     fits the step's cost over them (here 0.05 s + 7.5 ms a token, measured at loads 1..3) and
     prices speculation for N generations against N one-token rounds: with the same
-    measurements k falls as N grows, to no speculation at 16 (acceptance ~0.8, a draft at
-    20 ms a token)."""
+    measurements k falls as N grows from 2 (alone the rounds wait for the draft; from 2 on
+    their drafting hides under the others' verifies), to break-even at 16 (k <= 1; acceptance
+    ~0.8, a draft at 20 ms a token)."""
     load = [1]
     policy = AdaptiveLookahead(k_max=8, load=lambda: load[0])
     for i in range(40):
@@ -208,7 +209,7 @@ def test_adaptive_lookahead_speculates_less_under_load():
     for n in (1, 2, 4, 8, 16):
         load[0] = n
         ks.append(policy._best_k())
-    assert ks[0] >= 2 and ks == sorted(ks, reverse=True) and ks[-1] == 0, ks
+    assert ks[0] >= 2 and ks[1:] == sorted(ks[1:], reverse=True) and ks[-1] <= 1, ks
 
 
 @pytest.mark.parametrize("queued", [0.0, 0.1])
@@ -290,3 +291,40 @@ def test_a_wave_of_prefills_does_not_make_speculation_look_cheap():
         policy.update(k, 3 * k // 4, draft, target + 0.005, step_tokens=step, target_compute=target)
     assert policy.costs.wait(False) > 0.05 > policy.costs.wait(True)  # the wave's, still there
     assert policy._best_k() == 0
+
+
+def test_under_load_rounds_are_sequential_and_priced_pipelined():
+    """Under load the generations' rounds interleave: while some draft, others verify, so a
+    round of all N costs the busier device's work, not the sum (priced as the sum, speculation at
+    8 clients looked 1.3x dearer than speculation off; measured, k = 4 was 1.1-1.25x faster). And
+    the rounds are not overlapped: the others' rounds fill each device, and a continuation that a
+    rejection throws away costs the draft, which under load sets the pace. 8 generations, a draft
+    that batches nothing (10 ms a session in its step), a target step of 50 ms + 8 ms a token:
+    k = 3, sequential; a draft 4 times dearer: no speculation. Alone: overlapped."""
+
+    def policy(load: int, per_session: float) -> AdaptiveLookahead:
+        policy = AdaptiveLookahead(k_max=8, overlap=True, load=lambda: load)
+        for i in range(60):
+            k, sessions = (2, 4)[i % 2], (1, load)[i % 2]
+            compute = per_session * sessions * k
+            draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
+            step = load * (k + 1)
+            target = 0.05 + 0.008 * (step - 1)
+            policy.update(k, k - (i % 3 == 0), draft, target, step_tokens=step, target_compute=target)
+        return policy
+
+    loaded = policy(8, 0.010)
+    assert loaded._best_k() == 3 and not loaded.overlapping
+    assert policy(8, 0.040)._best_k() == 0
+    alone = policy(1, 0.010)
+    assert alone._best_k() == 5 and alone.overlapping
+
+
+def test_a_draft_queued_behind_prefills_is_priced_by_its_step():
+    """A proposal that waited behind the draft's prefills of a wave of new prompts (seconds,
+    beyond its steps' compute) says nothing of the rounds to come: its wait counts up to two of
+    its computes, as the target's does. Uncapped, a burst of 16 clients left the draft priced at
+    100 ms a token when the load fell to 2 (its step: 31 ms), and speculation stayed off."""
+    costs = PairCosts()
+    costs.update(2, 2, DraftCost(3.0, 2, 0.02, steps=2, step_tokens=2), 0.06, 3, 0.06)
+    assert costs.draft_cost(1) == pytest.approx((0.02 + 0.04) / 2)
