@@ -48,19 +48,19 @@ generation drafted and then verified in lockstep, speculation at 8 clients looke
 than decoding without it, where sequential k = 4 measured 1.1-1.25x faster than it.) Under load
 the rounds are sequential, not overlapped (`overlapping`): the other generations' rounds
 already fill each device, and a continuation that a rejection throws away costs the draft,
-which sets the pace (measured at 8 clients: sequential k = 4 1.12x overlapped). d(N) is the draft's seconds per token
-when the N generations draft together, as they all choose alike: the draft reports the steps
-that ran each proposal and their tokens, all sessions' (ProposeResponse.steps, step_tokens),
-and its step's compute is fitted over them as the target's is, D(m) = D1 + e (m - 1); d(N) is
-D(N) a token, plus what a round waits for the draft beyond its compute (up to two of its
-computes, as for the target: a proposal queued behind the draft's prefills of a wave of new
-prompts waits seconds, and that wait, uncapped, priced the draft at 100 ms a token for minutes
-after a burst of 16 clients, its step at 2 being 31 ms). A draft that batches
-nothing (the llama.cpp Q4_1 draft on one core: 13, 26, 38, 85, 164 ms a step for 1, 2, 4, 8, 16
-sessions) costs a round drafting alone one session's step, and N generations drafting together
-N each: priced at its mean cost, measured mostly by lone explorations while speculation was
-off, speculation looked cheap, every generation took it up, the draft's cost rose N-fold, and
-k swung between 0 and k_max. Under load (N > 1) speculation is taken only when its best k
+which sets the pace (measured at 8 clients: sequential k = 4 1.12x overlapped). d(N) is the
+draft's seconds per token when the N generations draft together, as they all choose alike: the
+draft reports the steps that ran each proposal and their tokens, all sessions'
+(ProposeResponse.steps, step_tokens), and its step's compute is fitted over them as the target's
+is, D(m) = D1 + e (m - 1); d(N) is D(N) a token, plus what a round waits for the draft beyond
+its compute (up to two of its computes, as for the target: a proposal queued behind the draft's
+prefills of a wave of new prompts waits seconds, and that wait, uncapped, priced the draft at
+100 ms a token for minutes after a burst of 16 clients, its step at 2 being 31 ms). A draft that
+batches nothing (the llama.cpp Q4_1 draft on one core: 13, 26, 38, 85, 164 ms a step for 1, 2,
+4, 8, 16 sessions) costs a round drafting alone one session's step, and N generations drafting
+together N each: priced at its mean cost, measured mostly by lone explorations while speculation
+was off, speculation looked cheap, every generation took it up, the draft's cost rose N-fold,
+and k swung between 0 and k_max. Under load (N > 1) speculation is taken only when its best k
 promises 1 + MARGIN: near the break-even the model's error (~10%) decides, and switching costs
 (sessions that speculate come back out of step with the others).
 k = 0 (no speculation: the round is one target step) is a choice too, S(0) = 1, taken when no
@@ -70,8 +70,9 @@ measured again when the load falls. An exploration that finds speculation still 
 doubles the wait before the next (up to EXPLORE_MAX steps): under a steady high load the
 explorations' cost falls towards nothing.
 
-Overlapped rounds (orchestrator.loop; one generation on the pair) change the cost: the draft proposes round r + 1 (k + 1
-tokens, d seconds each) while the target verifies round r (T1 + b k seconds); a round whose
+Overlapped rounds (orchestrator.loop; one generation on the pair) change the cost: the draft
+proposes round r + 1 (k + 1 tokens, d seconds each) while the target verifies round r (T1 + b k
+seconds); a round whose
 drafts were proposed that way starts at once, which happens when all k drafts and the
 continuation's first token are accepted (alpha^(k+1)); otherwise it first waits for k fresh
 drafts. Tokens per second in steady state:
