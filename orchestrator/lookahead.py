@@ -96,12 +96,25 @@ EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation
 PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance in a generation's
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens] a round of k drafts commits: (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha 1."""
+    return k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def queued(waited: float, compute: float) -> float:
+    """What a request waited beyond its compute, counted up to two computes: a request arriving
+    during a step waits for it (about as long as its own), no more, while the load holds; a
+    longer wait is a transient (behind the prefills of a wave of new prompts: seconds) that
+    says nothing of the rounds to come."""
+    return min(max(0.0, waited - compute), 2 * compute)
+
+
 def expected_speedup(alpha: float, k: int, cost_ratio: float, base: float = 1.0) -> float:
     """S(k) above; alpha in [0, 1]; S(0) = 1. `base`: a speculating round's cost at k = 0 over a
     round without speculation (1 unless they wait differently for the target, see Load)."""
     if k == 0:
         return 1.0
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    tokens = expected_tokens(alpha, k)
     return tokens / (k * cost_ratio + base)
 
 
@@ -126,7 +139,7 @@ def pipelined_speedup(alpha: float, k: int, draft: float, verify: float, slope: 
     slope k): one device's work goes on while the other's does, so the busier one sets the pace."""
     if k == 0:
         return 1.0
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    tokens = expected_tokens(alpha, k)
     return tokens * t0 / max(k * draft, verify + slope * k)
 
 
@@ -136,7 +149,7 @@ def best_pipelined_lookahead(alpha: float, draft: float, verify: float, slope: f
 
 def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
     """R(k) above: tokens per second of overlapped rounds; draft, t1, slope in seconds."""
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    tokens = expected_tokens(alpha, k)
     carried = alpha ** (k + 1)
     return tokens / (max(t1 + slope * k, (k + 1) * draft) + (1 - carried) * k * draft)
 
@@ -270,17 +283,13 @@ class PairCosts:
             waited[0] *= d
             waited[1] *= d
             if mode == (proposed > 0):
-                # Capped at two steps: a round arriving during a step waits for it (about as long
-                # as its own), no more, while the load holds; a longer wait is a transient (behind
-                # the prefills of a wave of new prompts: seconds) that says nothing of the next round
-                waited[0] += min(max(0.0, target_seconds - target_compute), 2 * target_compute)
+                waited[0] += queued(target_seconds, target_compute)
                 waited[1] += 1
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         if draft.tokens:
-            seconds = draft.seconds
-            if draft.steps:  # its queueing capped as the target's is: behind a wave's prefills, seconds
-                seconds = draft.compute + min(max(0.0, draft.seconds - draft.compute), 2 * draft.compute)
+            # its queueing capped as the target's is (steps 0: no compute reported, all of it counts)
+            seconds = draft.compute + queued(draft.seconds, draft.compute) if draft.steps else draft.seconds
             self.draft_seconds = d * self.draft_seconds + seconds
             self.draft_compute = d * self.draft_compute + (draft.compute if draft.steps else 0.0)
             self.draft_steps = d * self.draft_steps + draft.steps
@@ -353,10 +362,9 @@ class AdaptiveLookahead:
         self.overlapping = False
         step = t1 + (n - 1) * slope  # the step of n one-token rounds
         t0 = step + waits[1]  # a round without speculation
-        k = best_pipelined_lookahead(alpha, draft, step + waits[0], n * slope, t0, self.k_max)
-        self.speculating = speculates(
-            pipelined_speedup(alpha, k, draft, step + waits[0], n * slope, t0), self.speculating
-        )
+        verify = step + waits[0]  # the verify of n one-token blocks, speculating
+        k = best_pipelined_lookahead(alpha, draft, verify, n * slope, t0, self.k_max)
+        self.speculating = speculates(pipelined_speedup(alpha, k, draft, verify, n * slope, t0), self.speculating)
         return k if self.speculating else 0
 
     def update(

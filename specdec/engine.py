@@ -223,7 +223,7 @@ class SessionEngine:
             return
         self.check_tokens(token_ids, "append_tokens")
         self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
-        agreed = min(len(session.cached), len(session.tokens))  # the invariant: equal up to here
+        agreed = _agreed(session)
         session.tokens.extend(token_ids)
         self._truncate_cache(session, common_prefix(session.cached, session.tokens, agreed))
 
@@ -244,9 +244,8 @@ class SessionEngine:
         self.reserve(session, len(sequence))
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
-        agreed = min(len(session.cached), len(session.tokens))  # the invariant: equal up to here
         fed = len(sequence) - n_logits
-        self._crop(session, common_prefix(session.cached, sequence, min(agreed, fed), fed))
+        self._crop(session, common_prefix(session.cached, sequence, min(_agreed(session), fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         return Forward(session, pending, n_logits, sequence)
@@ -286,6 +285,11 @@ def warm_up(backend) -> None:
         release = getattr(backend, "release", None)
         if release is not None:
             release(cache)
+
+
+def _agreed(session: Session) -> int:
+    """How far the cache and the committed tokens are known to agree (the invariant above)."""
+    return min(len(session.cached), len(session.tokens))
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0, end: int | None = None) -> int:
