@@ -290,5 +290,11 @@ def test_a_step_feeds_only_what_the_cache_does_not_hold():
     assert step([8, 6]) == [7, 8, 6]
     assert step([8, 5, 1]) == [5, 1]  # the same first draft, kept; the cache past it is not
     assert step([8, 5, 1, 2, 4], n_logits=3) == [1, 2, 4]  # the logits of 1 wanted: fed again
+    # An overlapped round: the commit accepts drafts the continuation was proposed past; the
+    # continuation's cached tail stays, and the next step feeds only its newest token.
+    engine.commit(session, [8, 5])
+    assert session.cached == [0, 1, 2, 3, 9, 7, 8, 5, 1, 2, 4]
+    assert step([1, 2, 4, 6]) == [6]
+    assert step([1, 2], n_logits=3) == [5, 1, 2]  # a verify feeds the last committed token again
     engine.rollback(session, 3)
     assert session.cached == [0, 1] and step([]) == [2]

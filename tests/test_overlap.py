@@ -66,6 +66,30 @@ def test_greedy_equals_target_only_with_adaptive_lookahead():
     assert stats.accepted_tokens == stats.draft_tokens  # continuations' first tokens included
 
 
+def test_a_carried_round_drafts_one_token_a_step():
+    """A continuation goes on from the draft's cached tail: the round's commit (the drafts it was
+    proposed past, and its own first token) keeps the cache, so each of its steps feeds one
+    token (the commit used to crop the cache to the committed tokens less one, and every
+    carried round's first step fed the whole tail again: k + 1 tokens)."""
+    target_probs = random_markov(12, 35, alpha=0.2)
+    draft, target = pair(target_probs, target_probs)  # the same law: every round carried over
+    proposals = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+        def Propose(self, request, timeout=None):
+            response = draft.Propose(request, timeout)
+            proposals.append((len(request.assumed_tokens), response))
+            return response
+
+    spec, stats = run(Recording(), target, SamplingParams(), 60, k=4)
+    continued = [r for assumed, r in proposals if assumed]
+    assert stats.overlapped_rounds >= 5 and len(continued) >= 5
+    assert [(r.steps, r.step_tokens) for r in continued] == [(5, 5)] * len(continued)
+
+
 @pytest.mark.parametrize(
     "vocab,k,sampling,drafter",
     [
