@@ -93,11 +93,14 @@ class SessionEngine:
         self.worker = Worker(self._run_batch, name=f"{role}-model-worker")
 
     # -- requests ----------------------------------------------------------------------
-    def call(self, session_id: str, expected_length: int | None, request: Callable, context=None):
+    def call(self, session_id: str, expected_length: int | None, request: Callable, context=None, final=False):
         """Run request(session) on the worker and return its result. `request` is a plain
         function or a generator function yielding Forwards; the session is checked first
-        against the caller's view of its committed length. `context` (gRPC) cancels it."""
-        return self.worker.call(session_id, lambda: self._on_session(session_id, expected_length, request), context)
+        against the caller's view of its committed length. `context` (gRPC) cancels it;
+        `final`: the request ends the session (the worker waits for no later one)."""
+        return self.worker.call(
+            session_id, lambda: self._on_session(session_id, expected_length, request), context, final
+        )
 
     def _on_session(self, session_id: str, expected_length: int | None, request: Callable) -> Generator:
         session = self._get(session_id)
@@ -165,7 +168,7 @@ class SessionEngine:
         def close(session):
             self._retire(session_id, session)
 
-        self.call(session_id, None, close, context)
+        self.call(session_id, None, close, context, final=True)
 
     def close_idle(self, ttl: float, unclaimed: bool = False) -> list[str]:
         """Close sessions unused for more than `ttl` seconds (with `unclaimed`: only those no

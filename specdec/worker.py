@@ -12,7 +12,9 @@ follows its answer within a round trip (the orchestrator's rule, the wire), and 
 starts without it splits the sessions into cohorts that take turns, each step half full. So
 before a step the worker waits up to GATHER_MAX seconds (and GATHER_SHARE of the last step's
 time) for the keys served in recent steps whose callers came back that quickly last time;
-callers that come back later (a session drafting between its verifications) are not waited for.
+callers that come back later (a session drafting between its verifications) are not waited for,
+nor is a key whose last item ended it (a session's close: waited for, every step of the next
+second lost up to GATHER_MAX, 10 ms a round of a generation that followed another).
 An error raised by an item fails that item only; when a batched forward fails, its items
 run again one by one, so only those that fail alone get the error. Continuous batching:
 items join and leave between any two steps, so a session's k-step proposal or a chunked
@@ -44,9 +46,10 @@ FORGET = 1.0  # seconds after which a served key that did not come back is no lo
 class Item:
     """A unit of work: start() returns a generator that yields forward requests."""
 
-    def __init__(self, key: str | None, start: Callable[[], Generator]):
+    def __init__(self, key: str | None, start: Callable[[], Generator], final: bool = False):
         self.key = key
         self.start = start
+        self.final = final  # the key's last item: no caller comes back for it
         self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
         self.future: Future = Future()
         self.gen: Generator | None = None
@@ -79,9 +82,10 @@ class Worker:
             self._stopped = True
             self._cond.notify_all()
 
-    def call(self, key: str | None, start: Callable[[], Generator], context=None):
-        """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it."""
-        item = Item(key, start)
+    def call(self, key: str | None, start: Callable[[], Generator], context=None, final: bool = False):
+        """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it;
+        `final`: the item ends its key (no later item of it is waited for)."""
+        item = Item(key, start, final)
         self.start()
         with self._cond:
             if self._stopped:
@@ -216,5 +220,7 @@ class Worker:
         with self._cond:
             if item in self._active:
                 self._active.remove(item)
-            if item.key is not None:
+            if item.key is not None and item.final:
+                self._gaps.pop(item.key, None)
+            elif item.key is not None:
                 self._served[item.key] = time.monotonic()

@@ -265,6 +265,23 @@ def test_sessions_that_come_back_at_once_share_every_step():
     assert sum(backend.rows) == 52 and backend.rows.count(4) >= 10, backend.rows
 
 
+def test_a_closed_session_is_not_waited_for():
+    """A session that came back quickly is expected at the next steps; once closed it never
+    comes back, and the next session's steps must not wait for it (they waited GATHER_MAX,
+    10 ms a step, for a second after every generation ended)."""
+    engine = SessionEngine(BatchingMarkov(random_markov(8, 31)), "target")
+    target = Direct(TargetServicer(engine))
+    target.OpenSession(model_pb2.OpenSessionRequest(session_id="a", prompt_token_ids=[0, 1, 2]))
+    length, pending = 3, []
+    for _ in range(4):  # answered, then back at once: a quick returner
+        ref = model_pb2.SessionRef(session_id="a", expected_length=length)
+        reply = target.Score(model_pb2.ScoreRequest(session=ref, append_tokens=pending))
+        length, pending = reply.length, [reply.argmax_token_ids[0]]
+    assert "a" in engine.worker._served  # expected back, as the gather window should
+    target.CloseSession(model_pb2.CloseSessionRequest(session_id="a"))
+    assert "a" not in engine.worker._served and "a" not in engine.worker._gaps
+
+
 @pytest.fixture(autouse=True)
 def _quiet_worker_logs(caplog):
     caplog.set_level("CRITICAL", logger="specdec")
