@@ -24,8 +24,11 @@ rate, tokens per round, the measured draft/target cost ratio c (service compute 
 draft token / per target round), alpha (per-token acceptance under the i.i.d. model, solved
 from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))
 (Leviathan et al. 2023), efficiency = measured / theoretical, bytes on the wire per round,
-service compute time (draft ms per token it proposed, thrown-away continuations included;
-target ms per round), and orchestrator
+the bound from one-process costs (bench.costs: the target's verify and the draft's step, each
+timed alone on its service's cores before the rows; overlapped rows tokens per round /
+max(k draft steps, verify of k + 1), sequential rows tokens per round / (k draft steps +
+verify)) and the rounds' tokens/s over it ("of bound"), service compute time (draft ms per
+token it proposed, thrown-away continuations included; target ms per round), and orchestrator
 overhead per round (round time not spent computing in a model service; sequential rounds
 only: overlapped, the services compute at once).
 Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
@@ -42,7 +45,8 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import engines, timeline
+from bench import costs, engines, timeline
+from deploy.configs import ModelServiceConfig
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
 
@@ -248,6 +252,7 @@ def run(config: BenchConfig) -> dict:
             )
             pipelines[where] = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
             stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipelines[where].address))
+        forward_costs = _forward_costs(config, pipelines, prompt_ids) if pipelines else {}
         # Methods alternate prompt by prompt: this machine's speed drifts by up to 2x over
         # minutes, and a drift then slows every method alike instead of the ones run last.
         # The first pass, on one prompt, warms every method up and is dropped.
@@ -276,9 +281,34 @@ def run(config: BenchConfig) -> dict:
                         bar.update(1)
         bar.close()
         timelines = _timelines(config, pipelines, prompt_ids[0]) if config.timeline and pipelines else {}
-    results = _summarise(config, rows)
+    results = _summarise(config, rows, forward_costs)
     results["timelines"] = timelines
     return results
+
+
+def _forward_costs(config: BenchConfig, pipelines: dict, prompt_ids: list[list[int]]) -> dict:
+    """One-process costs (bench.costs), each model alone on its service's cores, for the rows'
+    bounds: the target's verify of 1 to k_max + 1 tokens, each drafter's step; seconds."""
+    widths = sorted({1, 2, 3, 5, 9} | {k + 1 for k in config.ks})
+    context = round(statistics.mean(map(len, prompt_ids))) + config.max_tokens // 2
+    out: dict = {"context": context, "draft": {}}
+    for drafter, pipeline in pipelines.items():
+        draft_place, target_place = pipeline.placements
+        if "target" not in out:
+            target = ModelServiceConfig(
+                "target", config.target, cpus=_cores(target_place), threads=target_place.threads,
+                backend=config.target_backend, compile=config.target_compile,
+            )  # fmt: skip
+            out["target"] = costs.measure(target, widths, context)
+        if drafter != "ngram":  # a lookup, no model: its step costs next to nothing
+            cores, threads = _cores(draft_place), draft_place.threads
+            draft = ModelServiceConfig("draft", config.draft, drafter, cpus=cores, threads=threads)
+            out["draft"][drafter] = costs.measure(draft, [1], context)[1]
+    return out
+
+
+def _cores(place: Placement) -> tuple[int, ...] | None:
+    return placement.parse_cpus(place.cpus) if place.cpus else None
 
 
 def _timelines(config: BenchConfig, pipelines: dict, ids: list[int]) -> dict:
@@ -320,7 +350,7 @@ def paired_speedup(row: Row, baseline: Row, kind: str | None = None, key: str = 
     return statistics.median(ratios) if ratios else None
 
 
-def _summarise(config: BenchConfig, rows: dict) -> dict:
+def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = None) -> dict:
     import torch
 
     table = []
@@ -369,6 +399,13 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
             entry["theoretical_speedup"] = theoretical_speedup(alpha, k, c)
             if entry["speedup"]:
                 entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
+            if forward_costs and "target" in forward_costs:  # each generation against its own bound
+                draft, verify = forward_costs["draft"].get(row.drafter, 0.0), forward_costs["target"]
+                bound = costs.overlap_bound if row.method == "specdec" else costs.sequential_bound
+                bounds = [bound(r["tokens_per_round"], r["drafts_per_round"], draft, verify) for r in row.runs]
+                entry["bound_tokens_per_second"] = statistics.median(bounds)
+                ratios = [r["round_tokens_per_second"] / b for r, b in zip(row.runs, bounds, strict=True)]
+                entry["bound_efficiency"] = statistics.median(ratios)
         table.append(entry)
     cores = placement.usable_cores()
     binary = str(config.llama_speculative) if config.llama_speculative else None
@@ -381,6 +418,7 @@ def _summarise(config: BenchConfig, rows: dict) -> dict:
             "python": platform.python_version(),
         },
         "rows": table,
+        "forward_costs": forward_costs or {},
     }
 
 
@@ -401,6 +439,8 @@ COLUMNS = [
     ("alpha", "{:.3f}"),
     ("theoretical_speedup", "{:.2f}x"),
     ("efficiency", "{:.2f}"),
+    ("bound_tokens_per_second", "{:.1f}"),
+    ("bound_efficiency", "{:.2f}"),
     ("bytes_per_round", "{:.0f}"),
     ("draft_ms_per_token", "{:.1f}"),
     ("target_ms_per_round", "{:.1f}"),
@@ -408,8 +448,8 @@ COLUMNS = [
     ("overhead_fraction", "{:.1%}"),
 ]
 HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "rounds tok/s", "ovl/seq", "ovl/seq rounds", "accept",
-           "tok/round", "c", "alpha", "theory", "eff", "B/round", "draft ms", "target ms", "ovh ms",
-           "ovh %"]  # fmt: skip
+           "tok/round", "c", "alpha", "theory", "eff", "bound", "of bound", "B/round", "draft ms", "target ms",
+           "ovh ms", "ovh %"]  # fmt: skip
 
 
 def format_table(results: dict) -> str:
@@ -487,6 +527,11 @@ def main(config: BenchConfig) -> dict:
     plot(results, config.out / "speedup.png")
     backend = "llama.cpp (the F32 GGUF)" if config.target_backend == "llamacpp" else "transformers"
     print(f"specdec rows: the target service runs {backend}")
+    if fc := results["forward_costs"]:
+        verify = ", ".join(f"{w}: {1000 * t:.1f}" for w, t in sorted(fc["target"].items()))
+        drafts = ", ".join(f"{d} {1000 * t:.1f}" for d, t in fc["draft"].items()) or "-"
+        print(f"one-process costs, each alone on its service's cores (context {fc['context']}, ms): "
+              f"target verify by tokens {verify}; draft step {drafts}")  # fmt: skip
     print(format_table(results))
     if kinds := format_kinds_table(results):
         print("\nspeedup over hf-target by prompt kind\n" + kinds)

@@ -115,6 +115,7 @@ class LocalPipeline:
     restarts: Counter = field(default_factory=Counter)  # service name -> restarts that came up
     failure: str | None = None  # why the pipeline stopped working, once it has
     http_url: str | None = None  # the orchestrator's HTTP API, when config.http_port is set
+    placements: tuple[Placement, Placement] | None = None  # the draft's and the target's, once started
 
     def __post_init__(self):
         self._commands: dict[str, list[str]] = {}  # name -> argv without --port
@@ -133,7 +134,7 @@ class LocalPipeline:
             models.f32_gguf_path()  # likewise
         t0 = time.perf_counter()
         try:
-            draft_place, target_place = self._placements()
+            draft_place, target_place = self.placements = self._placements()
             draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
             self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
             compiled = [] if cfg.target_compile is None else ["--compile" if cfg.target_compile else "--no-compile"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import engines
+from bench import costs, engines
 from bench.run import _chat_ids, alpha_from_tokens_per_round, theoretical_speedup
 
 DATA = Path(__file__).with_name("data")
@@ -36,6 +36,12 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     assert 0 < model_k4["acceptance_rate"] <= 1 and model_k4["cost_ratio"] > 0
     assert model_k4["theoretical_speedup"] > 0 and model_k4["bytes_per_round"] > 0
     assert model_k4["draft_ms_per_token"] > 0 and model_k4["target_ms_per_round"] > 0
+    # The bound from one-process costs, each model timed alone on its service's cores
+    costs = results["forward_costs"]
+    assert set(costs["target"]) == {"1", "2", "3", "5", "9"} and set(costs["draft"]) == {"model"}
+    for method in ("specdec", "specdec-seq"):
+        row = rows[(method, "model", "4")]
+        assert row["bound_tokens_per_second"] > 0 and row["bound_efficiency"] > 0
     # --quick takes one prompt of each of two kinds; the baseline's ratio to itself is exactly 1
     assert len(model_k4["speedup_by_kind"]) == 2
     assert set(rows[("hf-target", "-", "-")]["speedup_by_kind"].values()) == {1.0}
@@ -47,6 +53,16 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     for line in lines.values():
         assert {s["side"] for s in line["spans"]} == {"draft", "target"} and line["round_ends"]
     assert "tok/s" in out.stdout and "specdec" in out.stdout and "by prompt kind" in out.stdout
+
+
+def test_overlap_bound_is_the_busier_device():
+    verify = {1: 0.050, 5: 0.090, 9: 0.110}  # seconds by tokens fed
+    assert costs.verify_cost(verify, 3) == pytest.approx(0.070)  # interpolated
+    assert costs.verify_cost(verify, 11) == pytest.approx(0.120)  # extended past the last width
+    # k = 4: the target's verify of 5 (90 ms) outlasts 4 draft steps of 10 ms
+    assert costs.overlap_bound(4.9, 4, 0.010, verify) == pytest.approx(4.9 / 0.090)
+    # k = 8 with a slow draft: its 8 steps of 20 ms set the pace
+    assert costs.overlap_bound(8.5, 8, 0.020, verify) == pytest.approx(8.5 / 0.160)
 
 
 def test_alpha_inverts_tokens_per_round():
