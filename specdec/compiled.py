@@ -60,7 +60,7 @@ import time
 import torch
 
 from specdec import models
-from specdec.backend import HFBackend
+from specdec.backend import HFBackend, picked
 from specdec.kvcache import Slot, causal_mask
 from specdec.validation import MAX_LOOKAHEAD
 
@@ -93,11 +93,14 @@ class CompiledBackend(HFBackend):
         self.variants: set[tuple[int, int, int]] = set()  # (batch, width, capacity) compiled so far
         self._marked: torch.Tensor | None = None
 
-    def _hidden(self, slots: list[Slot], blocks: list[list[int]]) -> torch.Tensor:
+    def _last_hidden(self, slots: list[Slot], blocks: list[list[int]], wanted: list[int]) -> torch.Tensor:
         width = bucket(max(len(tokens) for tokens in blocks), self.widths)
         batch = bucket(len(blocks), self.batches)
         if width is None or batch is None:
-            return super()._hidden(slots, blocks)
+            return super()._last_hidden(slots, blocks, wanted)
+        return picked(self._compiled_hidden(slots, blocks, batch, width), blocks, wanted)
+
+    def _compiled_hidden(self, slots: list[Slot], blocks: list[list[int]], batch: int, width: int) -> torch.Tensor:
         self.kv.reserve(max(s.length for s in slots) + width)
         if self._marked is not self.kv.keys[0]:  # a new block: sessions opening must not recompile
             for store in (*self.kv.keys, *self.kv.values):

@@ -16,9 +16,13 @@ The block grows by doubling (slots as sessions open, capacity as a session needs
 memory follows use; it never shrinks. The KV budget (specdec.limits) bounds tokens held,
 not the block: one long session makes every slot that long.
 
-`BatchView` is what the model sees as `past_key_values` for one forward: transformers'
+`BatchView` is what the model sees as `past_key_values` for one padded forward: transformers'
 attention calls `update(keys, values, layer)` with the new tokens' keys and values and
-attends over what it returns. This module owns no model and no session logic.
+attends over what it returns. `PackedView` is the same for a packed forward: the rows' new
+tokens one after another in a single sequence (no padding: a prompt's 128-token prefill chunk
+beside 15 one-token decode rows is 143 positions, not 16 x 128), and `attend` runs attention
+for each group of rows of one width over their slots (specdec.backend registers it with
+transformers). This module owns no model and no session logic.
 """
 
 from __future__ import annotations
@@ -129,3 +133,52 @@ class BatchView:
             held = store[self.span] if self.span is not None else store.index_select(0, self.rows)
             out.append(held[:, :, : self.kv_length])
         return out[0], out[1]
+
+
+class PackedView:
+    """The cache of one packed forward: rows' blocks concatenated into one sequence of T tokens.
+
+    `update` writes each token's keys and values at its row's slot and position; `attend` (the
+    attention of a layer, called in place of transformers' own) attends, for each group of rows
+    of the same width, the group's queries over its slots, each row up to its own positions.
+    """
+
+    def __init__(self, cache: SlotCache, slots: list[Slot], widths: list[int]):
+        self.cache = cache
+        device = cache.device
+        cache.reserve(max(s.length + w for s, w in zip(slots, widths, strict=True)))
+        rows = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(widths))  # [T]: each token's row
+        starts = torch.tensor([s.length for s in slots])
+        first = torch.cumsum(torch.tensor([0, *widths[:-1]]), 0)  # each row's first token
+        offsets = torch.arange(len(rows)) - first[rows]
+        index = torch.tensor([s.index for s in slots])
+        self.token_slots = index[rows].to(device)
+        self.positions = (starts[rows] + offsets).to(device)  # [T]
+        self.groups = []  # (slot indices [B], token indices [B, w], mask [B, 1, w, kv], kv): rows of width w
+        for width in sorted(set(widths)):
+            members = torch.tensor([r for r, w in enumerate(widths) if w == width])
+            tokens = first[members][:, None] + torch.arange(width)
+            positions = starts[members][:, None] + torch.arange(width)
+            kv = int(positions.max()) + 1
+            mask = causal_mask(positions.to(device), kv, cache.dtype)
+            self.groups.append((index[members].to(device), tokens.to(device), mask, kv))
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        """keys, values: [1, kv_heads, T, head_dim], written at each token's slot and position."""
+        for store, new in ((self.cache.keys[layer], keys), (self.cache.values[layer], values)):
+            store[self.token_slots, :, self.positions] = new[0].transpose(0, 1).to(store.dtype)
+        return keys, values
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query: [1, heads, T, head_dim] -> the attention output, [1, T, heads, head_dim]."""
+        out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        for slots, tokens, mask, kv in self.groups:
+            q = query[0][:, tokens].transpose(0, 1)  # [B, heads, w, head_dim]
+            k = keys.index_select(0, slots)[:, :, :kv].to(q.dtype)
+            v = values.index_select(0, slots)[:, :, :kv].to(q.dtype)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+            out[0, tokens] = o.transpose(1, 2)
+        return out

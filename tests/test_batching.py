@@ -50,10 +50,15 @@ class Recorded(SlowBackend):
         return super().forward_batch(items)
 
 
-def test_ragged_batch_equals_whole_sequence_forwards(tiny_models):
+@pytest.mark.parametrize("packed", [True, False])
+def test_ragged_batch_equals_whole_sequence_forwards(tiny_models, packed):
+    """Rows of different widths and lengths in one forward, packed (one sequence, attention per
+    group of rows of one width) or padded: each row's logits are its whole sequence's."""
     from transformers import AutoModelForCausalLM
 
     backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
+    assert backend.packed  # a Llama
+    backend.packed = packed
     model = AutoModelForCausalLM.from_pretrained(tiny_models["target"]).eval()
 
     def reference(tokens, n):
