@@ -1,84 +1,68 @@
-"""Adaptive lookahead: choose k per round from the session's recent acceptance and costs.
+"""Adaptive lookahead: choose k per round from the recent acceptance and the measured costs.
 
-Policy. Under the i.i.d. model of Leviathan et al. (2023), with per-token acceptance alpha and
-draft/target cost ratio c, a round of lookahead k commits (1 - alpha^(k+1)) / (1 - alpha)
-tokens for a cost of (k c + 1) target forwards, so the speedup over target-only decoding is
-    S(k) = (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
-The formula assumes a round costs one target step whatever k; on a CPU verifying k + 1 tokens
-costs more than one (an fp32 135M target: 5 tokens 1.7x one token). With the target's round
-time T(k) = T1 + b k (b: seconds per extra token scored), a round costs k (c + s) + 1 target
-steps, s = b / T1, so the same S applies with c + s in place of c.
-Each round picks the k in 1..k_max that maximises S with these estimated from the rounds:
+Policy. Under the i.i.d. model of Leviathan et al. (2023), with per-token acceptance alpha, a
+round of k drafts commits E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) tokens. Each round picks
+the k in 0..k_max (0: no speculation) and, where overlapped rounds are allowed, the kind of
+round that maximise E[tokens] t0 / round_time(k), t0 being what a token costs without
+speculation. The estimates, from the rounds:
 - alpha: accepted / (accepted + rejections), the maximum-likelihood estimate for the
   geometric accept-until-first-reject process (a round that accepted everything contributes
-  no rejection), over an exponentially weighted window (~5 steps, see Load), the generation's own
-  with the pair's as a prior (the text decides it);
-- c: draft seconds per proposed token / T1, likewise weighted;
-- T1 and b: a weighted least-squares line through (tokens scored, target compute seconds) of the
-  rounds so far (a slow window, ~30 steps: the cost curve is the hardware's). While every
-  round in it scored the same number of tokens the slope is unknown; then one round explores
-  another k (half the usual one) and the fit has its two points.
+  no rejection), over an exponentially weighted window (~5 steps, see Load), the generation's
+  own with the pair's as a prior (the text decides it);
+- the target's step, T(m) = T1 + b (m - 1) for a step of m tokens whoever fed them: a weighted
+  least-squares line through (the step's tokens, its compute) as the target reports them
+  (ScoreResponse.step_tokens, compute_seconds) over a slow window (~30 steps: the curve is the
+  hardware's). On a CPU b is far from 0 (an fp32 135M target: 5 tokens 1.7x one token), on a
+  GPU near it. While every step in the window had the same size the slope is unknown; then one
+  round explores another k (half the usual one) and the fit has its two points;
+- the draft's step, D(m) = D1 + e (m - 1) over the sessions in it, fitted the same way over
+  what the draft reports (ProposeResponse.steps, step_tokens); a llama.cpp Q4_1 draft on one
+  core batches almost nothing (13, 26, 38, 85, 164 ms a step for 1, 2, 4, 8, 16 sessions);
+- the waits: what a round waits on the target beyond its step's compute (the RPC; under load,
+  the step in progress when it arrives), apart for rounds that speculated (w_on) and rounds that
+  did not (w_off), and what it waits for the draft beyond its compute, each counted up to two
+  computes: longer is a transient (behind the prefills of a wave of new prompts, seconds) that
+  says nothing of the rounds to come (uncapped, it priced the draft at 100 ms a token for
+  minutes after a burst of 16 clients, its step at 2 being 31 ms).
 The costs are the pair's (PairCosts): every generation on the orchestrator's pair measures
 them and starts from them. Before any evidence it uses k_max. The choice of k never changes
 the output law (the rule is exact for every k), only the speed. Pure: no clock, no RPC; the
 loop feeds it measurements.
 
-Load. The model services batch the forwards of concurrent sessions (specdec.worker), and the
-target reports the tokens of the batched forward that scored each round, all sessions'
-together (ScoreResponse.step_tokens), and that step's seconds (compute_seconds): the line is
-fitted over those, T(m) = T1 + b (m - 1), the cost of a step of m tokens whoever fed them
-(alone, m = k + 1 and the line is the one above). What a round waits on the target beyond its
-step (the RPC; under load, the step in progress when it arrives) is measured apart, for rounds
-that speculated (w_on) and rounds that did not (w_off): sessions decoding without speculation
-come back together and share every step, while speculating ones come back from the draft at
-different times and queue behind others' steps. (Fitted into the line, as before, the
-queueing made every step look dear and speculation cheap by comparison.) A wait is counted up
-to two steps' compute: longer is a transient (behind the prefills of a wave of new prompts,
-seconds) that says nothing of the rounds to come. Every generation reports its rounds, so the
-windows count steps, not reports: a round of each of N generations weighs as one step (counted
-one by one, under load the line's window shrank to two steps and its intercept swung from 12
-to 234 ms between rounds). With N generations
-running (`load`, those of this process) the policy prices speculation against everyone
-decoding without it: N one-token rounds are a step of T(N), a round t0 = T(N) + w_off. The N
-generations' speculating rounds interleave: while some draft, others are verified, so a round
-of them all costs the busier device's work, not the sum: the draft's k steps of all N, k d(N),
-or the target's verify of N blocks of k + 1, T(N) + w_on + N b k. So
-S(k) = E[tokens] t0 / max(k d(N), T(N) + w_on + N b k). (Priced as the sum, as if every
-generation drafted and then verified in lockstep, speculation at 8 clients looked 1.3x dearer
-than decoding without it, where sequential k = 4 measured 1.1-1.25x faster than it.) Under load
-the rounds are sequential, not overlapped (`overlapping`): the other generations' rounds
-already fill each device, and a continuation that a rejection throws away costs the draft,
-which sets the pace (measured at 8 clients: sequential k = 4 1.12x overlapped). d(N) is the
-draft's seconds per token when the N generations draft together, as they all choose alike: the
-draft reports the steps that ran each proposal and their tokens, all sessions'
-(ProposeResponse.steps, step_tokens), and its step's compute is fitted over them as the target's
-is, D(m) = D1 + e (m - 1); d(N) is D(N) a token, plus what a round waits for the draft beyond
-its compute (up to two of its computes, as for the target: a proposal queued behind the draft's
-prefills of a wave of new prompts waits seconds, and that wait, uncapped, priced the draft at
-100 ms a token for minutes after a burst of 16 clients, its step at 2 being 31 ms). A draft that
-batches nothing (the llama.cpp Q4_1 draft on one core: 13, 26, 38, 85, 164 ms a step for 1, 2,
-4, 8, 16 sessions) costs a round drafting alone one session's step, and N generations drafting
-together N each: priced at its mean cost, measured mostly by lone explorations while speculation
-was off, speculation looked cheap, every generation took it up, the draft's cost rose N-fold,
-and k swung between 0 and k_max. Under load (N > 1) speculation is taken only when its best k
-promises 1 + MARGIN: near the break-even the model's error (~10%) decides, and switching costs
-(sessions that speculate come back out of step with the others).
-k = 0 (no speculation: the round is one target step) is a choice too, S(0) = 1, taken when no
-k pays; rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY steps off (rounds of the
-pair's generations, counted as above) one round explores k = 2, so acceptance and costs are
-measured again when the load falls. An exploration that finds speculation still does not pay
-doubles the wait before the next (up to EXPLORE_MAX steps): under a steady high load the
-explorations' cost falls towards nothing.
+Pricing (round_time). With N generations running (`load`, those of this process), all drafting
+alike, a draft step costs d = D(N) and a round of one generation takes the longest of
+- its own path: overlapped, its verify beside the continuation's k + 1 draft steps, and after
+  a rejection (1 - alpha^(k+1) of the rounds) k fresh steps before the next verify:
+  max(T_v + w_on, (k + 1) d) + (1 - alpha^(k+1)) k d; sequential, k d + T_v + w_on;
+- the target's work for a round of all N: N / s verify steps of s blocks of k + 1 tokens,
+  T_v = T(s (k + 1)) each, s the generations whose blocks share a step;
+- the draft's work for it: (k + 1) d + (1 - alpha^(k + 1)) k d overlapped, k d sequential.
+Without speculation a round is a step of the N one-token rounds: t0 = T(N) + w_off. Alone (N = 1,
+s = 1) the path is the longest and the price is the one-generation formula; with T flat it is
+Leviathan's S(k) = E[tokens] / (k c + 1), c = d / T1. Under load a device's work can be the
+longest, and s decides the target's: sessions decoding without speculation come back together
+and share every step (the worker's gather window), speculating ones come back from the draft at
+different times. Priced in lockstep (s = N), speculation at 16 clients promised 1.5x where it
+measured 0.7-0.8x: the target's steps held 2-3 of the 16 sessions, each paying the step's fixed
+cost (T1 ~ 100 ms against b ~ 5 ms a token on one core). So s is measured: the target reports
+the sessions of the step that scored each round (ScoreResponse.step_sessions), and the share of
+the load they are in speculating rounds is kept (explorations left out: a lone speculating round
+rides in everyone's step); until measured, s = N. Overlapped rounds cost the draft more work,
+sequential ones a longer path; under load the choice is the price's (measured at 8 clients,
+after the continuation stopped re-feeding its tail: overlapped k = 4 47.0 tok/s against
+sequential 41.4, k = 2 46.9 against 36.2).
 
-Overlapped rounds (orchestrator.loop; one generation on the pair) change the cost: the draft
-proposes round r + 1 (k + 1 tokens, d seconds each) while the target verifies round r (T1 + b k
-seconds); a round whose
-drafts were proposed that way starts at once, which happens when all k drafts and the
-continuation's first token are accepted (alpha^(k+1)); otherwise it first waits for k fresh
-drafts. Tokens per second in steady state:
-    R(k) = E[tokens] / (max(T1 + w_on + b k, (k + 1) d) + (1 - alpha^(k+1)) k d),
-with E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) as before. Its best k makes the draft's
-continuation end about when the verify does, less where rejections waste the drafting.
+Load. Every generation reports its rounds, so the windows count steps, not reports: a round of
+each of N generations weighs as one step (counted one by one, under load the line's window
+shrank to two steps and its intercept swung from 12 to 234 ms between rounds). Under load
+(N > 1) speculation is taken only when its best k promises 1 + MARGIN and dropped below
+1 - MARGIN: near the break-even the model's error decides, and each switch costs (sessions that
+speculate come back out of step with the others; a dropped continuation). k = 0 is a choice
+too: rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY steps off (rounds of the pair's
+generations, counted as above) one round explores k = 2, so acceptance and costs are measured
+again when the load falls. An exploration that finds speculation still does not pay doubles
+the wait before the next (up to EXPLORE_MAX steps): under a steady high load the explorations'
+cost falls towards nothing.
 """
 
 from __future__ import annotations
@@ -109,20 +93,6 @@ def queued(waited: float, compute: float) -> float:
     return min(max(0.0, waited - compute), 2 * compute)
 
 
-def expected_speedup(alpha: float, k: int, cost_ratio: float, base: float = 1.0) -> float:
-    """S(k) above; alpha in [0, 1]; S(0) = 1. `base`: a speculating round's cost at k = 0 over a
-    round without speculation (1 unless they wait differently for the target, see Load)."""
-    if k == 0:
-        return 1.0
-    tokens = expected_tokens(alpha, k)
-    return tokens / (k * cost_ratio + base)
-
-
-def best_lookahead(alpha: float, cost_ratio: float, k_max: int, base: float = 1.0) -> int:
-    """The k in 0..k_max with the highest S (0: no speculation pays)."""
-    return max(range(0, k_max + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, base))
-
-
 def speculates(gain: float, speculating: bool | None) -> bool:
     """Under load: whether to speculate, given the best k's expected gain and whether the rounds
     speculate now (None: no decision yet, taken when it gains); taken above 1 + MARGIN, dropped
@@ -132,30 +102,54 @@ def speculates(gain: float, speculating: bool | None) -> bool:
     return gain >= (1 - MARGIN if speculating else 1 + MARGIN)
 
 
-def pipelined_speedup(alpha: float, k: int, draft: float, verify: float, slope: float, t0: float) -> float:
-    """Under load: sequential rounds of lookahead k, all N generations' interleaved, over rounds
-    without speculation (t0 seconds a token). Per round of them all the draft computes k steps
-    of all N (draft: seconds a token at N) and the target verifies N blocks of k + 1 (verify +
-    slope k): one device's work goes on while the other's does, so the busier one sets the pace."""
-    if k == 0:
-        return 1.0
-    tokens = expected_tokens(alpha, k)
-    return tokens * t0 / max(k * draft, verify + slope * k)
+@dataclass(frozen=True)
+class RoundCosts:
+    """What a round of one of `load` generations costs, in seconds (see Pricing)."""
+
+    draft: float  # a draft step, with the generations drafting together: D(load)
+    verify: tuple[float, float]  # (T1, b): the target's step of m tokens, T1 + b (m - 1)
+    wait: float = 0.0  # what a speculating round waits on the target beyond its step
+    load: int = 1  # generations running
+    sessions: float = 1.0  # of them, those whose blocks share a verify step (measured)
+
+    def step(self, tokens: float) -> float:
+        t1, slope = self.verify
+        return t1 + slope * (tokens - 1)
 
 
-def best_pipelined_lookahead(alpha: float, draft: float, verify: float, slope: float, t0: float, k_max: int) -> int:
-    return max(range(0, k_max + 1), key=lambda k: pipelined_speedup(alpha, k, draft, verify, slope, t0))
+def round_time(alpha: float, k: int, costs: RoundCosts, overlap: bool) -> float:
+    """Seconds a round of k drafts takes a generation (Pricing): the longest of its own path, the
+    target's work and the draft's work for a round of all `load` generations."""
+    sessions = min(costs.load, max(1.0, costs.sessions))
+    verify = costs.step(sessions * (k + 1))  # the step this round's block rides in
+    target_work = costs.load / sessions * verify
+    if overlap:  # the continuation's k + 1 steps beside the verify; after a rejection, k fresh ones
+        rejected = (1 - alpha ** (k + 1)) * k * costs.draft
+        path = max(verify + costs.wait, (k + 1) * costs.draft) + rejected
+        draft_work = (k + 1) * costs.draft + rejected
+    else:
+        path = k * costs.draft + verify + costs.wait
+        draft_work = k * costs.draft
+    return max(path, target_work, draft_work)
 
 
-def overlapped_rate(alpha: float, k: int, draft: float, t1: float, slope: float) -> float:
-    """R(k) above: tokens per second of overlapped rounds; draft, t1, slope in seconds."""
-    tokens = expected_tokens(alpha, k)
-    carried = alpha ** (k + 1)
-    return tokens / (max(t1 + slope * k, (k + 1) * draft) + (1 - carried) * k * draft)
+def speedup(alpha: float, k: int, costs: RoundCosts, overlap: bool, t0: float) -> float:
+    """E[tokens] of a round of k drafts over its round_time, against t0 seconds a token without
+    speculation; 1 at k = 0."""
+    return 1.0 if k == 0 else expected_tokens(alpha, k) * t0 / round_time(alpha, k, costs, overlap)
 
 
-def best_overlapped_lookahead(alpha: float, draft: float, t1: float, slope: float, k_max: int) -> int:
-    return max(range(1, k_max + 1), key=lambda k: overlapped_rate(alpha, k, draft, t1, slope))
+def best_lookahead(alpha: float, costs: RoundCosts, t0: float, k_max: int, overlap: bool) -> tuple[int, bool]:
+    """(k, overlapped) with the highest speedup, k in 0..k_max (0: no speculation pays);
+    overlapped rounds only where `overlap` allows them; of equals, the smallest k."""
+    modes = (True, False) if overlap else (False,)
+    best, most = (0, overlap), 1.0
+    for k in range(1, k_max + 1):
+        for mode in modes:
+            gain = speedup(alpha, k, costs, mode, t0)
+            if gain > most * (1 + 1e-9):
+                best, most = (k, mode), gain
+    return best
 
 
 @dataclass
@@ -232,6 +226,9 @@ class PairCosts:
         # behind a step in progress), weighted by DECAY: [sum, weight] for rounds that
         # speculated (k > 0) and rounds that did not
         self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        # the sessions in the verify step of a speculating round over the generations running
+        # (DECAY; explorations left out: a lone speculating round rides in everyone's step)
+        self.shared = [0.0, 0.0]
         self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
         self.explore_after = EXPLORE_EVERY  # steps off before the next exploration
 
@@ -255,6 +252,12 @@ class PairCosts:
         waited = max(0.0, self.draft_seconds - self.draft_compute)
         return (step * self.draft_steps + waited) / self.draft_tokens
 
+    def sessions(self, load: int) -> float:
+        """Generations whose blocks share a verify step when `load` speculate: all of them until
+        measured (lockstep), then the share measured of the load."""
+        total, weight = self.shared
+        return load * (total / weight if weight else 1.0)
+
     def wait(self, speculating: bool) -> float:
         """Seconds a round waits on the target beyond its step's compute, speculating or not;
         one mode not measured lately: the other's."""
@@ -272,13 +275,18 @@ class PairCosts:
         step: int,
         target_compute: float,
         sessions: int = 1,
+        step_sessions: int | None = None,
     ) -> None:
         """One round of one of `sessions` generations running: each reports its rounds, so the
         windows above count rounds of them all (a round of each of 16 generations is one step,
         not 16: counted one by one, the line's window shrank to two steps under load and its
-        intercept swung from 12 to 234 ms)."""
+        intercept swung from 12 to 234 ms). `step_sessions`: the sessions in its verify step,
+        for a round that speculated with the others (None: not counted)."""
         share = 1 / max(1, sessions)
         d = DECAY**share
+        if step_sessions:
+            self.shared[0] = d * self.shared[0] + min(1.0, step_sessions / max(1, sessions))
+            self.shared[1] = d * self.shared[1] + 1
         for mode, waited in self.waits.items():
             waited[0] *= d
             waited[1] *= d
@@ -307,19 +315,21 @@ class AdaptiveLookahead:
     PRIOR_TRIALS trials: alone on a pair, the estimate is exactly its own."""
 
     k_max: int
-    overlap: bool = False  # rounds are overlapped: maximise R(k) instead of S(k) (one generation)
+    overlap: bool = False  # overlapped rounds allowed (see Pricing: chosen where they pay)
     load: Callable[[], int] = lambda: 1  # generations sharing the services' forwards
     costs: PairCosts = field(default_factory=PairCosts)
     accepted: float = 0.0
     rejections: float = 0.0
     speculating: bool | None = None  # under load: the side of the MARGIN band it is on (see Load)
-    overlapping: bool = True  # with `overlap`: whether its last choice overlaps the rounds (see Overlapped rounds)
+    overlapping: bool = True  # with `overlap`: whether its last choice overlaps the rounds (see Pricing)
+    exploring: bool = False  # its last choice was an exploration (see Load)
 
     def next_k(self) -> int:
         """The k for the next round (called once a round: it counts the steps off)."""
         with self.costs.lock:
             costs = self.costs
             k = self._best_k()
+            self.exploring = False
             if k > 0:
                 costs.off_rounds, costs.explore_after = 0, EXPLORE_EVERY
                 return k
@@ -327,6 +337,7 @@ class AdaptiveLookahead:
             if costs.off_rounds < costs.explore_after:
                 return 0
             costs.off_rounds, costs.explore_after = 0, min(2 * costs.explore_after, EXPLORE_MAX)
+            self.exploring = True
             return min(2, self.k_max)
 
     def alpha(self) -> float | None:
@@ -348,23 +359,15 @@ class AdaptiveLookahead:
             if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
                 return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
-        t1, slope = line
-        waits = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
+        wait_on, wait_off = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         n = max(1, self.load())
-        draft = costs.draft_cost(n)  # every generation drafting, as they all choose alike
+        # every generation drafting, as they all choose alike
+        rounds = RoundCosts(costs.draft_cost(n), line, wait_on, n, costs.sessions(n))
+        t0 = rounds.step(n) + wait_off  # a round without speculation: a step of n one-token rounds
+        k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
         if n == 1:
-            self.overlapping = self.overlap
-            if self.overlap:
-                return best_overlapped_lookahead(alpha, draft, t1 + waits[0], slope, self.k_max)
-            ratio, base = (draft + slope) / (t1 + waits[1]), (t1 + waits[0]) / (t1 + waits[1])
-            return best_lookahead(alpha, ratio, self.k_max, base)
-        # Under load: sequential rounds, pipelined across the generations (see Load).
-        self.overlapping = False
-        step = t1 + (n - 1) * slope  # the step of n one-token rounds
-        t0 = step + waits[1]  # a round without speculation
-        verify = step + waits[0]  # the verify of n one-token blocks, speculating
-        k = best_pipelined_lookahead(alpha, draft, verify, n * slope, t0, self.k_max)
-        self.speculating = speculates(pipelined_speedup(alpha, k, draft, verify, n * slope, t0), self.speculating)
+            return k
+        self.speculating = speculates(speedup(alpha, k, rounds, self.overlapping, t0), self.speculating)
         return k if self.speculating else 0
 
     def update(
@@ -375,12 +378,13 @@ class AdaptiveLookahead:
         target_seconds: float,
         step_tokens: int | None = None,
         target_compute: float | None = None,
+        step_sessions: int | None = None,
     ) -> None:
         """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
         for the proposed tokens, the service's steps unknown), the seconds waited on the target,
         of which `target_compute` its step's (as the target reports; default: all), and the
         tokens of the target's batched forward that scored them (default: this round's alone,
-        proposed + 1, as when no other session shares the target)."""
+        proposed + 1, as when no other session shares the target), and the sessions it ran."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
         if not isinstance(draft, DraftCost):
@@ -388,4 +392,5 @@ class AdaptiveLookahead:
         step = proposed + 1 if step_tokens is None else step_tokens
         with self.costs.lock:
             compute = target_seconds if target_compute is None else target_compute
-            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load())
+            counted = step_sessions if proposed > 0 and not self.exploring else None
+            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load(), counted)

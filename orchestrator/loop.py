@@ -459,6 +459,7 @@ class SpeculativeLoop:
                 target_time,
                 scores.step_tokens or None,
                 scores.compute_seconds or None,  # a service that does not report it: all the wait
+                scores.step_sessions or None,
             )
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)

@@ -81,6 +81,7 @@ class Forward:
     n_logits: int
     cached: list[int]
     step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
+    step_sessions: int = 0  # ... and the sessions it ran
 
 
 class SessionEngine:
@@ -131,7 +132,7 @@ class SessionEngine:
             logits = [self.backend.forward(*item) for item in items]
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
-            f.session.cached, f.step_tokens = f.cached, step
+            f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------

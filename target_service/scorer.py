@@ -27,6 +27,7 @@ class Scores:
     row_position: int  # sampling: which row `row` is
     row: np.ndarray | None  # sampling: [vocab] float32
     step_tokens: int = 0  # tokens of the batched forward that scored them, all sessions'
+    step_sessions: int = 0  # sessions that batched forward ran
 
 
 def score(
@@ -44,9 +45,9 @@ def score(
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
     if params.greedy:
-        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, forward.step_tokens)
+        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, forward.step_tokens, forward.step_sessions)
     probs = probs_from_logits(logits, params)
     rows = torch.arange(k, device=probs.device)
     at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
     n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
-    return Scores([], at, n, probs[n].cpu().numpy(), forward.step_tokens)
+    return Scores([], at, n, probs[n].cpu().numpy(), forward.step_tokens, forward.step_sessions)

@@ -42,6 +42,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
                 step_tokens=scores.step_tokens,
+                step_sessions=scores.step_sessions,
             )
 
         return self.engine.call(ref.session_id, ref.expected_length, run, context)

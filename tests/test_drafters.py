@@ -13,9 +13,11 @@ from orchestrator.lookahead import (
     AdaptiveLookahead,
     DraftCost,
     PairCosts,
+    RoundCosts,
     best_lookahead,
-    expected_speedup,
+    round_time,
     speculates,
+    speedup,
 )
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
@@ -68,14 +70,28 @@ def test_distribution_through_the_loop(drafter, adaptive):
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
+def alone(cost_ratio: float, step: float = 0.1, slope: float = 0.0) -> RoundCosts:
+    """One generation, a draft step `cost_ratio` target steps, a target step of `step` seconds
+    (+ `slope` a token fed)."""
+    return RoundCosts(draft=cost_ratio * step, verify=(step, slope))
+
+
 def test_best_lookahead_follows_the_formula():
-    assert best_lookahead(0.0, 0.5, 8) == 0  # nothing is ever accepted: no speculation
-    assert best_lookahead(1.0, 1.2, 8) == 0  # a round costs more than the tokens it wins
-    assert best_lookahead(0.99, 0.01, 8) == 8  # cheap, accurate draft: longest k
+    """Alone, sequential rounds and a target step that costs the same whatever k (a GPU's): the
+    speedup is Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(k c + 1)), c = draft / target step."""
+
+    def best(alpha, c, k_max=8):
+        return best_lookahead(alpha, alone(c), 0.1, k_max, overlap=False)[0]
+
+    assert best(0.0, 0.5) == 0  # nothing is ever accepted: no speculation
+    assert best(1.0, 1.2) == 0  # a round costs more than the tokens it wins
+    assert best(0.99, 0.01) == 8  # cheap, accurate draft: longest k
     for alpha, c in [(0.6, 0.3), (0.8, 0.5), (0.9, 0.1)]:
-        k = best_lookahead(alpha, c, 16)
-        assert all(expected_speedup(alpha, k, c) >= expected_speedup(alpha, j, c) for j in range(0, 17))
-    assert expected_speedup(0.8, 4, 0.5) == pytest.approx((1 - 0.8**5) / (0.2 * 3))
+        k = best(alpha, c, 16)
+        assert all(
+            speedup(alpha, k, alone(c), False, 0.1) >= speedup(alpha, j, alone(c), False, 0.1) for j in range(17)
+        )
+    assert speedup(0.8, 4, alone(0.5), False, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 3))
 
 
 def test_adaptive_lookahead_moves_with_acceptance():
@@ -167,7 +183,7 @@ def test_adaptive_lookahead_prices_the_verify_cost():
 
     flat, steep = run(0.0), run(0.07)
     assert flat.next_k() == 8
-    assert steep.next_k() == 0 == best_lookahead(1.0, 0.5 + 0.7, 8)
+    assert steep.next_k() == 0 == best_lookahead(1.0, alone(0.5, slope=0.07), 0.1, 8, overlap=False)[0]
     assert steep.costs.verify_cost(8) == pytest.approx((0.1, 0.07))
 
 
@@ -293,31 +309,60 @@ def test_a_wave_of_prefills_does_not_make_speculation_look_cheap():
     assert policy._best_k() == 0
 
 
-def test_under_load_rounds_are_sequential_and_priced_pipelined():
-    """Under load the generations' rounds interleave: while some draft, others verify, so a
-    round of all N costs the busier device's work, not the sum (priced as the sum, speculation at
-    8 clients looked 1.3x dearer than speculation off; measured, k = 4 was 1.1-1.25x faster). And
-    the rounds are not overlapped: the others' rounds fill each device, and a continuation that a
-    rejection throws away costs the draft, which under load sets the pace. 8 generations, a draft
-    that batches nothing (10 ms a session in its step), a target step of 50 ms + 8 ms a token:
-    k = 3, sequential; a draft 4 times dearer: no speculation. Alone: overlapped."""
+def test_a_round_costs_its_own_path_or_the_busier_devices_work():
+    """A round of one of N generations takes the longest of its own path (overlapped: the verify
+    beside the continuation's k + 1 draft steps, then k fresh ones after a rejection;
+    sequential: the sum), the target's work and the draft's work for a round of all N. Alone the
+    path is the longest; under load a device's work can be. The target's work is N / s steps
+    of s blocks each, s the generations whose blocks share a verify step: all N in lockstep;
+    fewer when their rounds drift apart (more steps, each paying the step's fixed cost)."""
+    a, k, d = 0.9, 2, 0.040
+    line = (0.050, 0.004)  # the target's step: 50 ms + 4 ms a token fed
 
-    def policy(load: int, per_session: float) -> AdaptiveLookahead:
-        policy = AdaptiveLookahead(k_max=8, overlap=True, load=lambda: load)
+    def step(m):
+        return 0.050 + 0.004 * (m - 1)
+
+    rejected = (1 - a ** (k + 1)) * k * d
+    alone = RoundCosts(d, line, wait=0.010)
+    assert round_time(a, k, alone, True) == pytest.approx(max(step(3) + 0.010, 3 * d) + rejected)
+    assert round_time(a, k, alone, False) == pytest.approx(k * d + step(3) + 0.010)
+    lockstep = RoundCosts(d, line, load=8, sessions=8)
+    assert round_time(a, k, lockstep, True) == pytest.approx(max(step(24), 3 * d) + rejected)
+    apart = RoundCosts(d, line, load=8, sessions=2)  # four verify steps of two blocks each
+    assert round_time(a, k, apart, True) == pytest.approx(4 * step(6))
+    slow_draft = RoundCosts(0.100, line, load=8, sessions=8)
+    assert round_time(a, k, slow_draft, False) == pytest.approx(k * 0.100 + step(24))  # lockstep: the sum
+    # t0: a step of eight one-token rounds
+    assert speedup(a, k, lockstep, True, step(8)) > 1 > speedup(a, 1, apart, True, step(8))
+
+
+def test_under_load_speculation_stops_when_the_generations_verify_apart():
+    """8 generations, a draft that batches nothing (12 ms a session: 96 ms a step of all 8), a
+    target step of 100 ms + 4 ms a token, acceptance ~0.85. While the speculating rounds' verify
+    steps hold all 8, overlapped k = 1 pays; when the target reports steps of 2 of them (their
+    rounds drifted apart: measured at 8 and 16 clients, steps of 2-3 sessions), the target runs
+    four steps a round and no k pays."""
+
+    def policy(sessions: int) -> AdaptiveLookahead:
+        policy = AdaptiveLookahead(k_max=8, overlap=True, load=lambda: 8)
         for i in range(60):
-            k, sessions = (2, 4)[i % 2], (1, load)[i % 2]
-            compute = per_session * sessions * k
-            draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
-            step = load * (k + 1)
-            target = 0.05 + 0.008 * (step - 1)
-            policy.update(k, k - (i % 3 == 0), draft, target, step_tokens=step, target_compute=target)
+            k = (2, 4)[i % 2]
+            draft = DraftCost(0.096 * k, k, 0.096 * k, steps=k, step_tokens=8 * k)
+            tokens = sessions * (k + 1)
+            target = 0.100 + 0.004 * (tokens - 1)
+            policy.update(k, k - (i % 4 < 2), draft, target, tokens, target, step_sessions=sessions)
         return policy
 
-    loaded = policy(8, 0.010)
-    assert loaded._best_k() == 3 and not loaded.overlapping
-    assert policy(8, 0.040)._best_k() == 0
-    alone = policy(1, 0.010)
-    assert alone._best_k() == 5 and alone.overlapping
+    together = policy(8)
+    assert together._best_k() == 1 and together.overlapping
+    assert together.costs.sessions(8) == pytest.approx(8)
+    apart = policy(2)
+    assert apart.costs.sessions(8) == pytest.approx(2)
+    assert apart._best_k() == 0
+    # An exploration rides in everyone's step: its round says nothing of the sessions per step.
+    apart.exploring = True
+    apart.update(2, 2, DraftCost(0.08, 2, 0.08, 2, 16), 0.1, 24, 0.1, step_sessions=8)
+    assert apart.costs.sessions(8) == pytest.approx(2)
 
 
 def test_a_draft_queued_behind_prefills_is_priced_by_its_step():

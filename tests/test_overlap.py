@@ -13,7 +13,7 @@ import pytest
 
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import AdaptiveLookahead, best_overlapped_lookahead
+from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -154,24 +154,29 @@ def test_seeded_overlapped_sampling_reproduces():
     assert a == b and a != c
 
 
+def best_overlapped(alpha: float, draft: float, t1: float, slope: float, k_max: int) -> int:
+    """The policy's k for one generation alone, overlapped rounds allowed (chosen)."""
+    k, overlapped = best_lookahead(alpha, RoundCosts(draft, (t1, slope)), t1, k_max, overlap=True)
+    assert overlapped
+    return k
+
+
 def test_policy_makes_the_continuation_end_with_the_verify():
     """Every draft accepted: a longer round amortises the verify, so k grows until the draft's
     continuation (k + 1 steps) is as long as the verify of k drafts, and no further."""
     t1, slope, k_max = 0.060, 0.008, 16  # target: 60 ms a round, 8 ms per extra token scored
     for draft in (0.004, 0.010, 0.017, 0.040):
         balanced = next((k for k in range(1, k_max + 1) if (k + 1) * draft >= t1 + slope * k), k_max)
-        assert best_overlapped_lookahead(1.0, draft, t1, slope, k_max) == balanced, draft
+        assert best_overlapped(1.0, draft, t1, slope, k_max) == balanced, draft
     # Rejections waste the continuation and the fresh drafting after them: a smaller k.
-    assert best_overlapped_lookahead(0.6, 0.010, t1, slope, k_max) < best_overlapped_lookahead(
-        0.95, 0.010, t1, slope, k_max
-    )
+    assert best_overlapped(0.6, 0.010, t1, slope, k_max) < best_overlapped(0.95, 0.010, t1, slope, k_max)
 
 
 def test_adaptive_overlapped_policy_learns_from_the_rounds():
     policy = AdaptiveLookahead(k_max=16, overlap=True)
     for k in (8, 4, 8, 4, 8, 4):  # rounds of two sizes: the verify line has two points
         policy.update(k + 1, k + 1, draft=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k)
-    assert policy.next_k() == best_overlapped_lookahead(1.0, 0.010, 0.060, 0.008, 16)
+    assert policy.next_k() == best_overlapped(1.0, 0.010, 0.060, 0.008, 16)
 
 
 class SlowOpen:

@@ -107,7 +107,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens")
+    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROW_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class ScoreResponse(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_target_probs: _containers.RepeatedScalarFieldContainer[float]
     row_position: int
@@ -122,7 +123,8 @@ class ScoreResponse(_message.Message):
     length: int
     compute_seconds: float
     step_tokens: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ...) -> None: ...
+    step_sessions: int
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session", "token_ids")
