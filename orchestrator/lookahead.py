@@ -340,6 +340,12 @@ class AdaptiveLookahead:
             self.exploring = True
             return min(2, self.k_max)
 
+    def would_speculate(self) -> bool:
+        """Whether the next round would draft, asked before it (no round counted): a new
+        generation opens its draft's session only then."""
+        with self.costs.lock:
+            return self._best_k() > 0
+
     def alpha(self) -> float | None:
         """Per-token acceptance: this generation's, the pair's as a prior; None: no evidence."""
         shared = self.costs.accepted + self.costs.rejections

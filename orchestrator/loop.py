@@ -202,7 +202,8 @@ class SpeculativeLoop:
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
         self._stats_lock = threading.Lock()
-        self._draft_opening = None  # adaptive: the draft's OpenSession while it runs (_draft_ready)
+        self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
+        self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -210,28 +211,21 @@ class SpeculativeLoop:
     # -- lifecycle -------------------------------------------------------------------------
     def rounds(self) -> Iterator[Round]:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
-        sides = [s for s in (self.draft, self.target) if s is not None]
-        opened = []
         RUNNING.add(1)
         try:
-            # Closed whatever happens from here: an open that failed or timed out here may still
-            # complete on the service.
-            opened.extend(sides)
             # Both prefills at once, each on its own service: the first round waits for the
-            # slower one, not for their sum.
-            other = None
-            if self.draft is not None:
-                other = _CONTINUATIONS.submit(contextvars.copy_context().run, self._open, self.draft)
+            # slower one, not for their sum. An adaptive generation opens its draft's session
+            # only once its policy speculates (_draft_ready): under a load where speculation
+            # does not pay, the draft prefills nothing.
+            if self.draft is not None and (self.policy is None or self.policy.would_speculate()):
+                self._open_draft()
             try:
-                self._open(self.target)
+                self._open(self.target, self.prompt)
             except BaseException:
-                _wait_quietly(other, self._timeout())
+                _wait_quietly(self._draft_opening, self._timeout())
                 raise
-            if other is not None:
-                if self.policy is None:
-                    other.result(timeout=self._timeout())
-                else:  # adaptive: rounds go without speculation until it is done (_draft_ready)
-                    self._draft_opening = other
+            if self.policy is None and self.draft is not None:
+                self._draft_ready(wait=True)
             while True:
                 step = self._round()
                 yield step
@@ -239,12 +233,13 @@ class SpeculativeLoop:
                     return
         finally:
             RUNNING.add(-1)
+            # Closed whatever happened: an open that failed or timed out may still complete on the service.
             opening, self._draft_opening = self._draft_opening, None
             if opening is not None:  # the draft's open still runs: closed once it is done
-                opened.remove(self.draft)
                 opening.add_done_callback(lambda _: self._close(self.draft))
-            for side in opened:
-                self._close(side)
+            elif self._draft_opened:
+                self._close(self.draft)
+            self._close(self.target)
 
     def _close(self, side: _Side) -> None:
         try:  # its own timeout: the request's deadline may have passed
@@ -253,21 +248,33 @@ class SpeculativeLoop:
         except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
             pass
 
-    def _open(self, side: _Side) -> None:
+    def _open(self, side: _Side, tokens: list[int]) -> None:
         try:
             side.stub.OpenSession(
-                model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=self.prompt),
+                model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=tokens),
                 timeout=self._timeout(),
             )
         except SessionLost:  # the service is down or restarting: wait for it
-            side.stub.reopen(self.session_id, self.prompt, timeout=self._timeout())
-        side.length = len(self.prompt)
+            side.stub.reopen(self.session_id, tokens, timeout=self._timeout())
+        side.length = len(tokens)
 
-    def _draft_ready(self, wait: bool = False) -> bool:
-        """Whether the draft's session is open; its open's error goes up here. Under load the
-        draft prefills many prompts (a Q4_1 draft on one core: ~0.3 s each), so an adaptive
-        generation does not wait for its own before its first rounds: they go without
-        speculation (k = 0; the tokens they commit reach the draft with its first Propose)."""
+    def _open_draft(self) -> None:
+        """Send the draft's OpenSession (on the continuation pool) holding the tokens committed so
+        far; those committed from now on reach it with its first Propose."""
+        tokens, self.draft.pending = self.prompt + self.generated, []
+        self._draft_opened = True
+        self._draft_opening = _CONTINUATIONS.submit(contextvars.copy_context().run, self._open, self.draft, tokens)
+
+    def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
+        """Whether the draft's session is open; its open's error goes up here. An adaptive
+        generation opens it when its policy first wants drafts (`wanted`) and does not wait for
+        it: under load the draft prefills many prompts (a Q4_1 draft on one core: ~0.3 s each),
+        so its rounds go without speculation until it is open (k = 0; the tokens they commit
+        reach the draft with its first Propose)."""
+        if not self._draft_opened:
+            if wanted > 0:
+                self._open_draft()
+            return False
         opening = self._draft_opening
         if opening is None:
             return True
@@ -292,8 +299,9 @@ class SpeculativeLoop:
         remaining = cfg.max_new_tokens - len(self.generated)
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
-        ready = self.draft is not None and self._draft_ready()
-        wanted = self._wanted_k() if ready else 0  # asked once a round: the policy counts them
+        wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
+        ready = self.draft is not None and self._draft_ready(wanted)
+        wanted = wanted if ready else 0
         if not ready:
             k = 0
         elif self._carried is not None:
@@ -503,8 +511,9 @@ class SpeculativeLoop:
 
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
-        self._draft_ready(wait=True)
-        for side in (self.draft, self.target):
+        if self._draft_opened:
+            self._draft_ready(wait=True)
+        for side in (self.draft if self._draft_opened else None, self.target):
             if side is not None and side.pending:
                 side.stub.Append(
                     model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),

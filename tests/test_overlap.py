@@ -13,7 +13,7 @@ import pytest
 
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead
+from orchestrator.lookahead import AdaptiveLookahead, PairCosts, RoundCosts, best_lookahead
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -228,4 +228,29 @@ def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
     short.opened.set()
     wait_until(lambda: len(short.calls) == 2, within=10)
     assert short.calls == ["open", "close"]
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+
+
+def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
+    """On a pair where speculation does not pay (every draft rejected), a new adaptive generation
+    opens no draft session: under such a load the draft prefilled every prompt for nothing, on
+    the core the orchestrator and the clients then had to share. When an exploration wants
+    drafts, the session opens holding the tokens committed so far, and output is unchanged."""
+    target_probs = random_markov(12, 33, alpha=0.2)
+    draft, target = pair(target_probs, np.roll(target_probs, 1, axis=1))  # never the target's argmax
+    plain, _ = run(draft, target, SamplingParams(), 300, speculate=False)
+    costs = PairCosts()
+    config = LoopConfig(SamplingParams(), 300, lookahead=4, adaptive=True)
+    list(SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs).rounds())  # learns: no k pays
+    assert AdaptiveLookahead(4, costs=costs).would_speculate() is False
+    counting = SlowOpen(draft)
+    counting.opened.set()
+    loop = SpeculativeLoop(counting, target, [0, 1, 2], config, costs=costs)
+    rounds = loop.rounds()
+    first = next(rounds)
+    assert first.proposed == 0 and counting.calls == []  # no draft session
+    rest = list(rounds)
+    assert loop.generated == plain
+    explored = [r for r in rest if r.proposed]
+    assert counting.calls[:1] == ["open"] and explored  # an exploration opened it, then drafted
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
