@@ -242,11 +242,18 @@ class PairCosts:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
         that many (its line; a llama.cpp draft on one core batches almost nothing, a step of
         16 sessions costs 12 of one) per token, plus what a round waits for the draft beyond its
-        compute. The mean measured cost while the line is unknown (the steps all the same size,
-        or a service that does not report them)."""
+        compute. While the line is unknown (the steps all of one size, or a service that does not
+        report them), the mean measured cost, and for more sessions than its steps held, no
+        batching assumed: measured by lone rounds only (a pair's first generations), a step of
+        16 sessions was priced as one session's, speculation looked cheap at 16 clients, and
+        each of them opened its draft and waited behind the others' prefills before its rounds
+        measured otherwise."""
         line = self.draft_line.fit()
         if line is None or self.draft_steps == 0:
-            return self.draft_seconds / self.draft_tokens
+            per_token = self.draft_seconds / self.draft_tokens
+            if self.draft_line.w:  # the sessions its steps held, on average
+                per_token *= max(1.0, sessions / (self.draft_line.x / self.draft_line.w))
+            return per_token
         d1, slope = line
         step = d1 + slope * (sessions - 1)
         waited = max(0.0, self.draft_seconds - self.draft_compute)
