@@ -184,12 +184,15 @@ class CostLine:
     def mean(self) -> float:
         return self.y / self.w
 
+    def mean_x(self) -> float:
+        return self.x / self.w
+
     def fit(self) -> tuple[float, float] | None:
         """(y1, slope), the slope at least 0 (the mean and 0 where the line would cost nothing
         at x = 1); None while the points do not spread over enough x to fit a slope."""
         if self.w == 0:
             return None
-        mean_x, mean_y = self.x / self.w, self.y / self.w
+        mean_x, mean_y = self.mean_x(), self.mean()
         spread = self.xx / self.w - mean_x**2
         if spread < MIN_SPREAD:
             return None
@@ -251,8 +254,8 @@ class PairCosts:
         line = self.draft_line.fit()
         if line is None or self.draft_steps == 0:
             per_token = self.draft_seconds / self.draft_tokens
-            if self.draft_line.w:  # the sessions its steps held, on average
-                per_token *= max(1.0, sessions / (self.draft_line.x / self.draft_line.w))
+            if self.draft_line.w:  # against the sessions its steps held, on average
+                per_token *= max(1.0, sessions / self.draft_line.mean_x())
             return per_token
         d1, slope = line
         step = d1 + slope * (sessions - 1)

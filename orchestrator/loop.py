@@ -511,9 +511,8 @@ class SpeculativeLoop:
 
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
-        if self._draft_opened:
-            self._draft_ready(wait=True)
-        for side in (self.draft if self._draft_opened else None, self.target):
+        drafting = self._draft_ready(wait=True)  # False: no draft, or its session never opened
+        for side in (self.draft if drafting else None, self.target):
             if side is not None and side.pending:
                 side.stub.Append(
                     model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),

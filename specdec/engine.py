@@ -241,7 +241,7 @@ class SessionEngine:
         if not 1 <= to_length <= len(session.tokens):
             raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)} (the session length)")
         del session.tokens[to_length:]
-        self._crop(session, min(len(session.cached), to_length - 1))  # the last one is fed again
+        self._crop(session, to_length - 1)  # the last one is fed again
 
     def forward(self, session: Session, speculative: list[int], n_logits: int) -> Forward:
         """What to feed so the cache holds tokens + speculative, wanting the logits of the last
