@@ -20,8 +20,10 @@ thread that touches the model: a request is a generator over the session that yi
 `Forward`s (feed these tokens, return these logits) and returns its result; the worker
 runs the forwards of different sessions' requests as one batched forward when the backend
 has `forward_batch` (specdec.backend, over a slot cache: specdec.kvcache), one by one
-otherwise. A prompt is prefilled in chunks of PREFILL_CHUNK tokens, one chunk a step, so a
-long prompt never stalls the others' decodes. `call` submits a request and waits for it.
+otherwise. A prompt is prefilled in chunks of PREFILL_CHUNK tokens, one chunk a step, and a
+step takes prompts' chunks up to PREFILL_BUDGET tokens (at least one chunk) beside every decode
+and verify: neither a long prompt nor a wave of new ones stalls the others' decodes for more
+than such a step. `call` submits a request and waits for it.
 
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
@@ -53,6 +55,13 @@ from specdec.limits import KVBudget, SessionLimits
 from specdec.worker import Worker
 
 PREFILL_CHUNK = 128  # prompt tokens a session feeds per worker step
+# Prompt tokens a worker step takes, all sessions' (vLLM's chunked-prefill token budget). Not
+# smaller: a wave of c 67-token prompts prefilled one prompt a step (a budget of 128) started its
+# sessions' decodes one step apart, and they no longer shared their steps to the end: speculation
+# off at 8 clients 44.6 tok/s against 57.3 with every prompt in one step (bench --concurrency).
+# 512 takes a wave of 7 such prompts in one step, bounds a step's prefill at ~1.3 s for the fp32
+# target on one core (~2.9 s for the Q4_1 draft), and is a llama_batch's size (llamacpp.BATCH_TOKENS).
+PREFILL_BUDGET = 512
 
 
 @dataclass
@@ -80,6 +89,7 @@ class Forward:
     tokens: list[int]
     n_logits: int
     cached: list[int]
+    prefill: bool = False  # a prompt's chunk: counts against a step's prefill budget
     step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
     step_sessions: int = 0  # ... and the sessions it ran
 
@@ -91,7 +101,9 @@ class SessionEngine:
         self.limits = limits or SessionLimits()
         self.kv = KVBudget(self.limits.max_kv_tokens)
         self._sessions: dict[str, Session] = {}
-        self.worker = Worker(self._run_batch, name=f"{role}-model-worker")
+        self.worker = Worker(
+            self._run_batch, f"{role}-model-worker", lambda f: len(f.tokens) if f.prefill else 0, PREFILL_BUDGET
+        )
 
     # -- requests ----------------------------------------------------------------------
     def call(self, session_id: str, expected_length: int | None, request: Callable, context=None, final=False):
@@ -158,7 +170,7 @@ class SessionEngine:
             prefix = prompt[:-1]  # all but the last token, which the next block feeds
             for start in range(0, len(prefix), PREFILL_CHUNK):
                 end = min(start + PREFILL_CHUNK, len(prefix))
-                yield Forward(session, prefix[start:end], 1, prefix[:end])
+                yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True)
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
             raise

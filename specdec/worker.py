@@ -6,7 +6,14 @@ see specdec.engine) and wait for its result. Each step the worker
 - drops items whose call was cancelled or ran past its deadline (a queued one changes
   nothing; a running one stops between forwards),
 - runs the pending forward of every active item as one batched forward (`run_batch`), and
-  feeds each item its logits; an item that returns resolves its future.
+  feeds each item its logits; an item that returns resolves its future;
+- holds back prefill: the forwards that count against the step's budget (`budgeted`, a
+  prompt's chunks) join a step, oldest first, while their tokens fit in `budget`, at least one
+  a step; the others (decodes, verifies) join every step. A wave of new prompts then prefills
+  over several steps while the sessions already running go on decoding in each: without it,
+  16 clients arriving at once made one draft step of 15 prompts' chunks (1005 tokens, 5.6 s
+  on one core) and one target step of them (2.6 s), and every running session waited for
+  them (vLLM's chunked-prefill token budget, with decodes first).
 A step waits, briefly, for callers it has just served: a session's next request usually
 follows its answer within a round trip (the orchestrator's rule, the wire), and a step that
 starts without it splits the sessions into cohorts that take turns, each step half full. So
@@ -58,9 +65,17 @@ class Item:
 
 
 class Worker:
-    def __init__(self, run_batch: Callable[[list], list], name: str = "model-worker"):
+    def __init__(
+        self,
+        run_batch: Callable[[list], list],
+        name: str = "model-worker",
+        budgeted: Callable[[object], int] = lambda request: 0,
+        budget: int = 0,
+    ):
         self.run_batch = run_batch
         self.name = name
+        self.budgeted = budgeted  # a request's tokens that count against a step's budget (0: none)
+        self.budget = budget  # those tokens a step takes, at least one such request (0: no limit)
         self._queue: deque[Item] = deque()
         self._active: list[Item] = []
         self._cond = threading.Condition()
@@ -147,7 +162,7 @@ class Worker:
                 self._advance(item, None)
             for item in [i for i in self._active if i.cancelled]:
                 self._fail(item, Cancelled("the call was cancelled or its deadline passed"))
-            batch = [i for i in self._active if i.pending is not None]
+            batch = self._step([i for i in self._active if i.pending is not None])
             if not batch:
                 continue
             if not gathered and self._gather():
@@ -166,6 +181,20 @@ class Worker:
             self._last_step = time.perf_counter() - started
             for item, result in zip(batch, results, strict=True):
                 self._advance(item, result)
+
+    def _step(self, ready: list[Item]) -> list[Item]:
+        """The items of the next step: every unbudgeted one, and the budgeted ones in the
+        order they became active while their tokens fit in the budget, at least one."""
+        if not self.budget:
+            return ready
+        step, used = [], 0
+        for item in ready:
+            tokens = self.budgeted(item.pending)
+            if tokens and used and used + tokens > self.budget:
+                continue
+            step.append(item)
+            used += tokens
+        return step
 
     def _run_alone(self, item: Item) -> None:
         try:

@@ -22,7 +22,7 @@ import torch
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.backend import HFBackend
-from specdec.engine import Session, SessionEngine
+from specdec.engine import PREFILL_BUDGET, Session, SessionEngine
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
@@ -320,3 +320,49 @@ def test_a_step_feeds_only_what_the_cache_does_not_hold():
     assert step([1, 2], n_logits=3) == [5, 1, 2]  # a verify feeds the last committed token again
     engine.rollback(session, 3)
     assert session.cached == [0, 1] and step([]) == [2]
+
+
+class StepTokens(BatchingMarkov):
+    """Records, per batched forward, the tokens each session fed."""
+
+    def __init__(self, probs):
+        super().__init__(probs)
+        self.steps: list[list[int]] = []
+
+    def forward_batch(self, items):
+        self.steps.append([len(tokens) for _, tokens, _ in items])
+        return super().forward_batch(items)
+
+
+def test_a_wave_of_prompts_prefills_within_the_budget_beside_the_decodes():
+    """Six 300-token prompts arrive together while a session decodes: each step takes prompt
+    chunks up to PREFILL_BUDGET tokens and the decoding session's forward rides in the steps
+    that prefill (before the budget, the six prompts' first chunks ran as one step of 768
+    tokens, and the decoding session waited for all of them)."""
+    backend = StepTokens(random_markov(8, 31))
+    engine = SessionEngine(SlowBackend(backend, 0.02), "target")
+    target = Direct(TargetServicer(engine))
+    target.OpenSession(model_pb2.OpenSessionRequest(session_id="a", prompt_token_ids=[0, 1, 2]))
+    backend.steps.clear()
+    prompt = [i % 8 for i in range(300)]  # 299 prefilled: chunks of 128, 128 and 43 tokens
+    opens = [
+        threading.Thread(
+            target=target.OpenSession,
+            args=(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=prompt),),
+        )
+        for sid in "bcdefg"
+    ]
+    length, pending = 3, []
+    for t in opens:
+        t.start()
+    for _ in range(12):  # one-token scores (k = 0) all through the wave
+        ref = model_pb2.SessionRef(session_id="a", expected_length=length)
+        reply = target.Score(model_pb2.ScoreRequest(session=ref, append_tokens=pending))
+        length, pending = reply.length, [reply.argmax_token_ids[0]]
+    for t in opens:
+        t.join()
+    prefills = [[n for n in step if n > 1] for step in backend.steps]
+    assert sum(map(sum, prefills)) == 6 * 299 and max(map(sum, prefills)) <= PREFILL_BUDGET, backend.steps
+    beside = [step for step, chunks in zip(backend.steps, prefills, strict=True) if chunks and 1 in step]
+    assert len(beside) >= 3, backend.steps  # the decode went on in the wave's steps
+    assert engine.cached_tokens == 6 * 299 + length  # every prompt prefilled once, "a" whole
