@@ -68,14 +68,14 @@ class Worker:
     def __init__(
         self,
         run_batch: Callable[[list], list],
-        name: str = "model-worker",
-        budgeted: Callable[[object], int] = lambda request: 0,
-        budget: int = 0,
+        name: str,
+        budgeted: Callable[[object], int],
+        budget: int,
     ):
         self.run_batch = run_batch
         self.name = name
         self.budgeted = budgeted  # a request's tokens that count against a step's budget (0: none)
-        self.budget = budget  # those tokens a step takes, at least one such request (0: no limit)
+        self.budget = budget  # those tokens a step takes, at least one such request
         self._queue: deque[Item] = deque()
         self._active: list[Item] = []
         self._cond = threading.Condition()
@@ -185,8 +185,6 @@ class Worker:
     def _step(self, ready: list[Item]) -> list[Item]:
         """The items of the next step: every unbudgeted one, and the budgeted ones in the
         order they became active while their tokens fit in the budget, at least one."""
-        if not self.budget:
-            return ready
         step, used = [], 0
         for item in ready:
             tokens = self.budgeted(item.pending)

@@ -158,14 +158,19 @@ def test_batched_generations_equal_each_run_alone(tiny_models):
 
 
 class BatchingMarkov(MarkovBackend):
-    """The Markov stand-in with a batched forward (one call for all sessions), recording sizes."""
+    """The Markov stand-in with a batched forward (one call for all sessions), recording per
+    forward the tokens each session fed (`steps`) and the sessions in it (`rows`)."""
 
     def __init__(self, probs):
         super().__init__(probs)
-        self.rows: list[int] = []
+        self.steps: list[list[int]] = []
+
+    @property
+    def rows(self) -> list[int]:
+        return [len(step) for step in self.steps]
 
     def forward_batch(self, items):
-        self.rows.append(len(items))
+        self.steps.append([len(tokens) for _, tokens, _ in items])
         return [self.forward(*item) for item in items]
 
 
@@ -322,24 +327,12 @@ def test_a_step_feeds_only_what_the_cache_does_not_hold():
     assert session.cached == [0, 1] and step([]) == [2]
 
 
-class StepTokens(BatchingMarkov):
-    """Records, per batched forward, the tokens each session fed."""
-
-    def __init__(self, probs):
-        super().__init__(probs)
-        self.steps: list[list[int]] = []
-
-    def forward_batch(self, items):
-        self.steps.append([len(tokens) for _, tokens, _ in items])
-        return super().forward_batch(items)
-
-
 def test_a_wave_of_prompts_prefills_within_the_budget_beside_the_decodes():
     """Six 300-token prompts arrive together while a session decodes: each step takes prompt
     chunks up to PREFILL_BUDGET tokens and the decoding session's forward rides in the steps
     that prefill (before the budget, the six prompts' first chunks ran as one step of 768
     tokens, and the decoding session waited for all of them)."""
-    backend = StepTokens(random_markov(8, 31))
+    backend = BatchingMarkov(random_markov(8, 31))
     engine = SessionEngine(SlowBackend(backend, 0.02), "target")
     target = Direct(TargetServicer(engine))
     target.OpenSession(model_pb2.OpenSessionRequest(session_id="a", prompt_token_ids=[0, 1, 2]))
