@@ -52,6 +52,30 @@ sequential ones a longer path; under load the choice is the price's (measured at
 after the continuation stopped re-feeding its tail: overlapped k = 4 47.0 tok/s against
 sequential 41.4, k = 2 46.9 against 36.2).
 
+Calibration. Under load the price misses what no term of it holds. Measured on 2 cores over
+whole waves of clients it promised 1.4-1.6x at 8 where speculation gave 0.93-0.98x, and 1.2-1.45x
+at 16 where it gave 0.7-0.8x. Over quiet rounds only (below), a speculating round at 8 clients
+took 0.9-1.4 of its price and at 16 took 1.5-2.2 of it (the draft's step of 16 sessions was
+priced from its line over smaller steps, 120-128 ms, and measured 383 ms with its queueing),
+while a plain round took 0.8-1.5 of its price at every load. No term extrapolates from 8 to 16.
+So every quiet round (explorations left out) compares its time, from its generation's last
+commit to its own, with the price of its kind of round, and the pair keeps the ratio apart for
+speculating and plain rounds and for each load (1, 2, 3-4, 5-8, 9-16, ...). Under load the gain
+is corrected by the plain rounds' ratio (1 until measured at that load: their price is the
+verify line, measured at every load) over the speculating rounds'. Where speculating rounds
+have not been measured at a load, the formula must promise 1 + UNPROVEN to be taken: its error
+there is unknown, and only measuring speculation there tells it (a wave of 16 clients that
+opened 16 drafts on the formula's 1.2x spent most of its 11 s learning that it paid 0.7x).
+Quiet: no prompt was prefilled on the pair (an OpenSession in flight on either service) between
+the round's start and its commit. A round behind a prefill waits seconds that say nothing of the
+rounds to come, and neither its time nor its wait on the target is counted (counted, the plain
+rounds at the start of a wave rose to the cap, a correction favoured speculation exactly when
+it paid least, 41.8 tok/s at 8 clients where the formula alone gave 53.3; and their waits priced
+a plain round at 16 clients at twice its step, 272-345 ms, so that speculation promised 1.6-2.2x).
+A round counts up to MISPRICED times its price, and each ratio decays with its own rounds only:
+it stays while the load is elsewhere. Alone the price is the formula's, as measured (overlapped
+rounds within 2-5% of its bound).
+
 Load. Every generation reports its rounds, so the windows count steps, not reports: a round of
 each of N generations weighs as one step (counted one by one, under load the line's window
 shrank to two steps and its intercept swung from 12 to 234 ms between rounds). Under load
@@ -78,6 +102,14 @@ MARGIN = 0.1  # under load, the gain speculation must promise to be taken: the m
 EXPLORE_EVERY = 8  # steps without speculation before one round tries it again
 EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation does not pay
 PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance in a generation's
+MISPRICED = 3.0  # a round's measured/priced ratio counted at most (see Calibration)
+CALIBRATED = 1.0  # steps (a round of each generation) a kind of round needs at a load before its ratio counts
+UNPROVEN = 0.5  # under load, the gain the formula must promise where speculation is not calibrated
+
+
+def load_class(load: int) -> int:
+    """The loads calibrated together (see Calibration): 0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8..."""
+    return max(0, load - 1).bit_length()
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -234,6 +266,13 @@ class PairCosts:
         self.shared = [0.0, 0.0]
         self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
         self.explore_after = EXPLORE_EVERY  # steps off before the next exploration
+        # a quiet round's measured seconds over its price, per load class (see Calibration):
+        # {class: {speculated: [sum, weight]}}, each decayed by its own rounds (FIT_DECAY)
+        self.priced: dict[int, dict[bool, list[float]]] = {}
+        # prompts being prefilled on the pair, and a count of every start and end of one: a
+        # round is quiet when the count did not move between its generation's commits
+        self.prefilling = 0
+        self.prefill_events = 0
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a step of one token and per extra token in the step;
@@ -276,6 +315,42 @@ class PairCosts:
             total, weight = self.waits[not speculating]
         return total / weight if weight else 0.0
 
+    def prefill(self, started: bool) -> None:
+        """A prompt's prefill (an OpenSession, on either service) started or ended."""
+        with self.lock:
+            self.prefilling += 1 if started else -1
+            self.prefill_events += 1
+
+    def quiet_since(self) -> int | None:
+        """A mark for the start of a round (see Calibration): None while a prefill runs."""
+        with self.lock:
+            return None if self.prefilling else self.prefill_events
+
+    def quiet(self, since: int | None) -> bool:
+        """Whether no prefill ran since the mark `quiet_since` gave."""
+        with self.lock:
+            return since is not None and since == self.prefill_events and not self.prefilling
+
+    def calibration(self, load: int) -> float | None:
+        """What corrects speculation's priced gain at `load`: the plain rounds' measured/priced
+        ratio there (1 until measured: their price is the verify line's, measured at every load)
+        over the speculating rounds'; None until speculating rounds at that load are measured
+        (see Calibration)."""
+        kinds = self.priced.get(load_class(load), {})
+        on, off = kinds.get(True, (0.0, 0.0)), kinds.get(False, (0.0, 0.0))
+        if on[1] < CALIBRATED:
+            return None
+        return (off[0] / off[1] if off[1] >= CALIBRATED else 1.0) / (on[0] / on[1])
+
+    def calibrate(self, load: int, speculated: bool, ratio: float) -> None:
+        """A quiet round's measured/priced ratio, counted up to MISPRICED; its kind's window at
+        its load decays by the round (a round of each of `load` generations is one step)."""
+        kept = self.priced.setdefault(load_class(load), {True: [0.0, 0.0], False: [0.0, 0.0]})[speculated]
+        share = 1 / max(1, load)  # a round of each generation is one step
+        f = FIT_DECAY**share
+        kept[0] = f * kept[0] + share * min(ratio, MISPRICED)
+        kept[1] = f * kept[1] + share
+
     def update(
         self,
         proposed: int,
@@ -286,18 +361,23 @@ class PairCosts:
         target_compute: float,
         sessions: int = 1,
         step_sessions: int | None = None,
+        quiet: bool = True,
     ) -> None:
         """One round of one of `sessions` generations running: each reports its rounds, so the
         windows above count rounds of them all (a round of each of 16 generations is one step,
         not 16: counted one by one, the line's window shrank to two steps under load and its
         intercept swung from 12 to 234 ms). `step_sessions`: the sessions in its verify step,
-        for a round that speculated with the others (None: not counted)."""
+        for a round that speculated with the others (None: not counted). `quiet`: no prefill ran on
+        the pair during the round; one that did waited behind it, and its wait is not counted
+        (see Calibration)."""
         share = 1 / max(1, sessions)
         d = DECAY**share
         if step_sessions:
             self.shared[0] = d * self.shared[0] + min(1.0, step_sessions / max(1, sessions))
             self.shared[1] = d * self.shared[1] + 1
         for mode, waited in self.waits.items():
+            if not quiet:
+                break
             waited[0] *= d
             waited[1] *= d
             if mode == (proposed > 0):
@@ -333,6 +413,11 @@ class AdaptiveLookahead:
     speculating: bool | None = None  # under load: the side of the MARGIN band it is on (see Load)
     overlapping: bool = True  # with `overlap`: whether its last choice overlaps the rounds (see Pricing)
     exploring: bool = False  # its last choice was an exploration (see Load)
+    # its last choice's price (see Calibration): a speculating round's (None: it chose none), a
+    # plain round's, and the load it was priced at; None: unpriced. And the formula's gain for
+    # it, before calibration
+    priced: tuple[float | None, float, int] | None = None
+    promised: float = 1.0
 
     def next_k(self) -> int:
         """The k for the next round (called once a round: it counts the steps off)."""
@@ -366,6 +451,7 @@ class AdaptiveLookahead:
 
     def _best_k(self) -> int:
         costs = self.costs
+        self.priced = None
         alpha = self.alpha()
         if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
             return self.k_max
@@ -381,9 +467,17 @@ class AdaptiveLookahead:
         rounds = RoundCosts(costs.draft_cost(n), line, wait_on, n, costs.sessions(n))
         t0 = rounds.step(n) + wait_off  # a round without speculation: a step of n one-token rounds
         k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
+        self.priced = (round_time(alpha, k, rounds, self.overlapping) if k else None, t0, n)
         if n == 1:
             return k
-        self.speculating = speculates(speedup(alpha, k, rounds, self.overlapping, t0), self.speculating)
+        self.promised = speedup(alpha, k, rounds, self.overlapping, t0)
+        calibration = costs.calibration(n)
+        if calibration is None:  # not measured at this load: the formula must promise more than its error
+            self.speculating = self.promised > 1 + UNPROVEN
+        else:
+            self.speculating = speculates(self.promised * calibration, self.speculating)
+        if not self.speculating:  # drafts it did not choose (an exploration's, carried) are not calibrated
+            self.priced = (None, t0, n)
         return k if self.speculating else 0
 
     def update(
@@ -395,12 +489,17 @@ class AdaptiveLookahead:
         step_tokens: int | None = None,
         target_compute: float | None = None,
         step_sessions: int | None = None,
+        round_seconds: float | None = None,
+        quiet: bool = True,
     ) -> None:
         """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
         for the proposed tokens, the service's steps unknown), the seconds waited on the target,
         of which `target_compute` its step's (as the target reports; default: all), and the
         tokens of the target's batched forward that scored them (default: this round's alone,
-        proposed + 1, as when no other session shares the target), and the sessions it ran."""
+        proposed + 1, as when no other session shares the target), the sessions it ran, the seconds
+        since its generation's last commit (None: not timed), and whether no prefill ran on the
+        pair meanwhile (one that did waited behind it: neither its wait nor its time is counted;
+        see Calibration)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
         if not isinstance(draft, DraftCost):
@@ -409,4 +508,9 @@ class AdaptiveLookahead:
         with self.costs.lock:
             compute = target_seconds if target_compute is None else target_compute
             counted = step_sessions if proposed > 0 and not self.exploring else None
-            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load(), counted)
+            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load(), counted, quiet)
+            if quiet and round_seconds and self.priced is not None and not self.exploring:
+                spec_price, plain_price, load = self.priced
+                price = plain_price if proposed == 0 else spec_price  # None: drafts it did not choose (carried)
+                if price:
+                    self.costs.calibrate(load, proposed > 0, round_seconds / price)

@@ -20,6 +20,7 @@ same committed state with the same random draws (orchestrator.recovery provides 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
 import threading
@@ -204,6 +205,7 @@ class SpeculativeLoop:
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
+        self._committed: tuple[float, int | None] | None = None  # adaptive: its last commit (time, quiet mark)
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -226,6 +228,8 @@ class SpeculativeLoop:
                 raise
             if self.policy is None and self.draft is not None:
                 self._draft_ready(wait=True)
+            if self.policy:
+                self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
             while True:
                 step = self._round()
                 yield step
@@ -249,14 +253,28 @@ class SpeculativeLoop:
             pass
 
     def _open(self, side: _Side, tokens: list[int]) -> None:
-        try:
-            side.stub.OpenSession(
-                model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=tokens),
-                timeout=self._timeout(),
-            )
-        except SessionLost:  # the service is down or restarting: wait for it
-            side.stub.reopen(self.session_id, tokens, timeout=self._timeout())
+        with self._prefilling():
+            try:
+                side.stub.OpenSession(
+                    model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=tokens),
+                    timeout=self._timeout(),
+                )
+            except SessionLost:  # the service is down or restarting: wait for it
+                side.stub.reopen(self.session_id, tokens, timeout=self._timeout())
         side.length = len(tokens)
+
+    @contextlib.contextmanager
+    def _prefilling(self, prefills: bool = True):
+        """Tell the pair's adaptive costs a prefill runs meanwhile: rounds of any generation on it
+        wait behind it, and are not calibrated by (see lookahead's Calibration)."""
+        counted = prefills and self.policy is not None
+        if counted:
+            self.policy.costs.prefill(started=True)
+        try:
+            yield
+        finally:
+            if counted:
+                self.policy.costs.prefill(started=False)
 
     def _open_draft(self) -> None:
         """Send the draft's OpenSession (on the continuation pool) holding the tokens committed so
@@ -332,18 +350,21 @@ class SpeculativeLoop:
         self.stats.recoveries += 1
 
     def _propose(self, k: int, uniforms, assumed=()) -> tuple[_Proposal, float]:
-        """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds)."""
-        proposal, seconds = self._call(
-            self.draft.stub.Propose,
-            model_pb2.ProposeRequest(
-                session=self.draft.ref(self.session_id),
-                append_tokens=self.draft.pending,
-                k=k,
-                sampling=self._sampling,
-                uniforms=uniforms[:k],
-                assumed_tokens=assumed,
-            ),
-        )
+        """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds). More
+        pending commits than a round makes (the draft's session opened or idle while rounds went
+        without it) is a prefill for the pair (see lookahead's Calibration)."""
+        with self._prefilling(len(self.draft.pending) > self.config.lookahead + 2):
+            proposal, seconds = self._call(
+                self.draft.stub.Propose,
+                model_pb2.ProposeRequest(
+                    session=self.draft.ref(self.session_id),
+                    append_tokens=self.draft.pending,
+                    k=k,
+                    sampling=self._sampling,
+                    uniforms=uniforms[:k],
+                    assumed_tokens=assumed,
+                ),
+            )
         with self._stats_lock:
             self.stats.draft_compute_seconds += proposal.compute_seconds
             self.stats.drafted_tokens += len(proposal.token_ids)
@@ -468,9 +489,19 @@ class SpeculativeLoop:
                 scores.step_tokens or None,
                 scores.compute_seconds or None,  # a service that does not report it: all the wait
                 scores.step_sessions or None,
+                since := self._since_commit(),
+                since is not None,
             )
+            self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
+
+    def _since_commit(self) -> float | None:
+        """Seconds since the generation's last commit (or its target's open), if no prefill ran
+        on the pair meanwhile (the adaptive policy's calibration); None: one did."""
+        if self._committed is None or not self.policy.costs.quiet(self._committed[1]):
+            return None
+        return time.perf_counter() - self._committed[0]
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config
