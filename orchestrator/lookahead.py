@@ -66,7 +66,11 @@ verify line, measured at every load) over the speculating rounds'. Where specula
 have not been measured at a load, the formula must promise 1 + UNPROVEN to be taken: its error
 there is unknown, and only measuring speculation there tells it (a wave of 16 clients that
 opened 16 drafts on the formula's 1.2x spent most of its 11 s learning that it paid 0.7x).
-Quiet: no prompt was prefilled on the pair (an OpenSession in flight on either service) between
+Only the drafts the policy chose are compared with a price (an exploration's continuation,
+carried into the next round, is not: one such round at 0.67 of a price set the correction at 16
+clients and sent all 16 speculating), and a load's correction needs a step's worth of rounds (a
+round of each generation). Quiet: no prompt was prefilled on the pair (an OpenSession in flight
+on either service, or a Propose carrying a draft's catch-up of commits made without it) between
 the round's start and its commit. A round behind a prefill waits seconds that say nothing of the
 rounds to come, and neither its time nor its wait on the target is counted (counted, the plain
 rounds at the start of a wave rose to the cap, a correction favoured speculation exactly when
@@ -316,7 +320,8 @@ class PairCosts:
         return total / weight if weight else 0.0
 
     def prefill(self, started: bool) -> None:
-        """A prompt's prefill (an OpenSession, on either service) started or ended."""
+        """A prefill on the pair started or ended (an OpenSession on either service, a draft's
+        catch-up)."""
         with self.lock:
             self.prefilling += 1 if started else -1
             self.prefill_events += 1
