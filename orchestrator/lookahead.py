@@ -380,14 +380,13 @@ class PairCosts:
         if step_sessions:
             self.shared[0] = d * self.shared[0] + min(1.0, step_sessions / max(1, sessions))
             self.shared[1] = d * self.shared[1] + 1
-        for mode, waited in self.waits.items():
-            if not quiet:
-                break
-            waited[0] *= d
-            waited[1] *= d
-            if mode == (proposed > 0):
-                waited[0] += queued(target_seconds, target_compute)
-                waited[1] += 1
+        if quiet:
+            for mode, waited in self.waits.items():
+                waited[0] *= d
+                waited[1] *= d
+                if mode == (proposed > 0):
+                    waited[0] += queued(target_seconds, target_compute)
+                    waited[1] += 1
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         if draft.tokens:
@@ -472,18 +471,17 @@ class AdaptiveLookahead:
         rounds = RoundCosts(costs.draft_cost(n), line, wait_on, n, costs.sessions(n))
         t0 = rounds.step(n) + wait_off  # a round without speculation: a step of n one-token rounds
         k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
+        if n > 1:
+            self.promised = speedup(alpha, k, rounds, self.overlapping, t0)
+            calibration = costs.calibration(n)
+            if calibration is None:  # not measured at this load: the formula must promise more than its error
+                self.speculating = self.promised > 1 + UNPROVEN
+            else:
+                self.speculating = speculates(self.promised * calibration, self.speculating)
+            k = k if self.speculating else 0
+        # the chosen k's price; k = 0: drafts it did not choose (an exploration's, carried) are not calibrated
         self.priced = (round_time(alpha, k, rounds, self.overlapping) if k else None, t0, n)
-        if n == 1:
-            return k
-        self.promised = speedup(alpha, k, rounds, self.overlapping, t0)
-        calibration = costs.calibration(n)
-        if calibration is None:  # not measured at this load: the formula must promise more than its error
-            self.speculating = self.promised > 1 + UNPROVEN
-        else:
-            self.speculating = speculates(self.promised * calibration, self.speculating)
-        if not self.speculating:  # drafts it did not choose (an exploration's, carried) are not calibrated
-            self.priced = (None, t0, n)
-        return k if self.speculating else 0
+        return k
 
     def update(
         self,

@@ -205,7 +205,7 @@ class SpeculativeLoop:
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
-        self._committed: tuple[float, int | None] | None = None  # adaptive: its last commit (time, quiet mark)
+        self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -499,7 +499,7 @@ class SpeculativeLoop:
     def _since_commit(self) -> float | None:
         """Seconds since the generation's last commit (or its target's open), if no prefill ran
         on the pair meanwhile (the adaptive policy's calibration); None: one did."""
-        if self._committed is None or not self.policy.costs.quiet(self._committed[1]):
+        if not self.policy.costs.quiet(self._committed[1]):
             return None
         return time.perf_counter() - self._committed[0]
 
