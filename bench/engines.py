@@ -5,7 +5,8 @@
   same prompt token ids, with the threads hf-target uses; EOS is masked until max tokens, as
   `min_new_tokens` does for the hf rows. Wall time includes the prefill, as for the hf rows.
 - `llama-speculative`: llama.cpp's own speculative decoding example binary (`make llama-tools`
-  builds it) on the F32 target GGUF with the embedded Q4_1 draft, one process per generation.
+  builds it) on the F32 target GGUF with the default Q8_0 draft (the embedded GGUF requantised),
+  one process per generation.
   The prompt goes in as text with the chat template applied (`-f`, no escapes); the binary's
   own count of prompt tokens must equal ours. Tokens/s = its decoded tokens over its prefill
   plus decode time (model loading excluded); the acceptance rate is its n_accept / n_drafted.
@@ -118,7 +119,7 @@ def speculative_command(
     return [
         str(binary),
         "-m", str(models.f32_gguf_path()),
-        "-md", str(models.gguf_path()),
+        "-md", str(models.draft_gguf_path()),
         "-f", str(prompt_file), "--no-escape",
         "-n", str(max_tokens - 1),
         "-c", str(N_CTX),

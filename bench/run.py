@@ -14,7 +14,7 @@ to the target's core with one thread (the services run on their own cores: the d
 first quarter of the machine's, the target on the rest, or as --draft-cpus/--target-cpus say).
 The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
 target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
-llama-speculative, llama.cpp's speculative example with the Q4_1 draft, per fixed k.
+llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k.
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over (a) (median of per-prompt ratios to (a) on the same pass), rounds tok/s

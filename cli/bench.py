@@ -57,7 +57,7 @@ def add_bench_parser(sub) -> None:
         type=Path,
         metavar="PATH",
         help="the llama-speculative binary (`make llama-tools` builds it): adds its rows, llama.cpp's own "
-        "speculative decoding with the F32 target and the Q4_1 draft GGUFs, per --ks (default: no such rows)",
+        "speculative decoding with the F32 target and the Q8_0 draft GGUFs, per --ks (default: no such rows)",
     )
     b.add_argument(
         "--concurrency",

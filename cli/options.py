@@ -85,10 +85,11 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="auto",
         choices=DRAFTERS,
-        help="auto: llamacpp for the embedded default draft when llama-cpp-python is installed (the Q4_1 GGUF: "
-        "the draft that pays on a CPU), else model (default); model: a transformers draft model; ngram: "
-        "model-free prompt lookup over the session's tokens (the draft model only gives the tokenizer); "
-        "llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; the default alias runs the embedded Q4_1 GGUF)",
+        help="auto: llamacpp for the embedded default draft when llama-cpp-python is installed (its GGUF "
+        "requantised to Q8_0: the draft that pays on a CPU), else model (default); model: a transformers draft "
+        "model; ngram: model-free prompt lookup over the session's tokens (the draft model only gives the "
+        "tokenizer); llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; the default alias runs the "
+        "embedded GGUF requantised to Q8_0)",
     )
 
 

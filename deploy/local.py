@@ -132,6 +132,8 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         if target.backend == "llamacpp" and cfg.target.model in models.ALIASES:
             models.f32_gguf_path()  # likewise
+        if cfg.draft.model in models.ALIASES and cfg.drafter in ("auto", "llamacpp") and models.llamacpp_installed():
+            models.draft_gguf_path()  # likewise (the llama.cpp drafter's default file)
         t0 = time.perf_counter()
         try:
             draft_place, target_place = self.placements = self._placements()

@@ -16,8 +16,9 @@ speculation. The estimates, from the rounds:
   GPU near it. While every step in the window had the same size the slope is unknown; then one
   round explores another k (half the usual one) and the fit has its two points;
 - the draft's step, D(m) = D1 + e (m - 1) over the sessions in it, fitted the same way over
-  what the draft reports (ProposeResponse.steps, step_tokens); a llama.cpp Q4_1 draft on one
-  core batches almost nothing (13, 26, 38, 85, 164 ms a step for 1, 2, 4, 8, 16 sessions);
+  what the draft reports (ProposeResponse.steps, step_tokens); a llama.cpp draft on one core
+  batches little (the Q8_0 default 8, 25, 34, 40, 88 ms a step for 1, 2, 4, 8, 16 sessions, the
+  Q4_1 file 10, 21, 34, 57, 115, in one process);
 - the waits: what a round waits on the target beyond its step's compute (the RPC; under load,
   the step in progress when it arrives), apart for rounds that speculated (w_on) and rounds that
   did not (w_off), and what it waits for the draft beyond its compute, each counted up to two

@@ -286,7 +286,7 @@ class SpeculativeLoop:
     def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
         """Whether the draft's session is open; its open's error goes up here. An adaptive
         generation opens it when its policy first wants drafts (`wanted`) and does not wait for
-        it: under load the draft prefills many prompts (a Q4_1 draft on one core: ~0.3 s each),
+        it: under load the draft prefills many prompts (the Q8_0 draft on one core: ~0.2 s each),
         so its rounds go without speculation until it is open (k = 0; the tokens they commit
         reach the draft with its first Propose)."""
         if not self._draft_opened:

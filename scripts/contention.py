@@ -5,7 +5,7 @@
 Overlapped rounds assume the draft on one core and the target on another work at once at the
 speed each has alone. They share the memory bus and the last-level cache, so each may be
 slower while the other runs. This times, pinned and with one thread each as `specdec bench`
-places them, the draft's one-token forward (the llama.cpp Q4_1 GGUF, else the bf16 copy) and
+places them, the draft's one-token forward (the llama.cpp Q8_0 GGUF, else the bf16 copy) and
 the fp32 target's one-token forward, each first with the other core idle, then while a second
 process runs the other model's forwards in a loop on the other core; it prints medians and the
 slowdown. The cost a round pays is the loaded one.

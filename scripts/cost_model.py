@@ -3,7 +3,7 @@
     python scripts/cost_model.py [--reps 15] [--context 80] [--threads N] [--no-compiled]
 
 For the default pair (the fp32 target eager and compiled, the bf16 draft; with llama.cpp
-installed, also the Q4_1 GGUF draft and the F32 GGUF target on llama.cpp) it times, on a
+installed, also the Q8_0 GGUF draft and the F32 GGUF target on llama.cpp) it times, on a
 cached context, a forward of n = 1, 3, 5, 9 new tokens (the target verifies k + 1 = n tokens;
 the compiled one in its default buckets, so n = 3, 5, 9 run padded to widths 4, 8, 16, each
 compiled once before the timing, minutes on a small CPU; a draft proposes one token per
@@ -48,7 +48,7 @@ def main() -> None:
         from specdec.llamacpp import LlamaCppBackend
 
         backends["target llama.cpp F32"] = LlamaCppBackend(models.ModelSpec(), models.f32_gguf_path)
-        backends["draft llama.cpp Q4_1"] = LlamaCppBackend(models.ModelSpec())
+        backends["draft llama.cpp Q8_0"] = LlamaCppBackend(models.ModelSpec())
     except RuntimeError as err:
         print(f"(no llama.cpp: {err})")
     context = [100 + i % 1000 for i in range(args.context)]

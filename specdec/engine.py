@@ -60,7 +60,8 @@ PREFILL_CHUNK = 128  # prompt tokens a session feeds per worker step
 # sessions' decodes one step apart, and they no longer shared their steps to the end: speculation
 # off at 8 clients 44.6 tok/s against 57.3 with every prompt in one step (bench --concurrency).
 # 512 takes a wave of 7 such prompts in one step, bounds a step's prefill at ~1.3 s for the fp32
-# target on one core (~2.9 s for the Q4_1 draft), and is a llama_batch's size (llamacpp.BATCH_TOKENS).
+# target on one core (~1.6 s for the default Q8_0 draft, ~2.6 s for the Q4_1 file), and is a
+# llama_batch's size (llamacpp.BATCH_TOKENS).
 PREFILL_BUDGET = 512
 
 

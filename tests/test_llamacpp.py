@@ -1,4 +1,4 @@
-"""The llama.cpp drafter (the embedded Q4_1 GGUF, run natively) keeps the output exact.
+"""The llama.cpp drafter (the embedded GGUF requantised to Q8_0, run natively) keeps the output exact.
 
 - Greedy: with the fp32 target (its dequantisation), output equals target-only decoding.
 - Sampling: against a stand-in target with a known Markov law on a few tokens of the same

@@ -1,5 +1,5 @@
 """The llama.cpp target (specdec.llamacpp on the embedded GGUF requantised to F32) keeps the
-output exact, through the three services on loopback with the llama.cpp draft (Q4_1).
+output exact, through the three services on loopback with the llama.cpp draft (Q8_0).
 
 - The F32 GGUF holds the fp32 transformers target's weights, bit for bit.
 - Greedy: output equals llama.cpp target-only decoding through the same target service, for
@@ -175,11 +175,33 @@ def test_f32_gguf_holds_the_fp32_weights():
 
 
 @real_model
+def test_q8_draft_gguf_holds_the_weights_within_half_a_step():
+    """The drafter's default file: every matrix requantised to Q8_0 (vectors stay F32), each
+    weight within half a Q8_0 step of the fp32 one (plus its fp16 scale's rounding)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    reader = GGUFReader(models.draft_gguf_path())
+    kinds = {(t.tensor_type, len(t.shape)) for t in reader.tensors}
+    assert kinds == {(GGMLQuantizationType.Q8_0, 2), (GGMLQuantizationType.F32, 1)}
+    tensors = {t.name: t for t in reader.tensors}
+    path = models.ensure_default_converted() / "model.safetensors"
+    with safe_open(path, "pt") as f:
+        for gguf_name, hf_name in [("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight")]:
+            hf = f.get_tensor(hf_name).numpy().reshape(-1, 32)  # Q8_0's blocks of 32
+            tensor = tensors[gguf_name]
+            q8 = dequantize(tensor.data, tensor.tensor_type).reshape(hf.shape)
+            step = np.abs(hf).max(axis=1, keepdims=True) / 127
+            assert np.all(np.abs(q8 - hf) <= 0.6 * step), gguf_name
+
+
+@real_model
 def test_describe_reports_the_backend(services):
     info = services.target.Describe(model_pb2.DescribeRequest())
     assert (info.backend, info.dtype, info.model_name) == ("llamacpp", "float32", "llama.cpp:" + _f32_name())
     draft = services.draft.Describe(model_pb2.DescribeRequest())
-    assert (draft.backend, draft.dtype) == ("llamacpp", "Q4_1")
+    assert (draft.backend, draft.dtype) == ("llamacpp", "Q8_0")
 
 
 def _f32_name() -> str:
