@@ -5,8 +5,8 @@
 - llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
   (specdec.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - auto (the default): llamacpp for the embedded default (its GGUF, requantised to Q8_0, drafts
-  several times faster than the bf16 copy on a CPU, which is what makes speculation pay there), model for
-  anything else or without llama-cpp-python.
+  several times faster than the bf16 copy on a CPU, which is what makes speculation pay there),
+  model for anything else or without llama-cpp-python.
 """
 
 from __future__ import annotations
