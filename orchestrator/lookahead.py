@@ -15,10 +15,16 @@ speculation. The estimates, from the rounds:
   hardware's). On a CPU b is far from 0 (an fp32 135M target: 5 tokens 1.7x one token), on a
   GPU near it. While every step in the window had the same size the slope is unknown; then one
   round explores another k (half the usual one) and the fit has its two points;
-- the draft's step, D(m) = D1 + e (m - 1) over the sessions in it, fitted the same way over
-  what the draft reports (ProposeResponse.steps, step_tokens); a llama.cpp draft on one core
-  batches little (the Q8_0 default 8, 25, 34, 40, 88 ms a step for 1, 2, 4, 8, 16 sessions, the
-  Q4_1 file 10, 21, 34, 57, 115, in one process);
+- the draft's step D(n) for n sessions: the curve its service timed when it started
+  (Describe's step_costs, specdec.engine.profile_steps), interpolated, times the ratio of what
+  its steps measure in serving (ProposeResponse.steps, step_tokens, compute_seconds) to the
+  curve at their sizes: the shape from the profile, the level from serving (1.3-1.5 measured
+  at 1-16 clients: the service's handlers share the core). The curve is far from a line (the
+  Q8_0 default on one core 8, 25, 34, 40, 88 ms a step for 1, 2, 4, 8, 16 sessions, the Q4_1
+  file 10, 21, 34, 57, 115): the line D1 + e (n - 1) fitted over the steps a pair's first
+  clients ran (1-4 sessions) priced a step of 8 at 73-77 ms, and adaptive lookahead at 8 clients
+  stayed off where k = 4 gave 1.4x. Without a profile (a service that does not report one),
+  that line, fitted the same way;
 - the waits: what a round waits on the target beyond its step's compute (the RPC; under load,
   the step in progress when it arrives), apart for rounds that speculated (w_on) and rounds that
   did not (w_off), and what it waits for the draft beyond its compute, each counted up to two
@@ -139,6 +145,20 @@ def speculates(gain: float, speculating: bool | None) -> bool:
     return gain >= (1 - MARGIN if speculating else 1 + MARGIN)
 
 
+def profiled(profile: dict[int, float], sessions: float) -> float:
+    """A draft step of `sessions` sessions from its service's profile (step_costs): linear
+    between the sizes timed; below the smallest, the smallest's; past the largest, that step's
+    cost a session (no batching assumed beyond what was measured)."""
+    points = sorted(profile.items())
+    if sessions <= points[0][0]:
+        return points[0][1]
+    for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
+        if sessions <= n1:
+            return t0 + (t1 - t0) * (sessions - n0) / (n1 - n0)
+    n, t = points[-1]
+    return t * sessions / n
+
+
 @dataclass(frozen=True)
 class RoundCosts:
     """What a round of one of `load` generations costs, in seconds (see Pricing)."""
@@ -248,8 +268,12 @@ class PairCosts:
     load where speculation does not pay the explorations are paid once for all generations, not
     once by each. Updated and read under its lock (generations run on their own threads)."""
 
-    def __init__(self):
+    def __init__(self, draft_profile: dict[int, float] | None = None):
         self.lock = threading.Lock()
+        # the draft's batched step of n sessions as its service timed it at start (Describe's
+        # step_costs; {}: not reported), and the measured steps over it (see draft_cost)
+        self.draft_profile = dict(draft_profile or {})
+        self.draft_scale = [0.0, 0.0]  # [sum, weight] of measured / profiled step, FIT_DECAY
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
         # the draft: seconds waited for it, of which its service computed, its steps, the tokens
@@ -287,24 +311,34 @@ class PairCosts:
 
     def draft_cost(self, sessions: int) -> float:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
-        that many (its line; a llama.cpp draft on one core batches almost nothing, a step of
-        16 sessions costs 12 of one) per token, plus what a round waits for the draft beyond its
-        compute. While the line is unknown (the steps all of one size, or a service that does not
-        report them), the mean measured cost, and for more sessions than its steps held, no
-        batching assumed: measured by lone rounds only (a pair's first generations), a step of
+        that many (draft_step) per token, plus what a round waits for the draft beyond its
+        compute. While the step is unknown (no profile and the steps all of one size, or a
+        service that reports neither), the mean measured cost, and for more sessions than its
+        steps held, no batching assumed: measured by lone rounds only (a pair's first generations), a step of
         16 sessions was priced as one session's, speculation looked cheap at 16 clients, and
         each of them opened its draft and waited behind the others' prefills before its rounds
         measured otherwise."""
-        line = self.draft_line.fit()
-        if line is None or self.draft_steps == 0:
+        step = self.draft_step(sessions)
+        if step is None:
             per_token = self.draft_seconds / self.draft_tokens
             if self.draft_line.w:  # against the sessions its steps held, on average
                 per_token *= max(1.0, sessions / self.draft_line.mean_x())
             return per_token
-        d1, slope = line
-        step = d1 + slope * (sessions - 1)
         waited = max(0.0, self.draft_seconds - self.draft_compute)
         return (step * self.draft_steps + waited) / self.draft_tokens
+
+    def draft_step(self, sessions: int) -> float | None:
+        """Seconds of the draft's batched step of `sessions` sessions: its service's profile
+        scaled by what its steps measured against it (the curve's shape from the profile, its
+        level from serving: a handler's and the worker's share of the core), else the line
+        fitted over the steps measured; None while neither is known."""
+        if self.draft_steps == 0:
+            return None
+        if self.draft_profile:
+            total, weight = self.draft_scale
+            return profiled(self.draft_profile, sessions) * (total / weight if weight else 1.0)
+        line = self.draft_line.fit()
+        return None if line is None else line[0] + line[1] * (sessions - 1)
 
     def sessions(self, load: int) -> float:
         """Generations whose blocks share a verify step when `load` speculate: all of them until
@@ -399,6 +433,10 @@ class PairCosts:
             self.draft_tokens = d * self.draft_tokens + draft.tokens
             if draft.steps:
                 self.draft_line.add(draft.step_tokens / draft.steps, draft.compute / draft.steps, share)
+            if draft.steps and self.draft_profile and quiet:  # a step beside a prompt's chunks is no decode step
+                f = FIT_DECAY**share
+                ratio = draft.compute / draft.steps / profiled(self.draft_profile, draft.step_tokens / draft.steps)
+                self.draft_scale = [f * self.draft_scale[0] + share * ratio, f * self.draft_scale[1] + share]
         self.usual_k = FIT_DECAY**share * self.usual_k + proposed
         self.verify.add(step, target_compute, share)
 

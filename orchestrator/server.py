@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
+from orchestrator.lookahead import PairCosts
 from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
@@ -48,11 +49,13 @@ def connect(
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
+    profile = {}  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         draft = ResilientStub(model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait_seconds)
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)
+        profile = {c.sessions: c.seconds for c in draft_info.step_costs}
     tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     return ModelPair(
         draft=draft,
@@ -62,6 +65,7 @@ def connect(
         vocab_size=target_info.vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
+        costs=PairCosts(profile),
     )
 
 

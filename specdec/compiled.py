@@ -83,6 +83,10 @@ class CompiledBackend(HFBackend):
     """HFBackend with its short forwards compiled: widths up to max(widths), batches up to
     max(batches); anything larger runs eager."""
 
+    # No batched-step profile at start (engine.profile_steps): each batch size would compile a
+    # variant first, minutes on a CPU.
+    profiled = False
+
     def __init__(self, spec: models.ModelSpec, widths=WIDTHS, batches=BATCHES):
         super().__init__(spec)
         self.widths, self.batches = tuple(widths), tuple(batches)

@@ -96,9 +96,10 @@ class Forward:
 
 
 class SessionEngine:
-    def __init__(self, backend, role: str, limits: SessionLimits | None = None):
+    def __init__(self, backend, role: str, limits: SessionLimits | None = None, step_profile=None):
         self.backend = backend
         self.role = role
+        self.step_profile: dict[int, float] = dict(step_profile or {})  # profile_steps, for Describe
         self.limits = limits or SessionLimits()
         self.kv = KVBudget(self.limits.max_kv_tokens)
         self._sessions: dict[str, Session] = {}
@@ -303,6 +304,43 @@ def warm_up(backend) -> None:
     finally:
         release = getattr(backend, "release", None)
         if release is not None:
+            release(cache)
+
+
+PROFILE_SESSIONS = (1, 2, 4, 8, 16)  # the batched decode steps a draft service times at start
+PROFILE_CONTEXT = 16  # tokens each profiled session holds
+PROFILE_REPS = 3  # timed steps per size (the median), after one dropped
+
+
+def profile_steps(backend, sessions=PROFILE_SESSIONS, reps: int = PROFILE_REPS) -> dict[int, float]:
+    """Median seconds of a batched decode step (one new token each) of n sessions, for each n
+    in `sessions`, on scratch caches freed afterwards; {} for a backend that does not batch.
+
+    A draft's step does not grow linearly with the sessions in it (the default Q8_0 draft on
+    one core: 8, 25, 34, 40, 88 ms for 1, 2, 4, 8, 16), so a line fitted over the steps a
+    service happens to have run extrapolates badly to a load it has not seen yet (fitted over
+    steps of 1-4 sessions it priced a step of 8 at 73-77 ms): the adaptive policy prices a
+    step by this curve, scaled by what the live steps measure (orchestrator.lookahead)."""
+    batch = getattr(backend, "forward_batch", None)
+    if batch is None or not sessions or not getattr(backend, "profiled", True):
+        return {}
+    caches = [backend.new_cache() for _ in range(max(sessions))]
+    try:
+        prompt = [(7 + i) % backend.vocab_size for i in range(PROFILE_CONTEXT)]
+        batch([(cache, prompt, 1) for cache in caches])
+        times: dict[int, list[float]] = {n: [] for n in sessions}
+        for rep in range(reps + 1):
+            for n in sessions:  # interleaved: a drift in machine speed hits every size alike
+                t0 = time.perf_counter()
+                batch([(cache, [11 + rep], 1) for cache in caches[:n]])
+                if rep:
+                    times[n].append(time.perf_counter() - t0)
+                for cache in caches[:n]:
+                    backend.crop(cache, PROFILE_CONTEXT)
+        return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    finally:
+        release = getattr(backend, "release", None)
+        for cache in caches if release is not None else ():
             release(cache)
 
 

@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.engine import SessionEngine, warm_up
+from specdec.engine import SessionEngine, profile_steps, warm_up
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
 from specdec.security import ServerSecurity
@@ -193,7 +193,9 @@ def serve_model(
     and the token; `limits` caps sessions and KV tokens."""
     telemetry = telemetry or disabled(role)
     warm_up(backend)  # before serving and outside telemetry: no request pays for it, no span records it
-    engine = SessionEngine(telemetry.backend(backend), role, limits)
+    # The draft's batched step costs, for the orchestrator's adaptive lookahead (Describe).
+    profile = profile_steps(backend) if role == "draft" else {}
+    engine = SessionEngine(telemetry.backend(backend), role, limits, profile)
     telemetry.watch(engine)
     gate = Gate([f"/{service_name}/OpenSession"])
     interceptors = [*telemetry.server_interceptors(), gate]

@@ -228,6 +228,7 @@ class SessionServicer:
             threads=placement.threads(),
             kv_tokens=self.engine.kv.held,
             backend=getattr(backend, "kind", ""),
+            step_costs=[model_pb2.StepCost(sessions=n, seconds=s) for n, s in sorted(self.engine.step_profile.items())],
         )
 
     def GetTokenizer(self, request, context):

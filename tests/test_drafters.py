@@ -18,6 +18,7 @@ from orchestrator.lookahead import (
     RoundCosts,
     best_lookahead,
     load_class,
+    profiled,
     round_time,
     speculates,
     speedup,
@@ -475,3 +476,33 @@ def test_a_draft_queued_behind_prefills_is_priced_by_its_step():
     costs = PairCosts()
     costs.update(2, 2, DraftCost(3.0, 2, 0.02, steps=2, step_tokens=2), 0.06, 3, 0.06)
     assert costs.draft_cost(1) == pytest.approx((0.02 + 0.04) / 2)
+
+
+def test_a_draft_step_is_priced_by_its_services_profile():
+    """The draft service times its batched step for 1..16 sessions at start (Describe's
+    step_costs). The curve is far from a line (the default Q8_0 draft on one core: 8, 25, 34,
+    40, 88 ms): a line fitted over the steps of 1-4 sessions that a pair's first clients ran
+    priced a step of 8 at about twice its cost, and speculation at 8 clients looked too dear to
+    take. With a profile, a step of n is the profile's, interpolated, scaled by what the live
+    steps measured against it (a service's handlers share its core); steps beside a prompt's
+    prefill do not scale it; past the largest size no batching is assumed."""
+    profile = {1: 0.008, 2: 0.025, 4: 0.034, 8: 0.040, 16: 0.088}
+    assert profiled(profile, 0.5) == profiled(profile, 1) == 0.008
+    assert profiled(profile, 6) == pytest.approx(0.037)
+    assert profiled(profile, 32) == pytest.approx(0.176)
+
+    def measured(costs: PairCosts, quiet: bool = True, scale: float = 1.25) -> PairCosts:
+        for i in range(40):
+            sessions, k = (1, 2, 4)[i % 3], 4
+            compute = scale * profiled(profile, sessions) * k
+            draft = DraftCost(compute, k, compute, steps=k, step_tokens=k * sessions)
+            costs.update(k, k, draft, 0.06, 5, 0.06, quiet=quiet)
+        return costs
+
+    priced, line = measured(PairCosts(profile)), measured(PairCosts())
+    assert priced.draft_step(8) == pytest.approx(1.25 * 0.040)
+    assert priced.draft_step(16) == pytest.approx(1.25 * 0.088)
+    assert priced.draft_cost(8) == pytest.approx(1.25 * 0.040)  # nothing waited beyond the compute
+    assert line.draft_step(8) > 1.5 * priced.draft_step(8)  # the line's extrapolation
+    assert measured(PairCosts(profile), quiet=False).draft_step(8) == pytest.approx(0.040)
+    assert PairCosts(profile).draft_step(8) is None  # no round yet: _best_k starts from k_max

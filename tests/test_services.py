@@ -17,14 +17,19 @@ GREEDY = model_pb2.SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def stubs(tiny_backends):
+def addresses(tiny_backends):
     draft_server, draft_port = serve_draft(tiny_backends["draft"])
     target_server, target_port = serve_target(tiny_backends["target"])
-    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{draft_port}", CHANNEL_OPTIONS))
-    target = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{target_port}", CHANNEL_OPTIONS))
-    yield draft, target
+    yield f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}"
     draft_server.stop(None)
     target_server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def stubs(addresses):
+    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(addresses[0], CHANNEL_OPTIONS))
+    target = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses[1], CHANNEL_OPTIONS))
+    return draft, target
 
 
 def ref(sid, length):
@@ -179,3 +184,20 @@ def test_sampling_rows_cross_only_when_needed(stubs):
     assert len(scores.row.values) == 8 * 4 and not scores.argmax_token_ids
     for stub in (draft, target):
         stub.CloseSession(model_pb2.CloseSessionRequest(session_id="rows"))
+
+
+def test_the_draft_reports_its_batched_step_and_the_orchestrator_prices_by_it(stubs, addresses):
+    """A draft service times its batched decode step for 1..16 sessions when it starts and says so
+    in Describe (step_costs); a target does not. The scratch caches it used are gone, and the
+    orchestrator's pair starts its adaptive lookahead's draft prices from the profile."""
+    from orchestrator.server import connect
+    from specdec.engine import PROFILE_SESSIONS
+
+    draft, target = stubs
+    info = draft.Describe(model_pb2.DescribeRequest())
+    assert [c.sessions for c in info.step_costs] == list(PROFILE_SESSIONS)
+    assert all(c.seconds > 0 for c in info.step_costs)
+    assert (info.open_sessions, info.kv_tokens) == (0, 0)
+    assert not target.Describe(model_pb2.DescribeRequest()).step_costs
+    pair = connect(*addresses)
+    assert pair.costs.draft_profile == {c.sessions: c.seconds for c in info.step_costs}

@@ -169,7 +169,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class ModelInfo(_message.Message):
     CPUS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_digest: str
@@ -196,7 +197,16 @@ class ModelInfo(_message.Message):
     cpus: _containers.RepeatedScalarFieldContainer[int]
     threads: int
     backend: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+
+class StepCost(_message.Message):
+    __slots__ = ("sessions", "seconds")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    seconds: float
+    def __init__(self, sessions: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
