@@ -5,8 +5,10 @@ For each concurrency c, c clients at once send greedy `Generate` calls over gRPC
 flight), for speculation off, each fixed k and adaptive k, per drafter. Reported per cell:
 total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
 (median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
-in one process: transformers `generate` of one request at a time, and of a left-padded batch
-of c prompts at once (tokens/s of the batch). Prints a table, writes concurrency.json and
+in one process: transformers `generate` of one request at a time (with the process's threads,
+and pinned to one core with one thread, as the target service runs on 2 cores: the cost of
+speculation off beyond its forwards), and of a left-padded batch of c prompts at once
+(tokens/s of the batch). Prints a table, writes concurrency.json and
 concurrency.png (total tokens/s vs concurrency) to --out.
 """
 
@@ -97,6 +99,9 @@ def run(config: ConcurrencyConfig) -> dict:
         _hf_generate(model, prompt_ids[0], bench, 0.0)  # warm-up
         one = _cell(requests(1), 1, lambda ids: _hf_generate(model, ids, bench, 0.0))
         rows["hf-generate 1 request"] = {str(c): one for c in config.concurrency}
+        # on the target service's core count: what speculation off costs beyond a forward
+        one_core = _cell(requests(1), 1, lambda ids: _hf_generate(model, ids, bench, 0.0, one_core=True))
+        rows["hf-generate 1 request, 1 core"] = {str(c): one_core for c in config.concurrency}
         rows["hf-generate padded batch"] = {
             str(c): _hf_batch(model, tokenizer, requests(c)[:c], config.max_tokens) for c in config.concurrency
         }

@@ -492,7 +492,8 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results["config"]["temperatures"]), figsize=(6 * 2, 4), squeeze=False)
     for ax, t in zip(axes[0], results["config"]["temperatures"], strict=False):
-        rows = [r for r in results["rows"] if r["temperature"] == t]
+        # speedup is None without the transformers baseline (--no-hf): nothing to plot against
+        rows = [r for r in results["rows"] if r["temperature"] == t and r["speedup"] is not None]
         for method in ("specdec", "specdec-seq", "llama-speculative"):
             for drafter in dict.fromkeys(r["drafter"] for r in rows if r["method"] == method):
                 mine = [r for r in rows if r["method"] == method and r["drafter"] == drafter]

