@@ -27,6 +27,7 @@ from dataclasses import asdict
 
 from deploy.configs import ModelServiceConfig
 from specdec import models, placement
+from specdec.engine import scratch_caches
 
 REPS = 15  # timed forwards per width (median), after two dropped
 
@@ -35,8 +36,7 @@ def forward_costs(backend, widths, context: int, reps: int = REPS) -> dict[int, 
     """Median seconds of a forward feeding `width` new tokens after `context` cached ones,
     wanting the logits of all of them (a verify; width 1: a draft step), per width."""
     ids = [(100 + i) % backend.vocab_size for i in range(context + max(widths))]
-    cache = backend.new_cache()
-    try:
+    with scratch_caches(backend, 1) as [cache]:
         backend.forward(cache, ids[:context], 1)
         times: dict[int, list[float]] = {w: [] for w in widths}
         for rep in range(reps + 2):
@@ -46,11 +46,7 @@ def forward_costs(backend, widths, context: int, reps: int = REPS) -> dict[int, 
                 if rep >= 2:
                     times[width].append(time.perf_counter() - t0)
                 backend.crop(cache, context)
-        return {w: statistics.median(t) for w, t in times.items()}
-    finally:
-        release = getattr(backend, "release", None)
-        if release is not None:
-            release(cache)
+    return {w: statistics.median(t) for w, t in times.items()}
 
 
 def _backend(config: ModelServiceConfig):

@@ -34,6 +34,7 @@ target_service build propose and score on it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Generator
@@ -297,13 +298,20 @@ def warm_up(backend) -> None:
     """Run a few forwards of the widths serving uses on a scratch cache, then free it: the first
     forward of a process pays for lazy initialisation (allocator pools, kernel selection, the
     cache's first allocation), which would otherwise land on the first client's request."""
-    cache = backend.new_cache()
-    try:
+    with scratch_caches(backend, 1) as [cache]:
         for width in WARM_UP_WIDTHS:
             backend.forward(cache, [i % backend.vocab_size for i in range(width)], 1)
+
+
+@contextlib.contextmanager
+def scratch_caches(backend, n: int):
+    """n caches of the backend outside any session, released however the block ends."""
+    caches = [backend.new_cache() for _ in range(n)]
+    try:
+        yield caches
     finally:
         release = getattr(backend, "release", None)
-        if release is not None:
+        for cache in caches if release is not None else ():
             release(cache)
 
 
@@ -324,8 +332,7 @@ def profile_steps(backend, sessions=PROFILE_SESSIONS, reps: int = PROFILE_REPS) 
     batch = getattr(backend, "forward_batch", None)
     if batch is None or not sessions or not getattr(backend, "profiled", True):
         return {}
-    caches = [backend.new_cache() for _ in range(max(sessions))]
-    try:
+    with scratch_caches(backend, max(sessions)) as caches:
         prompt = [(7 + i) % backend.vocab_size for i in range(PROFILE_CONTEXT)]
         batch([(cache, prompt, 1) for cache in caches])
         times: dict[int, list[float]] = {n: [] for n in sessions}
@@ -337,11 +344,7 @@ def profile_steps(backend, sessions=PROFILE_SESSIONS, reps: int = PROFILE_REPS) 
                     times[n].append(time.perf_counter() - t0)
                 for cache in caches[:n]:
                     backend.crop(cache, PROFILE_CONTEXT)
-        return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-    finally:
-        release = getattr(backend, "release", None)
-        for cache in caches if release is not None else ():
-            release(cache)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
 def _agreed(session: Session) -> int:
