@@ -14,6 +14,7 @@ from pathlib import Path
 from deploy.configs import BACKENDS
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
+from orchestrator import RULES
 from specdec import models, security, validation
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 from specdec.placement import parse_cpus
@@ -145,6 +146,24 @@ def add_http_flag(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also serve the OpenAI-compatible HTTP API and the playground on --host at this port; 0 picks a "
         "free one (default: off). Same token and certificate as gRPC",
+    )
+
+
+def add_rule_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
+    whose = "this request" if client else "requests that do not say (speculation.rule)"
+    p.add_argument(
+        "--rule",
+        choices=RULES,
+        default=None if client else RULES[0],
+        help=f"the sampling rule of {whose}, both exact: leviathan (accept with min(1, p/q), resample the "
+        "residual; a seed reproduces the text for a fixed --lookahead) or invariant (Gumbel-max coupling: a "
+        "seed gives the target's own sample, the same text with or without speculation, for any lookahead, "
+        "drafter, overlap or load; a little lower acceptance). Greedy decoding is the same under both "
+        + (
+            "(default: the server's, leviathan unless it was started with --rule)"
+            if client
+            else "(default %(default)s)"
+        ),
     )
 
 

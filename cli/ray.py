@@ -90,6 +90,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_client_security_flags(up, "service-", "the model services")
     options.add_limit_flags(up, "all")
     options.add_overlap_flag(up)
+    options.add_rule_flag(up)
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
@@ -152,7 +153,10 @@ def cmd_up(args) -> int:
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),
         placement=args.placement,
         orchestrator=OrchestratorConfig(
-            admission=options.admission_limits(args), overlap=not args.no_overlap, http_port=args.http_port
+            admission=options.admission_limits(args),
+            overlap=not args.no_overlap,
+            rule=args.rule,
+            http_port=args.http_port,
         ),
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,

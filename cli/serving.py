@@ -30,6 +30,7 @@ def add_serve_parser(sub) -> None:
     options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
     options.add_http_flag(s)
     options.add_overlap_flag(s)
+    options.add_rule_flag(s)
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
     options.add_limit_flags(s, "serve")
@@ -61,6 +62,7 @@ def add_orchestrator_parser(sub) -> None:
     o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
     options.add_http_flag(o)
     options.add_overlap_flag(o)
+    options.add_rule_flag(o)
     options.add_server_security_flags(o)
     options.add_client_security_flags(o, "service-", "the model services")
     options.add_limit_flags(o, "orchestrator")
@@ -89,7 +91,9 @@ def orchestrator(args) -> int:
     telemetry = _telemetry(args, "orchestrator")
     from deploy import hosting  # the orchestrator imports transformers for its tokenizer
 
-    config = OrchestratorConfig(admission=admission, overlap=not args.no_overlap, http_port=args.http_port)
+    config = OrchestratorConfig(
+        admission=admission, overlap=not args.no_overlap, rule=args.rule, http_port=args.http_port
+    )
     orchestrator = hosting.start_orchestrator(
         args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
     )
@@ -120,6 +124,7 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         overlap=not args.no_overlap,
+        rule=args.rule,
         session_limits=options.session_limits(args),
         admission=options.admission_limits(args),
         drain_timeout=args.drain_timeout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_service import METHODS as DRAFTERS
+from orchestrator import RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
 from specdec.models import ALIASES, DEFAULT_ALIAS, ModelSpec
 
@@ -60,4 +61,9 @@ class OrchestratorConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
     overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset
+    rule: str = "leviathan"  # the sampling rule of requests that leave speculation.rule unset (RULES)
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")

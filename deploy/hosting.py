@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
-from orchestrator.generation import ModelPair
+from orchestrator.generation import ModelPair, RequestDefaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
@@ -114,7 +114,13 @@ def start_orchestrator(
         recovery=config.recovery,
     )
     server, bound = serve_orchestrator(
-        pair, host, port, security, telemetry=telemetry, admission=config.admission, overlap=config.overlap
+        pair,
+        host,
+        port,
+        security,
+        telemetry=telemetry,
+        admission=config.admission,
+        defaults=RequestDefaults(config.overlap, config.rule),
     )
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:

@@ -87,6 +87,7 @@ class PipelineConfig:
     restart: RestartPolicy = RestartPolicy()
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
+    rule: str = "leviathan"  # ... and speculation.rule
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
     target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
@@ -153,7 +154,8 @@ class LocalPipeline:
                 + cfg.tls.flags()
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
-                + ([] if cfg.overlap else ["--no-overlap"]),
+                + ([] if cfg.overlap else ["--no-overlap"])
+                + ["--rule", cfg.rule],
             )
             self._wait("orchestrator")
         except BaseException:

@@ -38,12 +38,15 @@ def propose(
     params: SamplingParams,
     uniforms: list[float],
     assumed: list[int] = (),
+    noise_seed: int | None = None,
 ) -> tuple[list[int], list[float]]:
     """At most k tokens after the committed ones and `assumed`; draft probs of 1 (sampling
-    mode), one-hot rows for ProposalRow (the assumed tokens' too: they are point masses)."""
+    mode), one-hot rows for ProposalRow (the assumed tokens' too: they are point masses).
+    Under the invariant rule (`noise_seed`) a proposal is only token ids: the target accepts
+    those equal to its own sample, whatever proposed them."""
     assumed = list(assumed)
     drafts = lookup(session.tokens + assumed, k)
-    if params.greedy or not drafts:
+    if params.greedy or noise_seed is not None or not drafts:
         session.proposal_rows = None
         return drafts, []
     held = assumed + drafts

@@ -25,13 +25,17 @@ def propose(
     params: SamplingParams,
     uniforms: list[float],
     assumed: list[int] = (),
+    noise_seed: int | None = None,
 ) -> Generator[Forward, torch.Tensor, tuple[list[int], list[float]]]:
     """Propose k tokens after the committed sequence and `assumed` (tokens taken as given, not
     committed: an overlapped round's continuation): (token ids, draft probs of them).
+    `noise_seed` (sampling): the invariant rule, each token the Gumbel-max sample of its row
+    with the noise of its position (specdec.rule.coupled_tokens); no probs, no rows kept.
 
     A request for the engine's worker: each draft step is one forward, batched with the
     steps of the other sessions proposing at the same time."""
-    assert k >= 1 and (params.greedy or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
+    coupled = noise_seed is not None and not params.greedy
+    assert k >= 1 and (params.greedy or coupled or len(uniforms) == k), (k, len(uniforms))  # checked at the edge
     assumed = list(assumed)
     drafts: list[int] = []
     token_probs: list[float] = []
@@ -40,13 +44,17 @@ def propose(
         logits = (yield engine.forward(session, assumed + drafts, 1))[0]
         if params.greedy:
             token = int(torch.argmax(logits))
+        elif coupled:
+            position = len(session.tokens) + len(assumed) + i
+            [token] = rule.coupled_tokens(probs_from_logits(logits[None], params), noise_seed, [position])
         else:
             row = probs_from_logits(logits[None], params)[0]
             token = rule.sample(row.cpu().numpy(), uniforms[i])
             token_probs.append(float(row[token]))
             rows.append(row)
         drafts.append(token)
-    keep_rows(session, len(assumed), torch.stack(rows) if rows else None, drafts)
+    if not coupled:
+        keep_rows(session, len(assumed), torch.stack(rows) if rows else None, drafts)
     return drafts, token_probs
 
 

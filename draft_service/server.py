@@ -53,6 +53,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 SamplingParams.from_proto(request.sampling),
                 list(request.uniforms),
                 list(request.assumed_tokens),
+                request.noise_seed if request.HasField("noise_seed") else None,
             )
             steps: list[int] = []  # tokens of each batched forward the proposal ran in
             tokens, probs = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal

@@ -98,8 +98,20 @@ def _chat_ids(tok, messages) -> list[int]:
     return list(ids)
 
 
-def loop_config(pair: ModelPair, request, prompt_len: int, overlap: bool = True) -> LoopConfig:
-    """The loop's settings for a request; `overlap` is the default for a request that leaves it unset."""
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request that leaves a speculation field unset gets (the orchestrator's flags)."""
+
+    overlap: bool = True  # speculation.overlap
+    rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
+
+
+# SpeculationParams.rule -> the loop's rule; RULE_UNSPECIFIED takes the orchestrator's default
+_RULES = {orchestrator_pb2.RULE_LEVIATHAN: "leviathan", orchestrator_pb2.RULE_INVARIANT: "invariant"}
+
+
+def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefaults = RequestDefaults()) -> LoopConfig:
+    """The loop's settings for a request; `defaults` for the fields it leaves unset."""
     s = request.sampling
     validation.sampling(s, "sampling")
     # Unset fields take their documented defaults; an explicit value is checked, zero included.
@@ -121,10 +133,19 @@ def loop_config(pair: ModelPair, request, prompt_len: int, overlap: bool = True)
         lookahead=lookahead,
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive,
-        overlap=spec.overlap if spec.HasField("overlap") else overlap,
+        overlap=spec.overlap if spec.HasField("overlap") else defaults.overlap,
+        rule=_rule(spec.rule, defaults.rule),
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
+
+
+def _rule(value: int, default: str) -> str:
+    if value == orchestrator_pb2.RULE_UNSPECIFIED:
+        return default
+    if value not in _RULES:
+        raise InvalidArgument(f"speculation.rule: unknown rule {value} (RULE_LEVIATHAN or RULE_INVARIANT)")
+    return _RULES[value]
 
 
 def generate(
@@ -133,18 +154,17 @@ def generate(
     timeout=None,
     observe=None,
     active: Callable[[], bool] = lambda: True,
-    overlap: bool = True,
+    defaults: RequestDefaults = RequestDefaults(),
 ) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
     `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
     `active()` is asked after each round: once it is False (the client went away) the
-    generation stops and its sessions are closed. `overlap`: overlapped rounds for a request
-    that does not say.
+    generation stops and its sessions are closed. `defaults`: what a request that does not say gets.
     """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
-    config = loop_config(pair, request, len(ids), overlap)
+    config = loop_config(pair, request, len(ids), defaults)
     stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout, costs=pair.costs)

@@ -5,8 +5,12 @@ forward), then the pure rule (specdec.rule) decides what is committed. The commi
 each service's next request (`append_tokens`), so a round is two RPCs; a third, ProposalRow,
 happens only in sampling mode on a rejection, to fetch the one draft row the residual needs.
 
-All randomness is drawn here from one seeded generator, a fixed number of draws per round,
-so a seed reproduces a generation whatever the services' hardware.
+Two sampling rules (specdec.rule), both exact. Leviathan: all randomness is drawn here from one
+seeded generator, a fixed number of draws per round, so a seed reproduces a generation for a
+fixed lookahead and overlap setting, whatever the load or faults (no draw depends on timing).
+Invariant: nothing is drawn here; the services compute each position's noise from the seed,
+and a draft is accepted iff it equals the target's token, as in greedy decoding: a seed then
+gives the target's own sample, whatever the lookahead, drafter, overlap or schedule.
 
 The loop knows nothing of text: the caller (orchestrator.generation) detokenises and
 handles stop strings, and may stop consuming at any round; the sessions are closed then.
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orchestrator import RULES
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
@@ -85,6 +90,21 @@ class LoopConfig:
     overlap: bool = False  # the draft proposes round r + 1 while the target verifies round r
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    rule: str = "leviathan"  # one of RULES
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
+
+    @property
+    def coupled(self) -> bool:
+        """Drafts are accepted iff equal to the target's token (greedy, or the invariant rule)."""
+        return self.sampling.greedy or self.rule == "invariant"
+
+    @property
+    def noise_seed(self) -> int | None:
+        """The seed the services key the invariant rule's noise by; None: they draw nothing."""
+        return None if self.sampling.greedy or self.rule != "invariant" else self.seed
 
 
 @dataclass
@@ -327,7 +347,7 @@ class SpeculativeLoop:
         else:
             k = min(wanted, remaining - 1)
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.sampling.greedy, overlap=self.overlap)
+        draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
         for reopens in itertools.count():
             try:
                 return self._speculate(k, wanted, draws, start)
@@ -363,6 +383,7 @@ class SpeculativeLoop:
                     sampling=self._sampling,
                     uniforms=uniforms[:k],
                     assumed_tokens=assumed,
+                    noise_seed=self.config.noise_seed,
                 ),
             )
         with self._stats_lock:
@@ -408,6 +429,7 @@ class SpeculativeLoop:
                     sampling=self._sampling,
                     draft_token_probs=drafts.probs,
                     accept_uniforms=accept_u,
+                    noise_seed=cfg.noise_seed,
                 ),
             )
         except BaseException:
@@ -423,7 +445,7 @@ class SpeculativeLoop:
 
         # 3. The rule. All drafts accepted and a continuation: its first token is tested at the
         # bonus position like any draft; accepted, the rest are the next round's drafts.
-        if cfg.sampling.greedy:
+        if cfg.coupled:  # the target's own token at each position: a draft passes iff it equals it
             accepted = rule.greedy_accepted_length(drafts.tokens, scores.argmax_token_ids)
             target_token = scores.argmax_token_ids[accepted]
         else:
@@ -437,7 +459,7 @@ class SpeculativeLoop:
         if accepted == k and after is not None and after.tokens:
             first = after.tokens[0]
             proposed += 1
-            if cfg.sampling.greedy:
+            if cfg.coupled:
                 passed = first == target_token
             else:
                 passed = rule.accepted_length(after.probs[:1], [target_row[first]], draws.accept[k : k + 1]) == 1
@@ -447,7 +469,7 @@ class SpeculativeLoop:
                 if len(after.tokens) > 1:
                     next_carried = _Proposal(after.tokens[1:], after.probs[1:], after.uniforms[1:])
         if not passed:
-            if cfg.sampling.greedy:
+            if cfg.coupled:
                 last = target_token
             else:
 

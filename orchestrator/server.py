@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from orchestrator.generation import Chunk, ModelPair, generate, load_tokenizer
+from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate, load_tokenizer
 from orchestrator.lookahead import PairCosts
 from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
@@ -90,10 +90,10 @@ def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grp
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None, overlap: bool = True):
+    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None, defaults: RequestDefaults | None = None):
         self.pair = pair
         self.telemetry = telemetry or disabled()
-        self.overlap = overlap  # for requests that leave speculation.overlap unset
+        self.defaults = defaults or RequestDefaults()  # for requests that leave speculation fields unset
 
     def _chunks(self, request, context):
         chunks = generate(
@@ -102,7 +102,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             timeout=deadline_seconds(context),
             observe=self.telemetry.rounds,
             active=context.is_active,
-            overlap=self.overlap,
+            defaults=self.defaults,
         )
         return self.telemetry.requests(chunks)
 
@@ -142,20 +142,20 @@ def serve(
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
     admission: AdmissionLimits | None = None,
-    overlap: bool = True,
+    defaults: RequestDefaults | None = None,
 ):
     """Start the orchestrator on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; pass the same `telemetry`
     (specdec.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
-    generations running and queued; `overlap` is the default of requests that leave
-    speculation.overlap unset. The server drains with server.drain() (specdec.lifecycle).
+    generations running and queued; `defaults` is what requests that leave speculation.overlap
+    or speculation.rule unset get. The server drains with server.drain() (specdec.lifecycle).
     """
     telemetry = telemetry or disabled()
     admission = admission or AdmissionLimits()
     return lifecycle.start(
         lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(pair, telemetry, overlap), server
+            OrchestratorServicer(pair, telemetry, defaults), server
         ),
         SERVICE_NAME,
         [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],

@@ -5,18 +5,33 @@ Both services use it: the draft service runs the embedded SmolLM2 GGUF requantis
 shipped Q4_1 on CPU at every batch size), the target service its F32 requantisation
 (specdec.models.f32_gguf_path: the same weights as the fp32 transformers target,
 `--backend llamacpp`). One llama.cpp context holds every session: a session is a sequence id
-of its KV cache (unified: the cells are shared, so sessions of any lengths fit in
-CONTEXT_CELLS together), and `forward_batch` puts the new tokens of several sessions into one
-llama_batch, each at its own positions and sequence id, so the draft steps or the verify
-blocks (different widths, different lengths) of many sessions are one llama_decode. Rolling
-back removes the sequence's cells past the kept length (llama_memory_seq_rm, O(cells)); no
-re-prefill.
+with a KV stream of its own (SEQUENCE_CELLS cells, allocated at start), and `forward_batch` puts
+the new tokens of several sessions into one llama_batch, each at its own positions and sequence
+id, so the draft steps or the verify blocks (different widths, different lengths) of many
+sessions are one llama_decode. Rolling back removes the sequence's cells past the kept length
+(llama_memory_seq_rm); no re-prefill.
+
+A session's logits depend on its own tokens only, never on the sessions beside it, so a seeded
+request reproduces its text under any load (the Leviathan rule reads the draft's probabilities:
+a draft whose numbers moved with the load moved the text). Three choices keep it so, each
+measured on the Q8_0 draft:
+- a KV stream per session (kv_unified off). In one shared cache, a session's tokens land in
+  whichever cells other sessions' rollbacks freed, and attention sums its keys in cell order:
+  logits moved by up to 1.0 under churn. In its own stream they are in position order;
+- ubatches under 64 tokens a stream (UBATCH_TOKENS): from 64 queries the CPU flash-attention
+  kernel switches to a tiled F32 kernel, so a prompt chunk and a re-prefill after a restart
+  (the same tokens in other blocks) gave other logits (1.08);
+- the sessions of a step in increasing sequence ids: llama.cpp puts only consecutive streams in
+  one ubatch, so a new session takes the lowest free id and a step is sorted (8 sessions in
+  reverse order cost 58 ms a step, sorted 34).
+With all three a session's logits are bit for bit the same alone, batched with others, under
+churn and after a re-prefill.
 
 Implements the backend interface of specdec.backend. Logits are computed only at the
 positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify)
 and only those rows are copied out of llama.cpp. An F32 model runs in float32 throughout (F32
 KV cache, no flash attention: its logits are within ~1e-4 of the fp32 transformers target's);
-a quantised one with llama.cpp's defaults (F16 KV cache, flash attention).
+a quantised one with an F16 KV cache and flash attention (a one-session step 7 ms, 10.5 without).
 Threads: the service's (specdec.placement, its --threads).
 """
 
@@ -33,10 +48,10 @@ from specdec.backend import tokenizer_files, vocab_digest
 from specdec.errors import ResourceExhausted
 from specdec.kvcache import Slot
 
-DEFAULT_CONTEXT = 4096  # positions per session
-CONTEXT_CELLS = 8192  # KV cells shared by all sessions (the model's trained context); full: RESOURCE_EXHAUSTED
-MAX_SEQUENCES = 64  # sessions one context holds (the services' default max_sessions)
+SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
+MAX_SEQUENCES = 16  # sessions one context holds; more: RESOURCE_EXHAUSTED (the KV of all, allocated at start)
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
+UBATCH_TOKENS = 32  # tokens of one session a ubatch holds: under the tiled attention kernel's 64
 GGML_TYPE_F32 = 0
 FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # llama_ftype -> the torch dtype's name
 
@@ -48,7 +63,7 @@ class LlamaCppBackend:
         self,
         spec: models.ModelSpec,
         default_file: Callable[[], Path] = models.draft_gguf_path,
-        n_ctx: int = DEFAULT_CONTEXT,
+        n_ctx: int = SEQUENCE_CELLS,
     ):
         """`spec.model`: a .gguf file, or the default alias, which runs `default_file()` (the
         embedded GGUF requantised to Q8_0 by default, models.draft_gguf_path; the target passes
@@ -79,10 +94,12 @@ class LlamaCppBackend:
         # "float32" for an F32 file, else llama.cpp's name of the file type ("Q8_0"); desc: "llama 256M Q8_0"
         self.dtype = FILE_TYPES.get(file_type) or self._model.desc().split(" ", 2)[-1]
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = CONTEXT_CELLS
-        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        # A stream of n_ctx cells per session, so a session's logits are its own (module docstring).
+        params.n_ctx = MAX_SEQUENCES * n_ctx
+        params.n_batch = BATCH_TOKENS
+        params.n_ubatch = UBATCH_TOKENS
         params.n_seq_max = MAX_SEQUENCES
-        params.kv_unified = True
+        params.kv_unified = False
         if file_type == 0:
             # An F32 model computes as the fp32 transformers target does: F32 keys and values, and
             # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
@@ -92,7 +109,7 @@ class LlamaCppBackend:
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._llama = llama_cpp
         self._batch = _internals.LlamaBatch(n_tokens=BATCH_TOKENS, embd=0, n_seq_max=1, verbose=False)
-        self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self._free = list(range(MAX_SEQUENCES))
         self.vocab_size = int(self._model.n_vocab())
         self.max_context = min(n_ctx, int(self._model.n_ctx_train()))
         self.eos_token_ids = [int(self._model.token_eos())]
@@ -100,7 +117,8 @@ class LlamaCppBackend:
     def new_cache(self) -> Slot:
         if not self._free:
             raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
-        return Slot(self._free.pop())
+        self._free.sort()
+        return Slot(self._free.pop(0))  # the lowest: a step's sessions stay consecutive streams
 
     def release(self, cache: Slot) -> None:
         self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
@@ -112,14 +130,19 @@ class LlamaCppBackend:
     def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
         """The new tokens of every session in llama_batches of up to BATCH_TOKENS tokens; the
         logits of the last n_logits positions of each ([n_logits, vocab] float32)."""
+        order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # increasing streams
         out, group, size = [], [], 0
-        for item in items:
+        for item in (items[i] for i in order):
             if group and size + len(item[1]) > BATCH_TOKENS:
                 out += self._decode(group)
                 group, size = [], 0
             group.append(item)
             size += len(item[1])
-        return out + self._decode(group)
+        out += self._decode(group)
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for i, row in zip(order, out, strict=True):
+            logits[i] = row
+        return logits
 
     def _decode(self, items) -> list[torch.Tensor]:
         batch = self._batch.batch
@@ -138,9 +161,7 @@ class LlamaCppBackend:
             first.append(batch.n_tokens - n_logits)
         code = self._llama.llama_decode(self._ctx.ctx, batch)
         if code == 1:  # nothing was placed: the batch can be run again (alone, by the worker)
-            raise ResourceExhausted(
-                f"the llama.cpp context's {CONTEXT_CELLS} KV cells (all sessions together) are full; retry later"
-            )
+            raise ResourceExhausted(f"a session's llama.cpp KV stream ({self.max_context} cells) is full; retry later")
         if code != 0:
             raise RuntimeError(f"llama_decode failed with code {code}")
         for slot, tokens, _ in items:

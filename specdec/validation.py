@@ -71,7 +71,8 @@ def propose_request(request, vocab_size: int) -> None:
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.assumed_tokens, vocab_size, "assumed_tokens")
     if request.sampling.temperature > 0:
-        uniforms(request.uniforms, request.k, "uniforms")
+        # The invariant rule draws nothing: its noise comes from noise_seed.
+        uniforms(request.uniforms, 0 if request.HasField("noise_seed") else request.k, "uniforms")
 
 
 def score_request(request, vocab_size: int) -> None:
@@ -80,6 +81,6 @@ def score_request(request, vocab_size: int) -> None:
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
     if request.sampling.temperature > 0:
-        k = len(request.draft_token_ids)
+        k = 0 if request.HasField("noise_seed") else len(request.draft_token_ids)  # invariant: ids only
         probabilities(request.draft_token_probs, k, "draft_token_probs")
         uniforms(request.accept_uniforms, k, "accept_uniforms")

@@ -37,17 +37,24 @@ def score(
     params: SamplingParams,
     draft_token_probs: list[float],
     accept_uniforms: list[float],
+    noise_seed: int | None = None,
 ) -> Generator[Forward, torch.Tensor, Scores]:
-    """A request for the engine's worker (yields its one forward)."""
+    """A request for the engine's worker (yields its one forward). `noise_seed` (sampling): the
+    invariant rule, `argmax` then holds the target's Gumbel-max sample at each position."""
     k = len(draft_ids)
+    coupled = noise_seed is not None and not params.greedy
     # checked at the edge (specdec.validation)
-    assert params.greedy or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
+    assert params.greedy or coupled or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
+    step = forward.step_tokens, forward.step_sessions
     if params.greedy:
-        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, forward.step_tokens, forward.step_sessions)
+        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
     probs = probs_from_logits(logits, params)
+    if coupled:
+        positions = range(len(session.tokens), len(session.tokens) + k + 1)
+        return Scores(rule.coupled_tokens(probs, noise_seed, list(positions)), [], 0, None, *step)
     rows = torch.arange(k, device=probs.device)
     at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
     n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
-    return Scores([], at, n, probs[n].cpu().numpy(), forward.step_tokens, forward.step_sessions)
+    return Scores([], at, n, probs[n].cpu().numpy(), *step)

@@ -33,6 +33,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 SamplingParams.from_proto(request.sampling),
                 list(request.draft_token_probs),
                 list(request.accept_uniforms),
+                request.noise_seed if request.HasField("noise_seed") else None,
             )
             return model_pb2.ScoreResponse(
                 argmax_token_ids=scores.argmax,

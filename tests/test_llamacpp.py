@@ -4,12 +4,14 @@
 - Sampling: against a stand-in target with a known Markov law on a few tokens of the same
   49152-token vocabulary, the loop's output passes the chi-square test. (The draft is the
   real GGUF model; it puts mass everywhere, so the rule must reject and recover correctly.)
+- Its numbers are a session's own: bit for bit the same whatever shares its steps.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
@@ -67,3 +69,40 @@ def test_distribution_through_the_loop(llama_draft):
     assert set(tokens) <= set(support)
     assert markov_chisquare([index[t] for t in tokens], small) > 1e-3
     assert loop.stats.accepted_tokens > 0
+
+
+def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
+    """A session's logits bit for bit the same alone, batched with other sessions' steps and
+    prompts, while others roll back and re-grow (their freed cells reused), and after its own
+    re-prefill in other blocks: the Leviathan rule reads the draft's probabilities, so a seed
+    reproduces its text under load only if they are the load's no matter."""
+    _, backend = llama_draft
+    rng = np.random.default_rng(0)
+    prompt = [1, 4093, 198, 30, 500, 700, 900, 2000, 28, 10, 11]
+    steps = [12, 1, 4093, 198, 49, 77, 5]
+
+    def session_logits(neighbours: int, churn: bool, prompt_blocks: int):
+        mine, others = backend.new_cache(), [backend.new_cache() for _ in range(neighbours)]
+        try:
+            for other in others:
+                backend.forward(other, rng.integers(0, 5000, int(rng.integers(5, 90))).tolist(), 1)
+            for block in np.array_split(prompt, prompt_blocks):  # prefilled beside the others' prompts
+                items = [(mine, block.tolist(), 1)]
+                items += [(o, rng.integers(0, 5000, 70).tolist(), 1) for o in others[:1]]
+                backend.forward_batch(items)
+            out = []
+            for token in steps:
+                if churn:
+                    for other in others:  # speculative tails rejected: cells freed below mine
+                        backend.crop(other, int(rng.integers(1, other.length)))
+                        backend.forward(other, rng.integers(0, 5000, int(rng.integers(1, 6))).tolist(), 1)
+                items = [(c, [int(rng.integers(0, 5000))], 1) for c in others] + [(mine, [token], 1)]
+                out.append(backend.forward_batch(items)[-1][0])
+            return torch.stack(out)
+        finally:
+            for cache in [mine, *others]:
+                backend.release(cache)
+
+    alone = session_logits(0, False, 1)
+    for neighbours, churn, blocks in [(7, False, 1), (7, True, 1), (3, True, 4), (0, False, 5)]:
+        assert torch.equal(session_logits(neighbours, churn, blocks), alone), (neighbours, churn, blocks)

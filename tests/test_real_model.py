@@ -1,4 +1,4 @@
-"""The embedded default pair (SmolLM2-135M-Instruct: fp32 target, bf16 draft) through the
+"""The embedded default pair (SmolLM2-135M-Instruct: fp32 target, llama.cpp Q8_0 draft) through the
 three processes, against in-process transformers."""
 
 from __future__ import annotations
@@ -134,5 +134,32 @@ def test_4_concurrent_clients_equal_their_sequential_runs(local):
     sequential = run_sequentially(local.address, per_client)
     assert run_clients(local.address, per_client) == sequential
     assert all(ids for outputs in sequential for ids in outputs)
+    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"])
+    assert (open_sessions(draft), open_sessions(target)) == (0, 0)
+
+
+def seeded(rule, seed: int, **speculation) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        prompt="Write a haiku about GPUs.",
+        chat_template=True,
+        max_new_tokens=40,
+        seed=seed,
+        sampling=model_pb2.SamplingParams(temperature=0.8, top_p=0.95),
+        speculation=orchestrator_pb2.SpeculationParams(rule=rule, **speculation),
+    )
+
+
+def test_a_seed_reproduces_its_text_under_8_clients(local):
+    """The default pair (llama.cpp Q8_0 draft, fp32 target), 8 clients at once. Invariant rule: every
+    lookahead, adaptive or not, overlapped or not, gives the target alone's seeded text. Leviathan:
+    the same request with a fixed lookahead gives the text it gives alone (before the llama.cpp
+    draft's logits stopped depending on the sessions beside it, 7 of 8 such texts differed)."""
+    invariant, leviathan = orchestrator_pb2.RULE_INVARIANT, orchestrator_pb2.RULE_LEVIATHAN
+    [[alone]] = run_sequentially(local.address, [[seeded(invariant, 7, disabled=True)]])
+    schedules = [{"lookahead": k, "overlap": k % 2 == 0} for k in (1, 4, 8)] + [{"lookahead": 6, "adaptive": True}]
+    per_client = [[seeded(invariant, 7, **schedules[i % len(schedules)])] for i in range(8)]
+    assert run_clients(local.address, per_client) == [[alone]] * 8
+    [[once]] = run_sequentially(local.address, [[seeded(leviathan, 8, lookahead=4)]])
+    assert run_clients(local.address, [[seeded(leviathan, 8, lookahead=4)]] * 8) == [[once]] * 8
     draft, target = model_stubs(local.addresses["draft"], local.addresses["target"])
     assert (open_sessions(draft), open_sessions(target)) == (0, 0)

@@ -1,11 +1,21 @@
 from specdec.v1 import model_pb2 as _model_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Rule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RULE_UNSPECIFIED: _ClassVar[Rule]
+    RULE_LEVIATHAN: _ClassVar[Rule]
+    RULE_INVARIANT: _ClassVar[Rule]
+RULE_UNSPECIFIED: Rule
+RULE_LEVIATHAN: Rule
+RULE_INVARIANT: Rule
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -28,16 +38,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("lookahead", "disabled", "adaptive", "overlap")
+    __slots__ = ("lookahead", "disabled", "adaptive", "overlap", "rule")
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     lookahead: int
     disabled: bool
     adaptive: bool
     overlap: bool
-    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    rule: Rule
+    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation")
