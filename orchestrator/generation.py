@@ -123,9 +123,17 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     if "" in request.stop_strings:
         raise InvalidArgument("stop_strings must not hold an empty string")
+    # The message names the field to change: the prompt when it leaves no room for a single new
+    # token, else max_new_tokens (the HTTP front door reports the first word as the parameter).
+    if prompt_len >= pair.max_context:
+        raise OutOfRange(
+            f"prompt of {prompt_len} tokens leaves no room for max_new_tokens {max_new} "
+            f"in the model context of {pair.max_context}"
+        )
     if prompt_len + max_new > pair.max_context:
         raise OutOfRange(
-            f"prompt of {prompt_len} tokens + max_new_tokens {max_new} exceeds the model context of {pair.max_context}"
+            f"max_new_tokens {max_new} + a prompt of {prompt_len} tokens exceeds the model context of "
+            f"{pair.max_context}: at most {pair.max_context - prompt_len} new tokens fit"
         )
     return LoopConfig(
         sampling=SamplingParams.from_proto(s),

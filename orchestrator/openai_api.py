@@ -8,14 +8,18 @@ check and TLS of the HTTP port, and the uvicorn server in a thread (serve_http).
 
 It generates nothing itself. Each request goes to the orchestrator's own gRPC API over loopback,
 so admission (429), drain (503), auth, limits, validation and stop handling are the gRPC
-server's: one loop, two front doors. This module refuses up front only what the gRPC API
-has no field for (n > 1, penalties, logprobs, tools, ...), so that no parameter is silently
-ignored. A request sets a GenerateRequest field only when the client gave the parameter.
+server's: one loop, two front doors. A 429 says only that the server is full (OpenAI's clients
+retry it). This module refuses up front only what the gRPC API has no field for (n > 1,
+penalties, logprobs, tools, ...), so that no parameter is silently ignored; what OpenAI's API
+bounds tighter than the gRPC API (temperature in [0, 2]); and a body over MAX_BODY_BYTES (413,
+counted while the body is read, before anything reaches the gRPC hop). A request sets a
+GenerateRequest field only when the client gave the parameter.
 
-Streams: one SSE chunk per GenerateChunk (one per committed round), then `data: [DONE]`. A
-client that goes away cancels the gRPC call, and the orchestrator closes the sessions at the
-next round. Stream calls go over the plain channel with the trace context injected by hand: the
-OpenTelemetry client interceptor wraps a stream call in a generator that cannot be cancelled.
+A client that goes away cancels its gRPC call, streamed or not, and the orchestrator closes the
+sessions at its next round: an abandoned request costs at most one more round. Streams: one SSE
+chunk per GenerateChunk (one per committed round), then `data: [DONE]`. Calls go over the plain
+channel with the trace context injected by hand: the OpenTelemetry client interceptor wraps a
+stream call in a generator that cannot be cancelled.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +39,11 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from orchestrator.server import MAX_REQUEST_BYTES
 from specdec import security
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -46,8 +51,16 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 STATIC = Path(__file__).parent / "static"
 PAGE_FILES = ("playground.html", "playground.js")  # the playground, served as they are
 HEALTH_TIMEOUT = 2.0  # seconds for each gRPC health check behind GET /health
+# A larger request body is refused with 413 as soon as that many bytes have come in. A
+# GenerateRequest is smaller than the JSON it is built from (keys, quotes, escapes, digits), so
+# a body under this limit fits the orchestrator's gRPC limit; the margin is headroom.
+MAX_BODY_BYTES = MAX_REQUEST_BYTES - 64 * 1024
+TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's; the gRPC API takes any finite temperature >= 0
+CLIENT_CLOSED = 499  # the status logged (never delivered) for a request whose client went away
 
-# gRPC status -> (HTTP status, OpenAI error type)
+# gRPC status -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is a full server (its
+# admission queue, or a model service's session or KV-cache caps): 429, which OpenAI's clients
+# retry. gRPC's own "message larger than max" is RESOURCE_EXHAUSTED too: 413 (from_rpc).
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -111,12 +124,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), self.status)
 
     @classmethod
-    def from_rpc(cls, err: grpc.RpcError, endpoint: str) -> APIError:
+    def from_rpc(cls, err: grpc.RpcError, endpoint: str, max_tokens: str = "max_tokens") -> APIError:
+        """`max_tokens`: the name the client gave max_new_tokens (max_completion_tokens in chat)."""
         status, kind = STATUS.get(err.code(), (500, "server_error"))
         message, param = err.details() or err.code().name, None
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+            return cls(413, f"the request is too large for the orchestrator: {message}")
         if status == 400:
             field = message.split(" ", 1)[0].rstrip(":")
-            param = PARAMS.get(field)
+            param = {**PARAMS, "max_new_tokens": max_tokens}.get(field)
             if param == "prompt":
                 param = ENDPOINTS[endpoint][0]
             if param:
@@ -126,8 +142,9 @@ class APIError(Exception):
 
 # -- requests ----------------------------------------------------------------------------
 def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrator_pb2.GenerateRequest, dict]:
-    """The GenerateRequest for an OpenAI request body, and the stream options
-    ({"stream": bool, "include_usage": bool}). Raises APIError (400, 404) naming the parameter."""
+    """The GenerateRequest for an OpenAI request body, and the options of its answer
+    ({"stream": bool, "include_usage": bool, "max_tokens": the parameter's name}). Raises
+    APIError (400, 404) naming the parameter."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}  # null means "not given" in OpenAI's API
@@ -153,9 +170,10 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_name in body:
         request.max_new_tokens = _integer(body, max_name, 0, 2**31 - 1)
-    for name in ("temperature", "top_p"):
-        if name in body:
-            setattr(request.sampling, name, _number(body, name))
+    if "temperature" in body:
+        request.sampling.temperature = _number(body, "temperature", *TEMPERATURE_RANGE)
+    if "top_p" in body:
+        request.sampling.top_p = _number(body, "top_p")
     if "top_k" in body:
         request.sampling.top_k = _integer(body, "top_k", -(2**31), 2**31 - 1)
     if "seed" in body:
@@ -167,7 +185,7 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.stop_strings.extend(stop)
     if "speculation" in body:
         _set_speculation(request.speculation, body["speculation"])
-    return request, _stream_options(body)
+    return request, {**_stream_options(body), "max_tokens": max_name}
 
 
 def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
@@ -234,10 +252,13 @@ def _integer(body: dict, name: str, low: int, high: int, prefix: str = "") -> in
     return value
 
 
-def _number(body: dict, name: str) -> float:
+def _number(body: dict, name: str, low: float | None = None, high: float | None = None) -> float:
+    """A number; in low..high when they are given (json.loads takes NaN, which fails the check)."""
     value = body[name]
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise APIError(400, f"{name} must be a number", name)
+    if low is not None and not low <= value <= high:
+        raise APIError(400, f"{name} must be a number in [{low:g}, {high:g}], got {value}", name)
     return float(value)
 
 
@@ -328,32 +349,32 @@ class Gateway:
 
     async def _complete(self, request: Request, endpoint: str):
         try:
-            body = await request.json()
-        except ValueError:
-            return APIError(400, "the request body is not valid JSON").response()
+            return await self._answer(request, endpoint)
+        except ClientDisconnect:  # nobody to answer; its gRPC call, if any, is cancelled
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def _answer(self, request: Request, endpoint: str):
         try:
-            generate, options = generate_request(body, endpoint, self.model)
+            generate, options = generate_request(await read_json(request), endpoint, self.model)
         except APIError as err:
             return err.response()
         completion = Completion.start(endpoint, self.model)
         metadata = self.telemetry.trace_metadata()
         if not options["stream"]:
+            call = self.stub.Generate.future(generate, metadata=metadata)
             try:
-                response = await anyio.to_thread.run_sync(lambda: self.stub.Generate(generate, metadata=metadata))
+                return JSONResponse(completion.response(await _wait(request, call, call.result)))
             except grpc.RpcError as err:
-                return APIError.from_rpc(err, endpoint).response()
-            return JSONResponse(completion.response(response))
+                return APIError.from_rpc(err, endpoint, options["max_tokens"]).response()
         call = self.stub.GenerateStream(generate, metadata=metadata)
         try:  # the first chunk before answering: a refusal (400, 429, 503) is then a status
-            first = await _next(call)
+            first = await _wait(request, call, lambda: next(call, None))
         except grpc.RpcError as err:
-            return APIError.from_rpc(err, endpoint).response()
-        except BaseException:
-            call.cancel()
-            raise
-        return EventSourceResponse(self._events(call, first, completion, options["include_usage"]), ping=15)
+            return APIError.from_rpc(err, endpoint, options["max_tokens"]).response()
+        return EventSourceResponse(self._events(call, first, completion, options), ping=15)
 
-    async def _events(self, call, chunk, completion: Completion, include_usage: bool):
+    async def _events(self, call, chunk, completion: Completion, options: dict):
+        include_usage = options["include_usage"]
         try:
             first = True
             while chunk is not None:
@@ -366,7 +387,7 @@ class Gateway:
                 chunk = await _next(call)
             yield "[DONE]"
         except grpc.RpcError as err:  # after the status line went out: an error event
-            yield json.dumps(APIError.from_rpc(err, completion.endpoint).body())
+            yield json.dumps(APIError.from_rpc(err, completion.endpoint, options["max_tokens"]).body())
         finally:
             call.cancel()  # a client gone away: the orchestrator frees the sessions at the next round
 
@@ -395,6 +416,61 @@ class Gateway:
         if name not in PAGE_FILES:
             return APIError(404, f"no such page: /{name}", None, "not_found_error").response()
         return FileResponse(STATIC / name)
+
+
+async def read_json(request: Request):
+    """The request's body as JSON, read as it arrives: APIError 413 once it passes MAX_BODY_BYTES
+    (or at once when its Content-Length says it will; whatever the header says, the count
+    decides), 400 when it is not JSON."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        return json.loads(body)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
+async def _wait(request: Request, call, wait: Callable):
+    """wait(), a blocking wait on the gRPC `call`, run in a worker thread while the client is
+    watched. A client that goes away first cancels the call (the orchestrator closes its
+    sessions at the next round; a call still queued for admission leaves the queue), and
+    ClientDisconnect is raised. The body has been read, so the next ASGI message is
+    http.disconnect."""
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        call.cancel()  # ends wait()
+
+    def outcome():  # raised in the task group's body, an error would come out as an ExceptionGroup
+        try:
+            return wait(), None
+        except Exception as err:  # noqa: BLE001 - raised again below
+            return None, err
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watch)
+            value, error = await anyio.to_thread.run_sync(outcome, abandon_on_cancel=True)
+            tasks.cancel_scope.cancel()
+    except BaseException:  # this task was cancelled (the server stops): nobody waits for the call
+        call.cancel()
+        raise
+    if gone:
+        raise ClientDisconnect
+    if error is not None:
+        raise error
+    return value
 
 
 async def _next(call) -> orchestrator_pb2.GenerateChunk | None:

@@ -1,23 +1,28 @@
 """The OpenAI-compatible HTTP API (orchestrator.openai_api) against the three services on
 loopback, driven by the real `openai` package: the same text as the gRPC API, seeds, stop
-strings, usage, streaming, every refused parameter, tokens, TLS, admission, drain, and a
-client that goes away mid-stream."""
+strings, usage, streaming, every refused parameter, tokens, TLS, admission, drain, a body over
+the limit, and clients that go away mid-stream or while a non-streaming request runs."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection, HTTPResponse
+from urllib.parse import urlsplit
 
 import grpc
 import openai
 import pytest
 
 from deploy.local import LocalPipeline, PipelineConfig
-from orchestrator.openai_api import serve_http
+from orchestrator.openai_api import MAX_BODY_BYTES, APIError, serve_http
+from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
 from specdec.models import ModelSpec
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
@@ -60,14 +65,14 @@ def grpc_messages() -> orchestrator_pb2.ChatMessages:
     return orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(**m) for m in MESSAGES])
 
 
-def http_json(url: str, body: dict | None = None, token: str | None = None, context=None) -> tuple[int, dict]:
-    """(status, JSON body) of a GET (no body) or POST."""
-    data = None if body is None else json.dumps(body).encode()
+def http_json(url: str, body=None, token: str | None = None, context=None, timeout: float = 30) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (no body) or POST (a dict, or the bytes to send)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=30, context=context) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -173,12 +178,17 @@ BAD = [  # (endpoint, parameters, status, param)
     ("completions", {"best_of": 2}, 400, "best_of"),
     ("chat", {"repetition_penalty": 1.1}, 400, "repetition_penalty"),
     ("chat", {"temperature": -1}, 400, "temperature"),
+    ("chat", {"temperature": 2.5}, 400, "temperature"),  # OpenAI's range is 0..2; gRPC takes more
+    ("completions", {"temperature": float("nan")}, 400, "temperature"),
     ("chat", {"temperature": "hot"}, 400, "temperature"),
     ("chat", {"top_p": 1.5}, 400, "top_p"),
     ("chat", {"top_k": -1}, 400, "top_k"),
     ("chat", {"max_tokens": "ten"}, 400, "max_tokens"),
-    ("chat", {"max_tokens": 100000}, 400, "messages"),  # beyond the model's context
-    ("completions", {"max_tokens": 100000}, 400, "prompt"),
+    ("chat", {"max_tokens": 10**9}, 400, "max_tokens"),  # the prompt fits, the prompt + max_tokens do not
+    ("completions", {"max_tokens": 100000}, 400, "max_tokens"),
+    ("chat", {"max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "a" * 600}]}, 400, "messages"),  # itself beyond the context
+    ("completions", {"prompt": "a" * 600}, 400, "prompt"),
     ("chat", {"seed": -1}, 400, "seed"),
     ("chat", {"stop": 5}, 400, "stop"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -205,11 +215,31 @@ def test_bad_parameter_gets_its_status_and_names_it(stack, endpoint, params, sta
     assert set(reply["error"]) == {"message", "type", "param", "code"}
 
 
-def test_the_sdk_raises_the_matching_errors(client):
+def test_temperature_2_is_the_http_limit_and_grpc_keeps_its_own_range(stack, client):
+    p, _ = stack
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=2)
+    assert r.usage.completion_tokens > 0
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-0.5)
-    assert err.value.param == "temperature" and err.value.message.startswith("Error code: 400")
-    assert "temperature must be finite and >= 0" in err.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=2.5)
+    assert err.value.param == "temperature" and "[0, 2]" in err.value.body["message"]
+    request = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=4)
+    request.sampling.temperature = 2.5
+    assert p.orchestrator.Generate(request).stats.generated_tokens > 0
+
+
+def test_max_tokens_beyond_the_context_names_max_tokens_and_says_what_fits(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=10**9)
+    assert err.value.param == "max_tokens"
+    assert err.value.body["message"].startswith("max_tokens 1000000000 + a prompt of")
+    assert "at most" in err.value.body["message"]
+
+
+def test_the_sdk_raises_the_matching_errors(client):
+    with pytest.raises(openai.BadRequestError) as err:  # refused by the gRPC API, named as OpenAI names it
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=1.5)
+    assert err.value.param == "top_p" and err.value.message.startswith("Error code: 400")
+    assert err.value.body["message"].startswith("top_p must be in (0, 1]")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
 
@@ -259,7 +289,66 @@ def test_tls_with_the_same_certificate_files_and_plaintext_only_on_loopback(stac
         serve_http(p.addresses["orchestrator"], "0.0.0.0", 0, ClientSecurity(), ServerSecurity())
 
 
-# -- admission, drain, a client that goes away -------------------------------------------
+# -- a body over the limit ---------------------------------------------------------------
+def test_a_body_over_the_limit_is_413_in_openais_shape_and_the_server_serves_on(stack, client):
+    """Issue 30: an 8 MB body got 429 rate_limit_error from the gRPC hop (which OpenAI's clients
+    retry). Now 413 before the hop, for the SDK and for a plain request; then the next request."""
+    p, http = stack
+    assert MAX_BODY_BYTES < MAX_REQUEST_BYTES
+    prompt = "a" * 8_000_000
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert err.value.status_code == 413 and not isinstance(err.value, openai.RateLimitError)
+    assert set(err.value.body) == {"message", "type", "param", "code"}  # the SDK's view of {"error": {...}}
+    assert err.value.body["type"] == "invalid_request_error" and str(MAX_BODY_BYTES) in err.value.body["message"]
+    # A body of exactly the limit reaches the gRPC API, which refuses this one for its length.
+    head, tail = f'{{"model": "{MODEL}", "prompt": ['.encode(), b"1]}"
+    body = head + b"1," * ((MAX_BODY_BYTES - len(head) - len(tail)) // 2) + tail
+    body = body[: len(head)] + b" " * (MAX_BODY_BYTES - len(body)) + body[len(head) :]
+    assert len(body) == MAX_BODY_BYTES
+    status, reply = http_json(f"{http.url}/v1/completions", body)
+    assert (status, reply["error"]["param"]) == (400, "prompt") and "no room" in reply["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
+    assert p.open_sessions() == (0, 0)
+
+
+def test_a_body_without_length_is_refused_once_it_passes_the_limit(stack):
+    """A chunked body that never ends: the server stops reading at the limit and answers 413."""
+    _, http = stack
+    url = urlsplit(http.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nTransfer-Encoding: chunked\r\n"
+        sock.sendall(f"{head}Content-Type: application/json\r\n\r\n".encode())
+
+        def send_forever():
+            part = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+            try:
+                while True:
+                    sock.sendall(part)
+            except OSError:  # the server answered and closed the connection
+                pass
+
+        sender = threading.Thread(target=send_forever, daemon=True)
+        sender.start()
+        response = HTTPResponse(sock)
+        response.begin()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["message"].startswith("the request body is larger than")
+    sender.join(30)
+    assert not sender.is_alive()
+
+
+def test_a_grpc_message_too_large_is_413_not_429(stack):
+    """gRPC's own size refusal is RESOURCE_EXHAUSTED, like admission; over HTTP it is 413."""
+    p, _ = stack
+    with pytest.raises(grpc.RpcError) as err:
+        p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(prompt="a" * (MAX_REQUEST_BYTES + 1)))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = APIError.from_rpc(err.value, "completions")
+    assert error.status == 413 and "larger than max" in error.message
+
+
+# -- admission, drain, clients that go away ----------------------------------------------
 def long_stream(client):
     return client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=400, stream=True)
 
@@ -273,6 +362,59 @@ def test_closing_a_stream_after_the_first_chunk_frees_both_sessions(tiny_backend
             assert p.open_sessions() == (1, 1)
             stream.close()
             assert p.sessions_freed_within(1.0)
+        finally:
+            http.stop()
+
+
+def test_abandoned_non_streaming_requests_stop_at_the_next_round(tiny_backends):
+    """Issue 30: 12 non-streaming 400-token requests whose clients left after 0.5 s kept the
+    server busy (the next request waited 47 s). Each one's gRPC call is cancelled when its
+    client goes away: the next request answers within 3 s, and no session is left open."""
+    with slow_pipeline(tiny_backends, delay=0.02) as p:
+        http = start_http(p)
+        try:
+            url = urlsplit(http.url)
+            body = json.dumps({"model": MODEL, "prompt": NO_EOS_PROMPT, "max_tokens": 400})
+            conns = [HTTPConnection(url.hostname, url.port, timeout=30) for _ in range(12)]
+            for conn in conns:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            # Admission runs 8 at once (the rest queue): all 8 generating before the clients leave.
+            assert wait_until(lambda: p.open_sessions() == (8, 8), 10)
+            time.sleep(0.5)
+            for conn in conns:
+                conn.close()
+            ordinary = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+            status, reply = http_json(f"{http.url}/v1/completions", ordinary, timeout=3)
+            assert status == 200 and reply["usage"]["completion_tokens"] == 4
+            assert p.sessions_freed_within(3)
+        finally:
+            http.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_requests_abandoned_in_the_admission_queue_leave_it(tiny_backends, stream):
+    """A request queued for admission whose client goes away leaves the queue at once (a
+    stream too, before its first chunk), not when a slot frees: the queue has room again while
+    the one running request still runs."""
+    limits = AdmissionLimits(max_concurrent=1, max_queue=2)
+    with slow_pipeline(tiny_backends, admission=limits) as p:
+        http = start_http(p)
+        try:
+            running = long_stream(client_for(http))
+            next(iter(running))
+            url = urlsplit(http.url)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream})
+            conns = [HTTPConnection(url.hostname, url.port, timeout=30) for _ in range(2)]
+            for conn in conns:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            admission = p.servers["orchestrator"].gate.admission
+            assert wait_until(lambda: admission.waiting == 2, 10)
+            for conn in conns:
+                conn.close()
+            assert wait_until(lambda: admission.waiting == 0, 3)
+            assert admission.running == 1 and p.open_sessions() == (1, 1)  # the running request's
+            running.close()
+            assert p.sessions_freed_within(3)
         finally:
             http.stop()
 
