@@ -1,5 +1,6 @@
 """The grown target (specdec.grow): the construction keeps every logit, the check that says so
-fails on a wrong construction, and the alias cache builds once."""
+fails on a wrong construction, the alias cache builds once, and the grown aliases stay off
+llama.cpp while the default alias keeps its llama.cpp drafter."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from deploy.configs import ModelServiceConfig
+from draft_service import drafters
 from specdec import grow, models
 from tests.conftest import make_tiny_model
 
@@ -166,6 +169,22 @@ def test_the_aliases_shapes_land_near_their_factors():
         assert abs(count / base - factor) < 0.02 * factor, (alias, shape, count)
     assert grow.GROWTH[4].shape(SMOLLM2) == grow.Shape(60, 4416)  # the module docstring's table
     assert grow.GROWTH[8].shape(SMOLLM2) == grow.Shape(90, 6144)
+
+
+def test_grown_aliases_are_transformers_only_and_the_default_keeps_its_drafter():
+    for alias in models.GROWN_ALIASES:
+        spec = models.ModelSpec(alias)
+        assert ModelServiceConfig("target", spec).backend == "torch"
+        with pytest.raises(ValueError, match="llama.cpp has no GGUF of it"):
+            ModelServiceConfig("target", spec, backend="llamacpp")
+        assert drafters.auto(spec) == "model"
+    cmd = [sys.executable, "-m", "cli", "target-service", "--backend", "llamacpp", "--model", "smollm2-135m-x8"]
+    out = subprocess.run([*cmd, "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("specdec: error:") and "no GGUF" in out.stderr, out.stderr
+    expected = "llamacpp" if models.llamacpp_installed() else "model"
+    assert drafters.auto(models.ModelSpec(models.DEFAULT_ALIAS, dtype=models.DEFAULT_DRAFT_DTYPE)) == expected
+    assert ModelServiceConfig("target", models.ModelSpec(), backend="llamacpp").backend == "llamacpp"
+    assert models.resolve("some/hub-id") == "some/hub-id"
 
 
 @pytest.fixture(autouse=True)
