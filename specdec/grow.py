@@ -1,0 +1,234 @@
+"""Growing the embedded model into a target that costs like a large one and computes exactly its function.
+
+A real pair's target is 8-70x its draft (Llama-3.1-8B over Llama-3.2-1B); the embedded default
+pair is one model twice, so on a GPU, where both cost the same few ms a forward, speculation
+cannot pay. Weights cannot be downloaded everywhere, so this grows the embedded model the
+Net2Net way into one that costs more while every logit stays the base model's:
+
+- extra decoder layers whose output projections (o_proj, down_proj) are zero: each adds
+  nothing to the residual stream, so each is an identity, but its attention and MLP still run on
+  real weights (copies of the base layer before it), its KV cache fills, its matmuls cost;
+- wider MLPs: added intermediate neurons whose gate/up rows are copies of existing rows and
+  whose down_proj columns are zero, so they compute and contribute nothing.
+
+Hidden size, heads, vocab, tokenizer, chat template and generation config stay. The acceptance
+of the embedded draft against a grown target is therefore exactly its acceptance against the
+base model: a grown alias measures the cost regime of a large target, not a different model.
+
+The aliases (models.GROWN_ALIASES maps each to its factor; GROWTH says how a factor is met),
+from the base's 30 layers, MLP 1536, 134.5M parameters (tied embeddings counted once):
+
+    smollm2-135m-x4  60 layers (2x), MLP 4416 (2.875x)   539.3M parameters  4.01x  (CPU benches)
+    smollm2-135m-x8  90 layers (3x), MLP 6144 (4x)     1,063.6M parameters  7.91x  (GPUs)
+
+A forward's matmul FLOPs per token (2 per weight, the tied lm_head included) and its weight
+bytes scale with the parameter count. The layers multiply too, as between real pairs (8B/1B:
+32/16 layers, 70B/1B: 80/16), because a small model's GPU forward costs by its layer count (a
+few us a kernel), not its bytes. Measured, one-token decode forward (medians):
+- CPU, fp32, 1 thread (a shared 2-core machine: noisy): 39-42 / 142-146 / 278-404 ms, x4 3.5-3.6x.
+- H100, bf16, CUDA graphs (torch.compile reduce-overhead, static cache; random weights of each
+  shape): 2.19 / 4.26 / 6.21 ms, x8 2.8x the base (fp32 x8: 8.9 ms, 4.1x the bf16 draft), as
+  Llama-3.1-8B's shape is 3.3x Llama-3.2-1B's there (7.59 / 2.33 ms): x8 is that pair's regime.
+Each is built once, from the fp32 conversion, into
+$SPECDEC_CACHE/SmolLM2-135M-Instruct-x{factor}: a transformers Llama checkpoint (sharded
+safetensors + index, config, tokenizer) that any code loads with from_pretrained. Its config.json
+says what it is ("specdec_grown_from", "specdec_grown_factor", "specdec_identity_layers").
+
+This module owns the construction (pure functions over a state dict and a config dict) and the
+alias cache; models.resolve calls ensure_grown. It knows nothing of sessions, RPC or llama.cpp
+(no GGUF of a grown model exists: the grown aliases are transformers-only).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec import models
+
+SHARD_BYTES = 1 << 30  # a written shard's size at most (one tensor aside): the builder holds one shard at a time
+INDEX = "model.safetensors.index.json"
+WEIGHTS = ("model.safetensors", INDEX)  # what save_pretrained writes, unsharded or sharded: not copied from the base
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a factor is met: layers times `layers` (an integer: every base layer keeps a slot and
+    is followed by layers - 1 identities), the MLP `mlp` times as wide."""
+
+    layers: int
+    mlp: float
+
+    def shape(self, config: Mapping) -> Shape:
+        return Shape(config["num_hidden_layers"] * self.layers, round(config["intermediate_size"] * self.mlp))
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    intermediate: int
+
+
+GROWTH = {4: Growth(layers=2, mlp=2.875), 8: Growth(layers=3, mlp=4.0)}  # factor -> growth (docstring: the shapes)
+
+
+def layer_sources(base_layers: int, layers: int) -> list[tuple[int, bool]]:
+    """For each grown layer: (the base layer whose weights it takes, whether it is that layer itself).
+    The base layers keep their order, spread evenly; each identity copies the base layer before it."""
+    assert layers >= base_layers >= 1, (base_layers, layers)
+    starts = {i * layers // base_layers: i for i in range(base_layers)}  # slot -> base layer (distinct: layers >= base)
+    sources, source = [], 0
+    for j in range(layers):
+        if j in starts:
+            source = starts[j]
+        sources.append((source, j in starts))
+    return sources
+
+
+def grown_config(config: Mapping, shape: Shape, grown_from: str, factor: int | None = None) -> dict:
+    """The base's config with the grown shape and a note of what it is."""
+    assert config["model_type"] == "llama", config["model_type"]
+    sources = layer_sources(config["num_hidden_layers"], shape.layers)
+    return {
+        **config,
+        "num_hidden_layers": shape.layers,
+        "intermediate_size": shape.intermediate,
+        "specdec_grown_from": grown_from,
+        "specdec_grown_factor": factor,
+        "specdec_identity_layers": [j for j, (_, kept) in enumerate(sources) if not kept],
+    }
+
+
+def grown_tensors(state: Mapping, config: Mapping, shape: Shape) -> Iterator[tuple[str, object]]:
+    """The grown model's weights, name by name, from the base's `state` (name -> tensor) and
+    `config`: the non-layer weights as they are, then layer by layer (so a writer holds one
+    shard at a time). Every tensor is new (no view of `state`, none shared)."""
+    import torch
+
+    base_layers, inter = config["num_hidden_layers"], config["intermediate_size"]
+    assert shape.intermediate >= inter, (shape, inter)
+    # a bias on o_proj or down_proj would make an identity add it: none here (as in every Llama release)
+    assert not config.get("attention_bias") and not config.get("mlp_bias"), "biased projections are not grown"
+    prefix = "model.layers."
+    for name, tensor in state.items():
+        if not name.startswith(prefix):
+            yield name, tensor.clone()
+    # the added neurons copy the base's, in turn: row j of the wide gate/up is row j mod inter
+    rows = torch.arange(shape.intermediate) % inter
+    for j, (i, kept) in enumerate(layer_sources(base_layers, shape.layers)):
+        for suffix in sorted(n[len(f"{prefix}{i}.") :] for n in state if n.startswith(f"{prefix}{i}.")):
+            w = state[f"{prefix}{i}.{suffix}"]  # [out, in] for a projection
+            if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):  # [intermediate, hidden]
+                w = w[rows].clone()
+            elif suffix == "mlp.down_proj.weight":  # [hidden, intermediate]: the added neurons' columns zero
+                wide = w.new_zeros(w.shape[0], shape.intermediate)
+                if kept:
+                    wide[:, :inter] = w
+                w = wide
+            elif suffix == "self_attn.o_proj.weight" and not kept:
+                w = torch.zeros_like(w)
+            else:
+                w = w.clone()
+            yield f"{prefix}{j}.{suffix}", w
+
+
+def grow_state_dict(state: Mapping, config: Mapping, shape: Shape) -> dict:
+    """grown_tensors as one dict (for a model held in memory)."""
+    return dict(grown_tensors(state, config, shape))
+
+
+def parameter_count(config: Mapping) -> int:
+    """A Llama's parameters from its config (tied embeddings counted once; no biases)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    layer = hidden * q * 2 + hidden * kv * 2 + 3 * hidden * inter + 2 * hidden
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return config["num_hidden_layers"] * layer + embeddings + hidden
+
+
+def grown_dir(factor: int) -> Path:
+    return models.cache_dir() / f"SmolLM2-135M-Instruct-x{factor}"
+
+
+def ensure_grown(alias: str) -> Path:
+    """Build the grown alias's directory once (from the fp32 conversion, which comes first); return
+    its path. Locked and renamed into place as models.ensure_default_converted is."""
+    factor = models.GROWN_ALIASES[alias]
+    target = grown_dir(factor)
+    if (target / INDEX).exists():
+        return target
+    base = models.ensure_default_converted()  # before the lock: it takes the same one
+    with open(target.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / INDEX).exists():
+            return target
+        build(base, target, GROWTH[factor], models.DEFAULT_ALIAS, factor)
+    return target
+
+
+def build(
+    base: Path, target: Path, growth: Growth, grown_from: str, factor: int | None = None, shard_bytes: int = SHARD_BYTES
+) -> None:
+    """Write the grown `base` (a transformers Llama directory) to `target`: written beside it, then
+    renamed into place; progress on stderr."""
+    from safetensors.torch import load_file
+
+    config = json.loads((base / "config.json").read_text())
+    shape = growth.shape(config)
+    new_config = grown_config(config, shape, grown_from, factor)
+    print(
+        f"specdec: growing {grown_from} to x{factor}: {shape.layers} layers, MLP {shape.intermediate}, "
+        f"{parameter_count(new_config) / 1e6:,.1f}M parameters, in {target} (once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        for f in base.iterdir():  # tokenizer, chat template, generation config
+            if f.is_file() and f.name not in WEIGHTS and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+        _write_shards(grown_tensors(load_file(base / "model.safetensors"), config, shape), tmp, shard_bytes)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache's directory from other users
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"specdec: growing done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _write_shards(tensors: Iterator[tuple[str, object]], out: Path, shard_bytes: int) -> None:
+    """Sharded safetensors and the index from_pretrained reads, as save_pretrained names them."""
+    from safetensors.torch import save_file
+
+    parts, shard, size, total = [], {}, 0, 0
+
+    def flush():
+        parts.append(list(shard))  # the names only: the tensors go once written
+        save_file(shard, out / f".part-{len(parts)}", metadata={"format": "pt"})
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name], size, total = tensor, size + nbytes, total + nbytes
+    if shard:
+        flush()
+    weight_map = {}
+    for k, names in enumerate(parts, 1):
+        file = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        (out / f".part-{k}").chmod(0o644)  # safetensors writes 0600, which would hide a shared cache's file
+        (out / f".part-{k}").rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
