@@ -27,6 +27,11 @@ run again one by one, so only those that fail alone get the error. Continuous ba
 items join and leave between any two steps, so a session's k-step proposal or a chunked
 prefill never waits for the others to finish.
 
+The worker's thread is the one thread that does a service's device work: its forwards, and
+before it serves, the backend's start-up (`run`: the KV cache's allocation, CUDA graph capture,
+the warm-up and the draft's step profile, specdec.lifecycle); CUDA graphs are captured and
+replayed on one thread (torch keeps their state per thread, pytorch issue #123177).
+
 This module knows nothing of models or sessions: the engine gives it `run_batch`.
 """
 
@@ -114,6 +119,16 @@ class Worker:
         if context is not None and not context.add_callback(lambda: self._cancel(item)):
             self._cancel(item)  # the call had already ended
         return item.future.result()
+
+    def run(self, fn: Callable[[], object]):
+        """fn() on the worker thread, between steps; its result. What must run on the thread that
+        runs the forwards (a backend's graph capture, its warm-up) goes here."""
+
+        def item():
+            return fn()
+            yield  # a generator that feeds nothing
+
+        return self.call(None, item)
 
     def _cancel(self, item: Item) -> None:
         with self._cond:
