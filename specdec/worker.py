@@ -193,9 +193,11 @@ class Worker:
                 for item in batch:
                     self._run_alone(item)
                 continue
-            self._last_step = time.perf_counter() - started
             for item, result in zip(batch, results, strict=True):
                 self._advance(item, result)
+            # After the items took their results: on a GPU the forward only launches its kernels,
+            # and the step's time is spent at the items' first read of the logits.
+            self._last_step = time.perf_counter() - started
 
     def _step(self, ready: list[Item]) -> list[Item]:
         """The items of the next step: every unbudgeted one, and the budgeted ones in the
