@@ -1,10 +1,10 @@
 """`python -m bench.overhead`: where a round's time goes outside the model forwards.
 
 One client, greedy, sequential rounds (the draft proposes, then the target verifies: their
-times add up), a fixed k, through the three services in this process on loopback (deploy.hosting
-builds them as `specdec serve` does). Each backend is wrapped to time its forwards; on CUDA the
-timer waits for the device (a sync the service would make anyway at its first read of the
-logits). Per round, in milliseconds:
+times add up), a fixed k, through the draft and target services, each in its own process as
+`specdec serve` runs them (deploy.hosting builds them), and the orchestrator in this one, on
+loopback. Each backend is wrapped to time its forwards; on CUDA the timer waits for the device
+(a sync the service would make anyway at its first read of the logits). Per round, in ms:
 - round: the orchestrator's round time (GenerateStats.round_seconds / rounds; prefill excluded);
 - forwards: the draft's steps and the target's verify, as the backends ran them;
 - services: the services' own time less their forwards (compute_seconds: the model worker's
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -67,25 +69,12 @@ def measure(target: str, draft: str, device: str, k: int, requests: int, max_tok
     import grpc
 
     from deploy import hosting
-    from deploy.configs import ModelServiceConfig
-    from draft_service import drafters
-    from specdec import models
     from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-    specs = {role: models.ModelSpec(path, device, "float32") for role, path in (("target", target), ("draft", draft))}
-    configs = {role: ModelServiceConfig(role, spec, "model", compile=graphs) for role, spec in specs.items()}
-    timed = {
-        "target": TimedBackend(hosting.target_backend(configs["target"]), 2 * k + 2),
-        "draft": TimedBackend(drafters.make("model", specs["draft"], graphs)[0], 2 * k + 2),
-    }
-    servers = []
+    services = {role: _Service(role, path, device, k, graphs) for role, path in (("draft", draft), ("target", target))}
+    orchestrator = None
     try:
-        for role in ("draft", "target"):
-            server, port = hosting.serve_model(configs[role], timed[role])
-            servers.append(server)
-            configs[role] = f"127.0.0.1:{port}"
-        orchestrator = hosting.start_orchestrator(configs["draft"], configs["target"])
-        servers.append(orchestrator.server)
+        orchestrator = hosting.start_orchestrator(services["draft"].address, services["target"].address)
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}"))
         vocab = orchestrator.pair.vocab_size
         prompt = [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
@@ -96,11 +85,11 @@ def measure(target: str, draft: str, device: str, k: int, requests: int, max_tok
         stub.Generate(request, timeout=600)  # warm: the first request pays for lazy initialisation
         rows = []
         for _ in range(requests):
-            for backend in timed.values():
-                backend.reset()
+            for service in services.values():
+                service.ask("reset")
             s = stub.Generate(request, timeout=600).stats
             rounds = max(s.rounds, 1)
-            forwards = sum(b.seconds for b in timed.values())
+            forwards = sum(float(service.ask("read")) for service in services.values())
             compute = s.draft_compute_seconds + s.target_compute_seconds
             rows.append(
                 {
@@ -112,23 +101,77 @@ def measure(target: str, draft: str, device: str, k: int, requests: int, max_tok
                 }
             )
     finally:
-        for server in servers:
-            server.stop(None)
+        if orchestrator is not None:
+            orchestrator.stop(None)
+        for service in services.values():
+            service.stop()
     out = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     out["outside_share"] = 1 - out["forwards"] / out["round"]
     return out
 
 
+class _Service:
+    """A model service in a child process (as `specdec serve` runs it: its own interpreter), its
+    forwards timed; `ask` sends it a line (reset, read) and returns its answer."""
+
+    def __init__(self, role: str, model: str, device: str, k: int, graphs: bool | None):
+        command = [sys.executable, "-m", "bench.overhead", "--serve", role, "--model", model, "--device", device]
+        command += ["--k", str(k)] + ([] if graphs is None else ["--compile" if graphs else "--no-compile"])
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        port = self.proc.stdout.readline().strip()
+        if not port:
+            raise RuntimeError(f"the {role} service did not start (exit {self.proc.wait()})")
+        self.address = f"127.0.0.1:{port}"
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def stop(self) -> None:
+        self.proc.stdin.close()  # the child stops its server at the end of its input
+        self.proc.wait(timeout=60)
+
+
+def serve(role: str, model: str, device: str, k: int, graphs: bool | None) -> None:
+    """The child: serve `role` with timed forwards; print the port, then answer reset and read
+    (the forward seconds since the last reset) on stdin until it ends."""
+    from deploy import hosting
+    from deploy.configs import ModelServiceConfig
+    from draft_service import drafters
+    from specdec import models, placement
+
+    if device == "cpu":  # two services and the orchestrator share the cores: one thread each, no spinning
+        placement.apply(None, 1)
+    config = ModelServiceConfig(role, models.ModelSpec(model, device, "float32"), "model", compile=graphs)
+    built = hosting.target_backend(config) if role == "target" else drafters.make("model", config.spec, graphs)[0]
+    backend = TimedBackend(built, 2 * k + 2)
+    server, port = hosting.serve_model(config, backend)
+    print(port, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "reset":
+            backend.reset()
+            print("ok", flush=True)
+        else:
+            print(backend.seconds, flush=True)
+    server.stop(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model", required=True)
-    parser.add_argument("--draft-model", required=True)
+    parser.add_argument("--target-model")
+    parser.add_argument("--draft-model")
     parser.add_argument("--device", default="cpu", help="torch device of both models (default cpu)")
     parser.add_argument("--k", type=int, default=4, help="lookahead (default 4)")
     parser.add_argument("--requests", type=int, default=5, help="timed generations, the median reported (default 5)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens a generation (default 64)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="CUDA graphs (default: by device)")
+    parser.add_argument("--serve", choices=("draft", "target"), help=argparse.SUPPRESS)  # a child: one service
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.model, args.device, args.k, args.compile)
+        return
     r = measure(args.target_model, args.draft_model, args.device, args.k, args.requests, args.max_tokens, args.compile)
     print(
         f"per round (ms, median of {args.requests} generations, k = {args.k}, {r['tokens_per_round']:.2f} tokens a "

@@ -214,7 +214,12 @@ class GraphBackend(HFBackend):
         self.builds += 1
         batch, width, length = key
         forward = functools.partial(self._static_forward, length=length)
-        step = _Step(forward, torch.zeros(3, batch, width, dtype=torch.long, device=self.device), self._pad, self._pool)
+        inputs = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
+        # An eager run before the first capture of a (batch, width): the lazy initialisation a first
+        # launch does (module loading, kernel selection) must not happen under capture. Lengths
+        # change only the attention's shapes; a run per graph cost 40% of the start-up.
+        warm = not any(k[:2] == key[:2] for k in self._steps)
+        step = _Step(forward, inputs, self._pad, self._pool, warm)
         self._steps[key] = step
         return step
 
@@ -233,18 +238,19 @@ class GraphBackend(HFBackend):
 class _Step:
     """One static forward: its input buffer, and on CUDA its captured graph and output."""
 
-    def __init__(self, forward, inputs: torch.Tensor, pad: int, pool):
+    def __init__(self, forward, inputs: torch.Tensor, pad: int, pool, warm: bool = True):
         self.forward = forward
         self.inputs = inputs  # [3, batch, width]
         self.inputs[2] = pad  # a warm-up run writes only the pad slot
         self.graph = None
         if inputs.device.type != "cuda":
             return
-        side = torch.cuda.Stream()  # warm up off the capturing stream, as torch's docs do before a capture
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward(self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        if warm:  # off the capturing stream, as torch's docs do before a capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward(self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = forward(self.inputs)

@@ -44,7 +44,7 @@ from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.v1 import model_pb2, orchestrator_pb2
 from target_service.server import TargetServicer
 from tests.conftest import make_tiny_model
-from tests.harness import NO_EOS_PROMPT, pipeline, run_clients
+from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, run_clients
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
 
@@ -186,7 +186,8 @@ def test_every_forward_of_a_service_runs_on_its_model_worker(tiny_models):
         }, role
 
 
-def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_models, tiny_backends):
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_models, tiny_backends, device):
     """Through real gRPC services, two clients at once (fixed k 3 and 7: verify blocks 4 and 8
     wide; adaptive k; speculation off; overlapped and sequential rounds), generations that cross
     every batch, width and length bucket equal the eager services' token for token, and neither
@@ -202,11 +203,17 @@ def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_mo
         [request(lookahead=3), request(lookahead=7, adaptive=True)],
         [request(lookahead=7, overlap=False), request(disabled=True)],
     ]
-    with pipeline(tiny_backends["draft"], tiny_backends["target"], limits=LIMITS) as p:
+    roles = ("draft", "target")
+    eager = (
+        tiny_backends
+        if device == "cpu"
+        else {r: HFBackend(ModelSpec(tiny_models[r], device, "float32")) for r in roles}
+    )
+    with pipeline(eager["draft"], eager["target"], limits=LIMITS) as p:
         expected = run_clients(p.addresses["orchestrator"], clients)
-    static = {role: GraphBackend(ModelSpec(tiny_models[role], "cpu", "float32"), buckets) for role in
-              ("draft", "target")}  # fmt: skip
-    with pipeline(static["draft"], static["target"], limits=LIMITS) as p:
+    static = {role: GraphBackend(ModelSpec(tiny_models[role], device, "float32"), buckets) for role in roles}
+    # Slowed a little, so that the two clients' forwards meet in the workers' queues (batches of 2).
+    with pipeline(SlowBackend(static["draft"], 0.002), SlowBackend(static["target"], 0.002), limits=LIMITS) as p:
         got = run_clients(p.addresses["orchestrator"], clients)
         infos = {role: stub.Describe(model_pb2.DescribeRequest()) for role, stub in
                  (("draft", p.draft), ("target", p.target))}  # fmt: skip
@@ -214,14 +221,15 @@ def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_mo
     for role, backend in static.items():
         info = infos[role]
         assert info.builds_after_ready == 0 and backend.builds_after_ready == 0, role
+        assert backend.builds == info.static_forwards.built, role  # every one at start
         report = info.static_forwards
-        assert (report.mode, report.built, report.slots, report.capacity) == ("eager", 2 * 3 * 3, 4, 300)
+        mode = "cuda-graphs" if device == "cuda" else "eager"
+        assert (report.mode, report.built, report.slots, report.capacity) == (mode, 2 * 3 * 3, 4, 300)
         assert (list(report.batches), list(report.widths), list(report.lengths)) == ([1, 2], [1, 4, 8], [32, 64, 128])
         assert info.max_context == 300 and report.kv_bytes == backend.kv.nbytes > 0
         hits = backend.built.hits
         assert {b for b, _, _ in hits} == {1, 2} and {c for _, _, c in hits} == {32, 64, 128}, (role, hits)
     assert {w for _, w, _ in static["target"].built.hits} == {1, 4, 8}  # off, verifies of 3 and 7 drafts
-    assert backend.builds == 2 * 3 * 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
