@@ -32,7 +32,7 @@ NGRAM = Drafter(ngram.propose, proposer.proposal_row)
 
 def make(method: str, spec, compile: bool | None = None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
-    the model drafter's forwards compiled (specdec.graphs.hf_backend: CUDA graphs; None: by device)."""
+    the model drafter's forwards as CUDA graphs (specdec.graphs.hf_backend; None: by device)."""
     if method == "auto":
         method = auto(spec)
     if method == "model":

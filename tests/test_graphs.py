@@ -22,6 +22,7 @@ tests run there too, captured as CUDA graphs.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -41,7 +42,7 @@ from specdec.kvcache import Slot
 from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2
 from target_service.server import TargetServicer
 from tests.conftest import make_tiny_model
 from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, run_clients
@@ -190,8 +191,8 @@ def test_every_forward_of_a_service_runs_on_its_model_worker(tiny_models):
 def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_models, tiny_backends, device):
     """Through real gRPC services, two clients at once (fixed k 3 and 7: verify blocks 4 and 8
     wide; adaptive k; speculation off; overlapped and sequential rounds), generations that cross
-    every batch, width and length bucket equal the eager services' token for token, and neither
-    service built a step after it said ready."""
+    every width and length bucket equal the eager services' token for token; with two forwards
+    made to share a step (the batch bucket 2), neither service built a step after it said ready."""
     buckets = Buckets(batches=(1, 2), widths=(1, 4, 8), lengths=(32, 64, 128))
 
     def request(**speculation):
@@ -212,11 +213,13 @@ def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_mo
     with pipeline(eager["draft"], eager["target"], limits=LIMITS) as p:
         expected = run_clients(p.addresses["orchestrator"], clients)
     static = {role: GraphBackend(ModelSpec(tiny_models[role], device, "float32"), buckets) for role in roles}
-    # Slowed a little, so that the two clients' forwards meet in the workers' queues (batches of 2).
-    with pipeline(SlowBackend(static["draft"], 0.002), SlowBackend(static["target"], 0.002), limits=LIMITS) as p:
+    slow = {role: SlowBackend(backend, 0.0) for role, backend in static.items()}
+    with pipeline(slow["draft"], slow["target"], limits=LIMITS) as p:
         got = run_clients(p.addresses["orchestrator"], clients)
-        infos = {role: stub.Describe(model_pb2.DescribeRequest()) for role, stub in
-                 (("draft", p.draft), ("target", p.target))}  # fmt: skip
+        stubs = {"draft": p.draft, "target": p.target}
+        for role, stub in stubs.items():  # whether two rounds shared a step was up to timing
+            batch_of_two(stub, slow[role])
+        infos = {role: stub.Describe(model_pb2.DescribeRequest()) for role, stub in stubs.items()}
     assert got == expected
     for role, backend in static.items():
         info = infos[role]
@@ -230,6 +233,27 @@ def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_mo
         hits = backend.built.hits
         assert {b for b, _, _ in hits} == {1, 2} and {c for _, _, c in hits} == {32, 64, 128}, (role, hits)
     assert {w for _, w, _ in static["target"].built.hits} == {1, 4, 8}  # off, verifies of 3 and 7 drafts
+
+
+def batch_of_two(stub, slow: SlowBackend) -> None:
+    """Two forwards queued behind a slow step run as one step (the worker takes every queued one)."""
+    for sid in "abc":
+        stub.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[1, 5, 6]))
+    ref = {sid: model_pb2.SessionRef(session_id=sid, expected_length=3) for sid in "abc"}
+    if isinstance(stub, model_pb2_grpc.DraftServiceStub):
+        call = lambda sid: stub.Propose(model_pb2.ProposeRequest(session=ref[sid], k=1))  # noqa: E731
+    else:
+        call = lambda sid: stub.Score(model_pb2.ScoreRequest(session=ref[sid]))  # noqa: E731
+    slow.delay = 0.3
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(call, "a")
+        time.sleep(0.1)  # a's step is sleeping: b and c queue behind it
+        rest = [pool.submit(call, sid) for sid in "bc"]
+        for future in (first, *rest):
+            future.result(timeout=30)
+    slow.delay = 0.0
+    for sid in "abc":
+        stub.CloseSession(model_pb2.CloseSessionRequest(session_id=sid))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
