@@ -13,7 +13,7 @@ loopback. Each backend is wrapped to time its forwards; on CUDA the timer waits 
 and outside = round - forwards, as a share of the round. The prompt is long enough that its
 prefill chunk is wider than any round's forward, which tells the prefill's forwards apart.
 
-    python -m bench.overhead --target-model PATH --draft-model PATH [--device cuda] [--k 4]
+    python -m bench.overhead --target-model PATH --draft-model PATH [--device cuda] [--k 4] [--draft-dtype bfloat16]
 
 Knows nothing of the services' insides: it times what a backend is asked to do.
 """
@@ -65,13 +65,16 @@ class TimedBackend:
         return getattr(self._backend, name)
 
 
-def measure(target: str, draft: str, device: str, k: int, requests: int, max_tokens: int, graphs: bool | None) -> dict:
+def measure(
+    target: str, draft: str, device: str, k: int, requests: int, max_tokens: int, graphs: bool | None, draft_dtype: str
+) -> dict:
     import grpc
 
     from deploy import hosting
     from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-    services = {role: _Service(role, path, device, k, graphs) for role, path in (("draft", draft), ("target", target))}
+    models = {"draft": (draft, draft_dtype), "target": (target, "float32")}
+    services = {role: _Service(role, path, dtype, device, k, graphs) for role, (path, dtype) in models.items()}
     orchestrator = None
     try:
         orchestrator = hosting.start_orchestrator(services["draft"].address, services["target"].address)
@@ -114,8 +117,9 @@ class _Service:
     """A model service in a child process (as `specdec serve` runs it: its own interpreter), its
     forwards timed; `ask` sends it a line (reset, read) and returns its answer."""
 
-    def __init__(self, role: str, model: str, device: str, k: int, graphs: bool | None):
+    def __init__(self, role: str, model: str, dtype: str, device: str, k: int, graphs: bool | None):
         command = [sys.executable, "-m", "bench.overhead", "--serve", role, "--model", model, "--device", device]
+        command += ["--draft-dtype", dtype]
         command += ["--k", str(k)] + ([] if graphs is None else ["--compile" if graphs else "--no-compile"])
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         port = self.proc.stdout.readline().strip()
@@ -133,7 +137,7 @@ class _Service:
         self.proc.wait(timeout=60)
 
 
-def serve(role: str, model: str, device: str, k: int, graphs: bool | None) -> None:
+def serve(role: str, model: str, dtype: str, device: str, k: int, graphs: bool | None) -> None:
     """The child: serve `role` with timed forwards; print the port, then answer reset and read
     (the forward seconds since the last reset) on stdin until it ends."""
     from deploy import hosting
@@ -143,7 +147,7 @@ def serve(role: str, model: str, device: str, k: int, graphs: bool | None) -> No
 
     if device == "cpu":  # two services and the orchestrator share the cores: one thread each, no spinning
         placement.apply(None, 1)
-    config = ModelServiceConfig(role, models.ModelSpec(model, device, "float32"), "model", compile=graphs)
+    config = ModelServiceConfig(role, models.ModelSpec(model, device, dtype), "model", compile=graphs)
     built = hosting.target_backend(config) if role == "target" else drafters.make("model", config.spec, graphs)[0]
     backend = TimedBackend(built, 2 * k + 2)
     server, port = hosting.serve_model(config, backend)
@@ -165,14 +169,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="lookahead (default 4)")
     parser.add_argument("--requests", type=int, default=5, help="timed generations, the median reported (default 5)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens a generation (default 64)")
+    parser.add_argument("--draft-dtype", default="float32", help="the draft's dtype (default float32; the target's)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="CUDA graphs (default: by device)")
     parser.add_argument("--serve", choices=("draft", "target"), help=argparse.SUPPRESS)  # a child: one service
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.model, args.device, args.k, args.compile)
+        serve(args.serve, args.model, args.draft_dtype, args.device, args.k, args.compile)
         return
-    r = measure(args.target_model, args.draft_model, args.device, args.k, args.requests, args.max_tokens, args.compile)
+    r = measure(
+        args.target_model, args.draft_model, args.device, args.k, args.requests, args.max_tokens, args.compile,
+        args.draft_dtype,
+    )  # fmt: skip
     print(
         f"per round (ms, median of {args.requests} generations, k = {args.k}, {r['tokens_per_round']:.2f} tokens a "
         f"round): round {1000 * r['round']:.2f} = forwards {1000 * r['forwards']:.2f} + services "

@@ -67,7 +67,9 @@ from specdec.kvcache import Slot, SlotCache, causal_mask
 from specdec.limits import SessionLimits
 from specdec.validation import MAX_LOOKAHEAD
 
-KV_MEMORY_FRACTION = 0.5  # on CUDA, of the device's free memory at start, at most for the KV cache
+# On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
+# together on one GPU each see it all free.
+KV_MEMORY_FRACTION = 0.4
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 
 
