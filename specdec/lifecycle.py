@@ -190,7 +190,9 @@ def serve_model(
     """Start a model service over a SessionEngine on `backend` (add_servicer(engine, server)
     adds its servicer): OpenSession is its entry, open sessions keep a drain waiting, idle
     sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
-    and the token; `limits` caps sessions and KV tokens."""
+    and the token; `limits` caps sessions and KV tokens (and size a GraphBackend's cache).
+    The backend's start-up runs on the engine's model worker before the server starts, so the
+    thread that captures its CUDA graphs is the one that replays them (_get_ready)."""
     telemetry = telemetry or disabled(role)
     engine = SessionEngine(telemetry.backend(backend), role, limits)
     try:  # on the model worker, the thread that will run every forward (specdec.worker)
