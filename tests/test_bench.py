@@ -58,6 +58,16 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     assert "tok/s" in out.stdout and "specdec" in out.stdout and "speedup over hf-static by prompt kind" in out.stdout
 
 
+def test_round_overhead_on_tiny_models(tiny_models):
+    """bench.overhead: the services in their own processes, their forwards timed; a round is its
+    forwards plus what the services, the wire and the orchestrator add."""
+    from bench import overhead
+
+    r = overhead.measure(tiny_models["target"], tiny_models["draft"], "cpu", 3, 2, 16, None, "float32")
+    assert r["forwards"] > 0 and r["round"] > r["forwards"] and 0 < r["outside_share"] < 1
+    assert 1 <= r["tokens_per_round"] <= 4
+
+
 def test_overlap_bound_is_the_busier_device():
     verify = {1: 0.050, 5: 0.090, 9: 0.110}  # seconds by tokens fed
     assert costs.verify_cost(verify, 3) == pytest.approx(0.070)  # interpolated
