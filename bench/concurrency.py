@@ -72,8 +72,8 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
 
     width = max(len(ids) for ids in batch)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)

@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 from deploy.configs import ModelServiceConfig
 from specdec import models, placement
-from specdec.engine import scratch_caches
+from specdec.engine import scratch_caches, warm_up
 
 REPS = 15  # timed forwards per width (median), after two dropped
 
@@ -104,7 +104,9 @@ def main() -> None:
     config = ModelServiceConfig(**fields)
     placement.apply(config.cpus, config.threads)
     widths = [int(w) for w in args.widths.split(",")]
-    print(json.dumps(forward_costs(_backend(config), widths, args.context)))
+    backend = _backend(config)
+    warm_up(backend)  # what a service does before it serves (a GraphBackend captures its graphs)
+    print(json.dumps(forward_costs(backend, widths, args.context)))
 
 
 if __name__ == "__main__":

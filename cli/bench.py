@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -22,7 +23,8 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmark specdec against target-only and assisted generation",
-        description="Side by side on bench/prompts.json: (a) transformers target-only generate, (b) transformers "
+        description="Side by side on bench/prompts.json: (a) transformers target-only generate (and with its static "
+        "cache, hf-static, the baseline on CUDA), (b) transformers "
         "assisted generation with the same draft, (c) specdec with speculation off, (d) specdec with fixed and "
         "adaptive lookahead, per drafter, and what a CPU user would run instead: llama.cpp target-only "
         "(llamacpp-target) and llama.cpp's own speculative decoding (--llama-speculative). Prints a table, writes "
@@ -39,6 +41,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
     b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
     b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    b.add_argument(
+        "--hf-static",
+        action=argparse.BooleanOptionalAction,
+        help="the hf-static rows: transformers generate with its static cache (compiled on CUDA), then the "
+        "baseline of the speedups (default: for a CUDA target)",
+    )
     b.add_argument(
         "--overlap",
         choices=("both", "on", "off"),
@@ -121,6 +129,7 @@ def bench(args) -> int:
         repeats=args.repeats,
         prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
         hf_baselines=not args.no_hf,
+        hf_static=args.hf_static,
         out=args.out,
         overlap={"both": (True, False), "on": (True,), "off": (False,)}[args.overlap],
         draft_placement=options.placement(args, "draft-"),

@@ -62,10 +62,10 @@ def add_compile_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(
         f"--{prefix}compile",
         action=argparse.BooleanOptionalAction,
-        help=f"compile {who} transformers model's decode and verify forwards (torch.compile over a static "
-        "KV cache, in buckets of batch and width; CUDA graphs on CUDA), each bucket on first use. Default: "
-        "on for a CUDA device, off on a CPU, where a bucket takes 1-2 minutes to compile and a forward "
-        "gains ~10%% (specdec/compiled.py has the figures)",
+        help=f"run {who} transformers model's decode and verify forwards as CUDA graphs, captured at start "
+        "(seconds) for every batch, width and KV-length bucket, over a KV cache allocated once: --max-sessions "
+        "slots of --max-kv-tokens / --max-sessions positions each, the service's context. CUDA only; default: "
+        "on for a CUDA device (a CPU serves eager; specdec/graphs.py says why)",
     )
 
 

@@ -30,7 +30,8 @@ class ModelServiceConfig:
     # Target only: "torch" (transformers) or "llamacpp" (a GGUF run by llama.cpp; the default alias
     # runs its F32 requantisation). A target model that is a .gguf file implies llamacpp.
     backend: str = "torch"
-    # A transformers model's short forwards compiled (specdec.compiled); None: on for CUDA, off for a CPU.
+    # A transformers model's decode and verify forwards as CUDA graphs, captured at start over a KV
+    # cache allocated once from limits (specdec.graphs); None: on for CUDA. CUDA only.
     compile: bool | None = None
 
     def __post_init__(self):
@@ -44,6 +45,10 @@ class ModelServiceConfig:
             raise ValueError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.role == "draft" and self.backend != "torch":
             raise ValueError("backend is the target's; a draft service picks its runtime with drafter")
+        if self.compile and not self.spec.device.startswith("cuda"):
+            raise ValueError(
+                f"--compile captures CUDA graphs: it needs a CUDA device, not {self.spec.device!r} (a CPU serves eager)"
+            )
         if self.role == "target" and self.spec.model.endswith(".gguf"):
             object.__setattr__(self, "backend", "llamacpp")  # only llama.cpp runs a GGUF file
         if self.backend == "llamacpp" and self.spec.model in GROWN_ALIASES:

@@ -24,7 +24,7 @@ from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec import models, placement
-from specdec.compiled import hf_backend
+from specdec.graphs import hf_backend
 from specdec.lifecycle import Served
 from specdec.security import ClientSecurity, ServerSecurity, channel
 from specdec.telemetry import Telemetry

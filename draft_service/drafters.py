@@ -32,11 +32,11 @@ NGRAM = Drafter(ngram.propose, proposer.proposal_row)
 
 def make(method: str, spec, compile: bool | None = None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
-    the model drafter's forwards compiled (specdec.compiled.hf_backend; None: by device)."""
+    the model drafter's forwards as CUDA graphs (specdec.graphs.hf_backend; None: by device)."""
     if method == "auto":
         method = auto(spec)
     if method == "model":
-        from specdec.compiled import hf_backend
+        from specdec.graphs import hf_backend
 
         return hf_backend(spec, compile), MODEL
     if method == "ngram":

@@ -1,14 +1,12 @@
 """Where a round's time goes, in one process: the cost of each forward the loop makes.
 
-    python scripts/cost_model.py [--reps 15] [--context 80] [--threads N] [--no-compiled]
+    python scripts/cost_model.py [--reps 15] [--context 80] [--threads N]
 
-For the default pair (the fp32 target eager and compiled, the bf16 draft; with llama.cpp
-installed, also the Q8_0 GGUF draft and the F32 GGUF target on llama.cpp) it times, on a
-cached context, a forward of n = 1, 3, 5, 9 new tokens (the target verifies k + 1 = n tokens;
-the compiled one in its default buckets, so n = 3, 5, 9 run padded to widths 4, 8, 16, each
-compiled once before the timing, minutes on a small CPU; a draft proposes one token per
-forward), interleaving the backends rep by rep so
-a drift in machine speed hits all alike, and prints medians. Then, for k = 2, 4, 8, the
+For the default pair (the fp32 target, the bf16 draft; with llama.cpp installed, also the
+Q8_0 GGUF draft and the F32 GGUF target on llama.cpp) it times, on a cached context, a forward
+of n = 1, 3, 5, 9 new tokens (the target verifies k + 1 = n tokens; a draft proposes one token
+per forward), interleaving the backends rep by rep so a drift in machine speed hits all alike,
+and prints medians. Then, for k = 2, 4, 8, the
 speedup the formula of Leviathan et al. predicts from one-token costs (c = draft / target)
 next to the one these measured costs predict, where verifying k + 1 tokens costs what it was
 measured to cost: (k + 1) * target(1) / (k * draft(1) + target(k + 1)) at full acceptance.
@@ -26,7 +24,6 @@ import torch
 
 from specdec import models, placement
 from specdec.backend import HFBackend
-from specdec.compiled import CompiledBackend
 
 SIZES = (1, 3, 5, 9)
 
@@ -36,13 +33,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="timed forwards per backend and size (median)")
     parser.add_argument("--context", type=int, default=80, help="cached tokens before the timed forwards")
     parser.add_argument("--threads", type=int, help="threads of every backend (default: one per usable core)")
-    parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled target")
     args = parser.parse_args()
     placement.apply(None, args.threads)
 
     backends = {"target fp32": HFBackend(models.ModelSpec(dtype="float32"))}
-    if not args.no_compiled:
-        backends["target fp32 compiled"] = CompiledBackend(models.ModelSpec(dtype="float32"))
     backends["draft bf16"] = HFBackend(models.ModelSpec(dtype="bfloat16"))
     try:
         from specdec.llamacpp import LlamaCppBackend
@@ -57,9 +51,6 @@ def main() -> None:
     for name, backend in backends.items():
         caches[name] = backend.new_cache()
         backend.forward(caches[name], context, 1)
-        for n in SIZES if name.startswith("target") else ():  # compiles each bucket, untimed
-            backend.forward(caches[name], list(range(200, 200 + n)), n)
-            backend.crop(caches[name], args.context)
     sizes = {name: (SIZES if name.startswith("target") else (1,)) for name in backends}
     for rep in range(args.reps + 2):  # two warm-up reps, dropped
         for name, backend in backends.items():

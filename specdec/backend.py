@@ -171,7 +171,7 @@ def _packable(config) -> bool:
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention of HFBackend's models: a packed forward's (kvcache.PackedView.attend),
-    transformers' SDPA for any other (a padded or compiled forward)."""
+    transformers' SDPA for any other (a padded or static forward)."""
     packed = kwargs.pop("packed", None)
     if packed is not None:
         return packed.attend(module.layer_idx, query, scaling), None

@@ -294,10 +294,15 @@ class SessionEngine:
 WARM_UP_WIDTHS = (16, 1, 5, 9)  # a short prefill, a draft step, verifies at k = 4 and 8
 
 
-def warm_up(backend) -> None:
-    """Run a few forwards of the widths serving uses on a scratch cache, then free it: the first
-    forward of a process pays for lazy initialisation (allocator pools, kernel selection, the
-    cache's first allocation), which would otherwise land on the first client's request."""
+def warm_up(backend, limits: SessionLimits | None = None) -> None:
+    """Build what the backend builds before serving (`prepare(limits)`, optional: a GraphBackend's
+    KV cache and CUDA graphs, specdec.graphs), then run a few forwards of the widths serving uses on
+    a scratch cache and free it: the first forward of a process pays for lazy initialisation
+    (allocator pools, kernel selection, a growing cache's first allocation), which would otherwise
+    land on the first client's request. Call it on the thread that will run the forwards."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(limits or SessionLimits())
     with scratch_caches(backend, 1) as [cache]:
         for width in WARM_UP_WIDTHS:
             backend.forward(cache, [i % backend.vocab_size for i in range(width)], 1)
@@ -330,7 +335,7 @@ def profile_steps(backend, sessions=PROFILE_SESSIONS, reps: int = PROFILE_REPS) 
     steps of 1-4 sessions it priced a step of 8 at 73-77 ms): the adaptive policy prices a
     step by this curve, scaled by what the live steps measure (orchestrator.lookahead)."""
     batch = getattr(backend, "forward_batch", None)
-    if batch is None or not sessions or not getattr(backend, "profiled", True):
+    if batch is None or not sessions:
         return {}
     with scratch_caches(backend, max(sessions)) as caches:
         prompt = [(7 + i) % backend.vocab_size for i in range(PROFILE_CONTEXT)]

@@ -10,11 +10,13 @@ owns one slot and a length. Why this layout (and not a DynamicCache per session)
 - rows of different lengths share one tensor: each row writes its new keys at its own
   positions and a 4D mask hides the keys past its length, so verify blocks of different
   widths and caches of different lengths run as one ragged forward;
-- it is the static cache a compiled forward (torch.compile, CUDA graphs) needs: the storage
-  never moves between steps while it is big enough.
-The block grows by doubling (slots as sessions open, capacity as a session needs it), so
-memory follows use; it never shrinks. The KV budget (specdec.limits) bounds tokens held,
-not the block: one long session makes every slot that long.
+- it is the static cache CUDA graphs need (specdec.graphs): the storage never moves.
+Two ways to size it. Growing (the eager backend's): the block grows by doubling (slots as
+sessions open, capacity as a session needs it), so memory follows use; it never shrinks, and
+the KV budget (specdec.limits) bounds tokens held, not the block: one long session makes every
+slot that long. Fixed (`fixed=True`, the graph backend's): allocated once at start, never
+reallocated (a captured graph holds its addresses); a session past its slot's capacity is
+refused (OUT_OF_RANGE) and a slot past the last (RESOURCE_EXHAUSTED), never a new block.
 
 `BatchView` is what the model sees as `past_key_values` for one padded forward: transformers'
 attention calls `update(keys, values, layer)` with the new tokens' keys and values and
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import OutOfRange, ResourceExhausted
+
 MIN_CAPACITY = 256
 
 
@@ -43,13 +47,24 @@ class Slot:
 
 
 class SlotCache:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 0,
+        capacity: int = 0,
+        fixed: bool = False,
+    ):
         self.shape = (kv_heads, head_dim)
         self.layers, self.dtype, self.device = layers, dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.free: list[int] = []
-        self._alloc(slots=0, capacity=0)
+        self._alloc(slots, capacity)
+        self.free: list[int] = list(range(slots - 1, -1, -1))
+        self.fixed = fixed
 
     @property
     def slots(self) -> int:
@@ -72,7 +87,18 @@ class SlotCache:
             self.keys.append(nk)
             self.values.append(nv)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @staticmethod
+    def token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of keys and values one cached position takes, all layers."""
+        return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
     def acquire(self) -> Slot:
+        if not self.free and self.fixed:
+            raise ResourceExhausted(f"all {self.slots} KV-cache slots are taken; retry when a session closes")
         if not self.free:
             old = self.slots
             self._alloc(max(1, 2 * old), self.capacity)
@@ -85,7 +111,9 @@ class SlotCache:
         slot.length = 0
 
     def reserve(self, length: int) -> None:
-        """Make room for `length` positions in every slot."""
+        """Make room for `length` positions in every slot (fixed: check there is)."""
+        if length > self.capacity and self.fixed:
+            raise OutOfRange(f"a sequence of {length} tokens exceeds the KV slot's capacity of {self.capacity}")
         if length > self.capacity:
             capacity = max(MIN_CAPACITY, self.capacity)
             while capacity < length:

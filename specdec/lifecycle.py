@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.engine import SessionEngine, profile_steps, warm_up
+from specdec.engine import PROFILE_SESSIONS, SessionEngine, profile_steps, warm_up
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
 from specdec.security import ServerSecurity
@@ -190,12 +190,16 @@ def serve_model(
     """Start a model service over a SessionEngine on `backend` (add_servicer(engine, server)
     adds its servicer): OpenSession is its entry, open sessions keep a drain waiting, idle
     sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
-    and the token; `limits` caps sessions and KV tokens."""
+    and the token; `limits` caps sessions and KV tokens (and size a GraphBackend's cache).
+    The backend's start-up runs on the engine's model worker before the server starts, so the
+    thread that captures its CUDA graphs is the one that replays them (_get_ready)."""
     telemetry = telemetry or disabled(role)
-    warm_up(backend)  # before serving and outside telemetry: no request pays for it, no span records it
-    # The draft's batched step costs, for the orchestrator's adaptive lookahead (Describe).
-    profile = profile_steps(backend) if role == "draft" else {}
-    engine = SessionEngine(telemetry.backend(backend), role, limits, profile)
+    engine = SessionEngine(telemetry.backend(backend), role, limits)
+    try:  # on the model worker, the thread that will run every forward (specdec.worker)
+        engine.worker.run(lambda: _get_ready(engine, backend))
+    except BaseException:
+        engine.stop()
+        raise
     telemetry.watch(engine)
     gate = Gate([f"/{service_name}/OpenSession"])
     interceptors = [*telemetry.server_interceptors(), gate]
@@ -203,6 +207,15 @@ def serve_model(
     add_servicer(engine, server)
     reaper = Reaper(engine, engine.limits.idle_ttl, engine.limits.unclaimed_ttl)
     return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper, engine.worker]), bound
+
+
+def _get_ready(engine: SessionEngine, backend) -> None:
+    """What a model service does before it serves, on its model worker: the backend's start-up
+    and warm-up, and a draft's step profile. On the bare backend: no request pays for it, no
+    span records it."""
+    warm_up(backend, engine.limits)
+    if engine.role == "draft":  # its batched step costs, for the orchestrator's adaptive lookahead (Describe)
+        engine.step_profile = profile_steps(backend, [n for n in PROFILE_SESSIONS if n <= engine.limits.max_sessions])
 
 
 def _launch(server: grpc.Server, gate: Gate, service_name: str, busy=lambda: 0, background=()) -> Served:

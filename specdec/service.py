@@ -137,6 +137,23 @@ def session_state(session) -> model_pb2.SessionState:
     )
 
 
+def static_forwards(built) -> model_pb2.StaticForwards | None:
+    """Describe's report of what a backend built at start (specdec.graphs.Built), if it built any."""
+    if built is None:
+        return None
+    return model_pb2.StaticForwards(
+        mode=built.mode,
+        batches=built.batches,
+        widths=built.widths,
+        lengths=built.lengths,
+        built=built.graphs,
+        seconds=built.seconds,
+        slots=built.slots,
+        capacity=built.capacity,
+        kv_bytes=built.kv_bytes,
+    )
+
+
 class UnknownCloses:
     """Ids whose CloseSession found no session, and when, kept for `keep` seconds.
 
@@ -232,6 +249,8 @@ class SessionServicer:
             kv_tokens=self.engine.kv.held,
             backend=getattr(backend, "kind", ""),
             step_costs=[model_pb2.StepCost(sessions=n, seconds=s) for n, s in sorted(self.engine.step_profile.items())],
+            static_forwards=static_forwards(getattr(backend, "built", None)),
+            builds_after_ready=getattr(backend, "builds_after_ready", 0),
         )
 
     def GetTokenizer(self, request, context):

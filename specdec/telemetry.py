@@ -10,7 +10,8 @@ engine, proposer, scorer) know nothing of it and are observed from outside:
   runs in its caller's context, so the RPCs a round makes become children of its span;
 - a wrapper around the orchestrator's chunks: request metrics from the very stats the response
   carries, so the two agree;
-- observable gauges over a SessionEngine (open sessions, KV tokens held).
+- observable gauges over a SessionEngine (open sessions, KV tokens held) and a counter of the
+  graphs its backend built after it said ready (specdec.graphs).
 
 One request is one trace:
   Orchestrator/Generate (server) -> specdec.round (one per round; the first also opens the two
@@ -271,6 +272,12 @@ class Telemetry:
             callbacks=[lambda _options: [Observation(engine.cached_tokens, attrs)]],
             unit="{token}",
             description="Tokens whose keys and values this service's KV caches hold, all sessions",
+        )
+        self._meter.create_observable_counter(
+            "specdec.builds_after_ready",
+            callbacks=[lambda _options: [Observation(getattr(engine.backend, "builds_after_ready", 0), attrs)]],
+            unit="{graph}",
+            description="CUDA graphs captured (static forwards built) after the service said ready; 0 expected",
         )
 
     # -- orchestrator --------------------------------------------------------------------

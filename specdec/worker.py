@@ -27,6 +27,11 @@ run again one by one, so only those that fail alone get the error. Continuous ba
 items join and leave between any two steps, so a session's k-step proposal or a chunked
 prefill never waits for the others to finish.
 
+The worker's thread is the one thread that does a service's device work: its forwards, and
+before it serves, the backend's start-up (`run`: the KV cache's allocation, CUDA graph capture,
+the warm-up and the draft's step profile, specdec.lifecycle); CUDA graphs are captured and
+replayed on one thread (torch keeps their state per thread, pytorch issue #123177).
+
 This module knows nothing of models or sessions: the engine gives it `run_batch`.
 """
 
@@ -115,6 +120,16 @@ class Worker:
             self._cancel(item)  # the call had already ended
         return item.future.result()
 
+    def run(self, fn: Callable[[], object]):
+        """fn() on the worker thread, between steps; its result. What must run on the thread that
+        runs the forwards (a backend's graph capture, its warm-up) goes here."""
+
+        def item():
+            return fn()
+            yield  # a generator that feeds nothing
+
+        return self.call(None, item)
+
     def _cancel(self, item: Item) -> None:
         with self._cond:
             item.cancelled = True
@@ -178,9 +193,11 @@ class Worker:
                 for item in batch:
                     self._run_alone(item)
                 continue
-            self._last_step = time.perf_counter() - started
             for item, result in zip(batch, results, strict=True):
                 self._advance(item, result)
+            # After the items took their results: on a GPU the forward only launches its kernels,
+            # and the step's time is spent at the items' first read of the logits.
+            self._last_step = time.perf_counter() - started
 
     def _step(self, ready: list[Item]) -> list[Item]:
         """The items of the next step: every unbudgeted one, and the budgeted ones in the

@@ -18,14 +18,16 @@ DATA = Path(__file__).with_name("data")
 
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     cmd = [sys.executable, "-m", "cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
+    cmd += ["--hf-static"]  # on by default for a CUDA target only
     cmd += ["--out", str(tmp_path)]  # the summarisation passages exceed the tiny models' context
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["method"], r["drafter"], r["k"]): r for r in results["rows"]}
-    expected = {("hf-target", "-", "-"), ("hf-target-1core", "-", "-"), ("hf-assisted", "model", "auto"),
-                ("hf-assisted", "ngram", "10"), ("specdec-off", "-", "-")}  # fmt: skip
+    expected = {("hf-target", "-", "-"), ("hf-static", "-", "-"), ("hf-target-1core", "-", "-"),
+                ("hf-assisted", "model", "auto"), ("hf-assisted", "ngram", "10"),
+                ("specdec-off", "-", "-")}  # fmt: skip
     expected |= {
         (m, d, k) for m in ("specdec", "specdec-seq") for d in ("model", "ngram") for k in ("2", "4", "adaptive")
     }
@@ -42,9 +44,10 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     for method in ("specdec", "specdec-seq"):
         row = rows[(method, "model", "4")]
         assert row["bound_tokens_per_second"] > 0 and row["bound_efficiency"] > 0
-    # --quick takes one prompt of each of two kinds; the baseline's ratio to itself is exactly 1
+    # --quick takes one prompt of each of two kinds; the baseline (hf-static, where it ran) to itself is exactly 1
     assert len(model_k4["speedup_by_kind"]) == 2
-    assert set(rows[("hf-target", "-", "-")]["speedup_by_kind"].values()) == {1.0}
+    assert results["baseline"] == "hf-static"
+    assert set(rows[("hf-static", "-", "-")]["speedup_by_kind"].values()) == {1.0}
     for png in ("speedup.png", "timeline.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The timeline: both services busy in turn (sequential) and at once (overlapped).
@@ -52,7 +55,17 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     assert {t.split()[-1] for t in lines} == {"sequential", "overlapped"}
     for line in lines.values():
         assert {s["side"] for s in line["spans"]} == {"draft", "target"} and line["round_ends"]
-    assert "tok/s" in out.stdout and "specdec" in out.stdout and "by prompt kind" in out.stdout
+    assert "tok/s" in out.stdout and "specdec" in out.stdout and "speedup over hf-static by prompt kind" in out.stdout
+
+
+def test_round_overhead_on_tiny_models(tiny_models):
+    """bench.overhead: the services in their own processes, their forwards timed; a round is its
+    forwards plus what the services, the wire and the orchestrator add."""
+    from bench import overhead
+
+    r = overhead.measure(tiny_models["target"], tiny_models["draft"], "cpu", 3, 2, 16, None, "float32")
+    assert r["forwards"] > 0 and r["round"] > r["forwards"] and 0 < r["outside_share"] < 1
+    assert 1 <= r["tokens_per_round"] <= 4
 
 
 def test_overlap_bound_is_the_busier_device():

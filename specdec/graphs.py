@@ -1,0 +1,307 @@
+"""Static forwards over a fixed slot KV cache, captured as CUDA graphs at start (on a CPU, run eagerly).
+
+GraphBackend is specdec.backend.HFBackend whose short forwards (decode steps and verify blocks:
+widths up to MAX_LOOKAHEAD + 1) run a forward of static shapes, as SGLang's CudaGraphRunner,
+vLLM and gpt-fast do:
+- the KV cache is allocated once, in `prepare` (before the service says ready): max_sessions
+  slots of max_kv_tokens / max_sessions positions each (no cap: the model's context), on CUDA
+  within KV_MEMORY_FRACTION of the free memory; it never grows, so captured graphs keep their
+  addresses. The slot's capacity is the service's max_context (Describe): a longer sequence is
+  refused with OUT_OF_RANGE before anything changes (specdec.engine), a session past the slots
+  with RESOURCE_EXHAUSTED (the engine's max_sessions, the same number);
+- a step's shape is bucketed three ways (Buckets): rows up to a batch size, columns up to a
+  width, the KV positions attended up to a length. One graph a (batch, width, length), all
+  captured in `prepare` on the thread that will replay them (specdec.lifecycle runs it on the
+  model worker; torch's graph state is per thread, pytorch issue #123177);
+- a graph reads one static input tensor (ids, positions, and the slot each column writes to)
+  that a step fills with one host-to-device copy, and writes the last hidden states of every
+  column; the step gathers the columns it wants and applies the output layer eagerly (vocab-
+  sized logits of every padded column would cost more than the launches they save);
+- every row attends over `[:length]` of its slot with a mask (keys up to its own position): a
+  slice of the static block keeps its address. Why KV-length buckets and not one graph over the
+  whole capacity: each row reads its slot's keys and values for every position attended (the
+  gather and the attention), so a 100-token session in a 1024-position slot would read 10x what
+  it holds at every step; with lengths 256, 512, ... it reads at most 2x, for |lengths| times the
+  graphs (the default 7 batches x 6 widths x 3 lengths: 126, captured in 5.8 s for the fp32
+  SmolLM2-135M shape on one H100; 10.1 s with an eager warm-up run before every capture instead
+  of one per batch and width);
+- a pad column (past its row's block) and a pad row write into a pad slot no session owns, so
+  padding never touches a session's keys; their outputs are never read. Rollback stays a length.
+Anything outside the buckets (a prompt's prefill chunk wider than the widest, more rows than
+the largest batch, a length past the largest) runs HFBackend's eager forward on the same cache.
+
+Why no torch.compile: the launch overhead is what a small model loses on a GPU (fp32
+SmolLM2-135M, H100: one token 36.7 ms eager, 3.3 ms compiled with CUDA graphs), and graphs of
+the eager forward remove it in seconds at start, where compiling a variant took 38-60 s and
+compiled variants were built on the serving path. Measured here (one H100, the SmolLM2-135M
+shape with random weights, a 100-token context, ms): fp32 one token 18.6-30.2 eager, 3.8
+graphed; 5 tokens 22.4-34.0 / 8.0; 9 tokens 21.9-36.9 / 8.4; 8 sessions' decode step 19.8-32.5
+/ 8.3; bf16 one token 39.6 / 3.6, 5 tokens 38.7 / 4.0 (the 5-token forward costing twice the
+one-token one is fp32's alone; inductor's compiled fp32 verify of 5, 7.5 ms, paid it too).
+On a CPU there is no launch overhead to remove (torch.compile gained ~10% on a one-token
+forward, lost to padding on verify blocks, for 1-2 minutes of compiling a variant): a CPU
+serves eager (HFBackend); this backend runs there only for the tests, its static forwards
+eager, which exercises the buffers, buckets and padding.
+
+`builds` counts graphs built, `builds_after_ready` those built after `prepare` finished: a
+step that found no graph for its bucket builds one then (not the eager forward: the shapes are
+within the buckets). That never happens when the buckets are consistent; Describe and the
+metrics export it, and a test holds it at zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specdec import models
+from specdec.backend import HFBackend
+from specdec.kvcache import Slot, SlotCache, causal_mask
+from specdec.limits import SessionLimits
+from specdec.validation import MAX_LOOKAHEAD
+
+# On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
+# together on one GPU each see it all free.
+KV_MEMORY_FRACTION = 0.4
+MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shapes graphs are captured for; empty lengths: MIN_LENGTH, doubling, up to the capacity.
+    Sizes past the slots (batches) or the capacity (widths, lengths) are cut to it."""
+
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16, MAX_LOOKAHEAD + 1)  # a verify block is k + 1 wide
+    lengths: tuple[int, ...] = ()
+
+
+@dataclass
+class Built:
+    """What `prepare` built, for the log and Describe."""
+
+    mode: str  # "cuda-graphs" (captured) or "eager" (a CPU: the static forwards run eagerly)
+    batches: tuple[int, ...]
+    widths: tuple[int, ...]
+    lengths: tuple[int, ...]
+    slots: int  # sessions the KV cache holds
+    capacity: int  # positions a slot holds
+    kv_bytes: int
+    graphs: int = 0
+    seconds: float = 0.0
+    hits: Counter = field(default_factory=Counter)  # (batch, width, length) -> steps it ran
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None past the largest."""
+    return next((s for s in sizes if s >= n), None)
+
+
+def default_on(device: str) -> bool:
+    """Whether a service captures graphs when not told: on CUDA only (see the module docstring)."""
+    return torch.device(device).type == "cuda"
+
+
+def kv_shape(limits: SessionLimits, max_context: int, token_bytes: int, free_bytes: int | None) -> tuple[int, int]:
+    """(slots, positions a slot) of the fixed cache for these limits (module docstring)."""
+    slots = limits.max_sessions
+    capacity = max_context if not limits.max_kv_tokens else min(max_context, limits.max_kv_tokens // slots)
+    if free_bytes is not None:  # + 1: the pad slot
+        capacity = min(capacity, int(KV_MEMORY_FRACTION * free_bytes) // ((slots + 1) * token_bytes))
+    if capacity < 1:
+        raise ValueError(
+            f"a KV cache of {slots} slots leaves no position for a session (max_kv_tokens "
+            f"{limits.max_kv_tokens}, {token_bytes} bytes a position): lower max_sessions or raise max_kv_tokens"
+        )
+    return slots, capacity
+
+
+class GraphBackend(HFBackend):
+    """HFBackend with static short forwards over a fixed cache, built by prepare(limits)."""
+
+    def __init__(self, spec: models.ModelSpec, buckets: Buckets = Buckets()):
+        super().__init__(spec)
+        self.buckets = buckets
+        self.built: Built | None = None
+        self.builds = 0
+        self.builds_after_ready = 0
+        self._steps: dict[tuple[int, int, int], _Step] = {}
+        self._pool = None  # the CUDA graphs' shared memory pool
+        self._pad = -1
+        self._owner: int | None = None  # the thread that built the graphs, which alone replays them
+        self._ready = False
+
+    @torch.inference_mode()
+    def prepare(self, limits: SessionLimits) -> Built:
+        """Allocate the KV cache and build every step of the buckets; call it once, on the thread
+        that will run the forwards, before serving."""
+        if self.built is not None:
+            return self.built
+        config = self.model.config
+        cuda = self.device.type == "cuda"
+        layers, (kv_heads, head_dim), dtype = config.num_hidden_layers, self.kv.shape, self.kv.dtype
+        token_bytes = SlotCache.token_bytes(layers, kv_heads, head_dim, dtype)
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+        slots, capacity = kv_shape(limits, self.max_context, token_bytes, free)
+        self.kv = SlotCache(layers, kv_heads, head_dim, dtype, self.device, slots + 1, capacity, fixed=True)
+        self._pad = self.kv.free.pop(0)  # the highest slot: sessions take the lowest free one
+        self.max_context = capacity
+        b = self.buckets
+        lengths = b.lengths or (*(MIN_LENGTH << i for i in range(32) if MIN_LENGTH << i < capacity), capacity)
+        self.built = built = Built(
+            "cuda-graphs" if cuda else "eager",
+            _cut(b.batches, slots),
+            _cut(b.widths, capacity),
+            _cut(lengths, capacity),
+            slots,
+            capacity,
+            self.kv.nbytes,
+        )
+        self._owner = threading.get_ident()
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
+        t0 = time.perf_counter()
+        # Largest first: the smaller graphs' activations then fit in the pool's blocks the larger freed.
+        keys = sorted(((n, w, c) for n in built.batches for w in built.widths for c in built.lengths), reverse=True)
+        for key in keys:
+            self._build(key)
+        built.graphs, built.seconds = len(keys), time.perf_counter() - t0
+        self._ready = True
+        what = "CUDA graphs captured" if cuda else "static forwards built (eager, no capture on a CPU)"
+        print(
+            f"specdec: {self.name}: {built.graphs} {what} in {built.seconds:.1f} s, batches {_span(built.batches)} "
+            f"x widths {_span(built.widths)} x KV lengths {_span(built.lengths)}; KV cache {slots} slots x "
+            f"{capacity} positions ({built.kv_bytes / 2**30:.2f} GiB)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return built
+
+    def _last_hidden(self, slots: list[Slot], blocks: list[list[int]], wanted: list[int]) -> torch.Tensor:
+        if self.built is None:
+            raise RuntimeError(f"{type(self).__name__}.prepare(limits) must run before a forward")
+        b = self.built
+        batch = bucket(len(blocks), b.batches)
+        width = bucket(max(len(tokens) for tokens in blocks), b.widths)
+        length = bucket(max(s.length + len(t) for s, t in zip(slots, blocks, strict=True)), b.lengths)
+        if batch is None or width is None or length is None:
+            return super()._last_hidden(slots, blocks, wanted)
+        key = (batch, width, length)
+        step = self._steps.get(key) or self._build(key)
+        if step.graph is not None and threading.get_ident() != self._owner:
+            raise RuntimeError("CUDA graphs are replayed on the thread that captured them (the model worker)")
+        b.hits[key] += 1
+        # One host array, one copy to the device: ids, positions and the slot of each column. A pad
+        # cell writes the pad slot at its column's index (a position within every slot).
+        host = np.empty((3, batch, width), dtype=np.int64)
+        host[0] = 0
+        host[1] = np.arange(width)
+        host[2] = self._pad
+        pick = []  # flat indices of the wanted columns, rows in order
+        for row, (slot, tokens, n) in enumerate(zip(slots, blocks, wanted, strict=True)):
+            w = len(tokens)
+            host[0, row, :w] = tokens
+            host[1, row, :w] += slot.length
+            host[2, row, :w] = slot.index
+            pick.extend(range(row * width + w - n, row * width + w))
+        hidden = step.run(torch.from_numpy(host))  # [batch, width, hidden], until the next step runs
+        at = torch.tensor(pick, device=self.device)
+        return hidden.view(batch * width, -1).index_select(0, at)
+
+    def _build(self, key: tuple[int, int, int]) -> _Step:
+        if self._ready:
+            self.builds_after_ready += 1
+            print(f"specdec: {self.name}: building the step {key} while serving", file=sys.stderr, flush=True)
+        if self._owner is not None and threading.get_ident() != self._owner:
+            raise RuntimeError("a graph must be built and replayed on the thread that built the others")
+        self.builds += 1
+        batch, width, length = key
+        forward = functools.partial(self._static_forward, length=length)
+        inputs = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
+        # An eager run before the first capture of a (batch, width): the lazy initialisation a first
+        # launch does (module loading, kernel selection) must not happen under capture. Lengths
+        # change only the attention's shapes; a run before every capture took 10.1 s of 126 graphs'
+        # capture where this takes 5.8 (fp32, one H100).
+        warm = not any(k[:2] == key[:2] for k in self._steps)
+        step = _Step(forward, inputs, self._pad, self._pool, warm)
+        self._steps[key] = step
+        return step
+
+    def _static_forward(self, inputs: torch.Tensor, length: int) -> torch.Tensor:
+        """inputs: [3, B, W] (ids, positions, slots) -> the last hidden states, [B, W, hidden]."""
+        ids, positions, slots = inputs
+        return self.model.base_model(
+            input_ids=ids,
+            attention_mask=causal_mask(positions, length, self.kv.dtype),
+            position_ids=positions,
+            past_key_values=StaticView(self.kv, slots, positions, length),
+            use_cache=True,
+        ).last_hidden_state
+
+
+class _Step:
+    """One static forward: its input buffer, and on CUDA its captured graph and output."""
+
+    def __init__(self, forward, inputs: torch.Tensor, pad: int, pool, warm: bool = True):
+        self.forward = forward
+        self.inputs = inputs  # [3, batch, width]
+        self.inputs[2] = pad  # a warm-up run writes only the pad slot
+        self.graph = None
+        if inputs.device.type != "cuda":
+            return
+        if warm:  # off the capturing stream, as torch's docs do before a capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward(self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = forward(self.inputs)
+
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.inputs.copy_(inputs)
+        if self.graph is None:
+            return self.forward(self.inputs)
+        self.graph.replay()
+        return self.output
+
+
+class StaticView:
+    """past_key_values of a static forward: each column writes its keys and values at its slot and
+    position; each row reads `[:length]` of its slot (the mask hides what is past its position)."""
+
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, length: int):
+        self.cache, self.slots, self.positions, self.length = cache, slots, positions, length
+        self.rows = slots[:, 0]  # a row's first column is never a pad column
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        """keys, values: [B, kv_heads, W, head_dim] -> [B, kv_heads, length, head_dim] each."""
+        out = []
+        for store, new in ((self.cache.keys[layer], keys), (self.cache.values[layer], values)):
+            store[self.slots, :, self.positions] = new.transpose(1, 2).to(store.dtype)
+            out.append(store[:, :, : self.length].index_select(0, self.rows))
+        return out[0], out[1]
+
+
+def _cut(sizes: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """The sizes, each at most `most` (the largest bucket then covers everything up to it)."""
+    return tuple(sorted({min(s, most) for s in sizes if s >= 1}))
+
+
+def _span(sizes: tuple[int, ...]) -> str:
+    return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
+
+
+def hf_backend(spec: models.ModelSpec, graphs: bool | None = None) -> HFBackend:
+    """The transformers backend for a spec: with static forwards (CUDA graphs) or eager;
+    None: default_on(spec.device)."""
+    if graphs is None:
+        graphs = default_on(spec.device)
+    return GraphBackend(spec) if graphs else HFBackend(spec)
