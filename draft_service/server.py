@@ -46,25 +46,46 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
             extra = len(request.assumed_tokens) + request.k
             what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
             self.engine.open_round(session, request.append_tokens, extra, what)
-            proposal = self.drafter.propose(
-                self.engine,
-                session,
-                request.k,
-                SamplingParams.from_proto(request.sampling),
-                list(request.uniforms),
-                list(request.assumed_tokens),
-                request.noise_seed if request.HasField("noise_seed") else None,
-            )
+            params = SamplingParams.from_proto(request.sampling)
+            noise_seed = request.noise_seed if request.HasField("noise_seed") else None
+            if request.tree_nodes:
+                proposal = self.drafter.propose_tree(
+                    self.engine,
+                    session,
+                    request.k,
+                    request.tree_nodes,
+                    params,
+                    list(request.uniforms),
+                    noise_seed,
+                    list(request.tree_acceptance),
+                )
+            else:
+                proposal = self.drafter.propose(
+                    self.engine,
+                    session,
+                    request.k,
+                    params,
+                    list(request.uniforms),
+                    list(request.assumed_tokens),
+                    noise_seed,
+                )
             steps: list[int] = []  # tokens of each batched forward the proposal ran in
-            tokens, probs = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
-            return model_pb2.ProposeResponse(
-                token_ids=tokens,
-                token_probs=probs,
+            result = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
+            response = model_pb2.ProposeResponse(
                 length=len(session.tokens),
                 compute_seconds=time.perf_counter() - start,
                 steps=len(steps),
                 step_tokens=sum(steps),
             )
+            if request.tree_nodes:
+                response.token_ids[:], response.token_probs[:] = result.tokens, result.probs
+                response.parent_ids[:] = result.parents
+                for node, row in sorted(result.rows.items()):
+                    response.row_nodes.append(node)
+                    response.node_rows.append(wire.encode_row(row.float().cpu().numpy()))
+            else:
+                response.token_ids[:], response.token_probs[:] = result
+            return response
 
         return self.engine.call(ref.session_id, ref.expected_length, run, context)
 

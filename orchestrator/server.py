@@ -66,6 +66,7 @@ def connect(
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
         costs=PairCosts(profile),
+        tree_verify=target_info.tree_verify,
     )
 
 

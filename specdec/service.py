@@ -251,6 +251,7 @@ class SessionServicer:
             step_costs=[model_pb2.StepCost(sessions=n, seconds=s) for n, s in sorted(self.engine.step_profile.items())],
             static_forwards=static_forwards(getattr(backend, "built", None)),
             builds_after_ready=getattr(backend, "builds_after_ready", 0),
+            tree_verify=self.engine.role == "target" and getattr(backend, "trees", False),
         )
 
     def GetTokenizer(self, request, context):

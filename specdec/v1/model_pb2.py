@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"B\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\xdb\x01\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_noise_seed\"\x86\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\xf1\x01\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_noise_seed\"\xd8\x01\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\x12\x15\n\rstep_sessions\x18\x08 \x01(\x05\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\xfb\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\x12(\n\nstep_costs\x18\x17 \x03(\x0b\x32\x14.specdec.v1.StepCost\x12\x33\n\x0fstatic_forwards\x18\x1e \x01(\x0b\x32\x1a.specdec.v1.StaticForwards\x12\x1a\n\x12\x62uilds_after_ready\x18\x1f \x01(\x05\"\xa3\x01\n\x0eStaticForwards\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x03(\x05\x12\x0e\n\x06widths\x18\x03 \x03(\x05\x12\x0f\n\x07lengths\x18\x04 \x03(\x05\x12\r\n\x05\x62uilt\x18\x05 \x01(\x05\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x05\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\"-\n\x08StepCost\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"B\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\x88\x02\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\ntree_nodes\x18\x08 \x01(\x05\x12\x17\n\x0ftree_acceptance\x18\n \x03(\x02\x42\r\n\x0b_noise_seed\"\xd5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\x12\x12\n\nparent_ids\x18\x07 \x03(\x05\x12&\n\tnode_rows\x18\x08 \x03(\x0b\x32\x13.specdec.v1.ProbRow\x12\x11\n\trow_nodes\x18\t \x03(\x05\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\xfb\x02\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10\x64raft_parent_ids\x18\x08 \x03(\x05\x12\'\n\ndraft_rows\x18\t \x03(\x0b\x32\x13.specdec.v1.ProbRow\x12\x17\n\x0f\x64raft_row_nodes\x18\n \x03(\x05\x12\x1a\n\rfinal_uniform\x18\x0b \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0b_noise_seedB\x10\n\x0e_final_uniform\"\x85\x02\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\x12\x15\n\rstep_sessions\x18\x08 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\t \x03(\x05\x12\x13\n\x0b\x66inal_token\x18\n \x01(\x05\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x90\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\x12(\n\nstep_costs\x18\x17 \x03(\x0b\x32\x14.specdec.v1.StepCost\x12\x33\n\x0fstatic_forwards\x18\x1e \x01(\x0b\x32\x1a.specdec.v1.StaticForwards\x12\x1a\n\x12\x62uilds_after_ready\x18\x1f \x01(\x05\x12\x13\n\x0btree_verify\x18( \x01(\x08\"\xa3\x01\n\x0eStaticForwards\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x03(\x05\x12\x0e\n\x06widths\x18\x03 \x03(\x05\x12\x0f\n\x07lengths\x18\x04 \x03(\x05\x12\r\n\x05\x62uilt\x18\x05 \x01(\x05\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x05\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\"-\n\x08StepCost\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,43 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREF']._serialized_start=329
   _globals['_SESSIONREF']._serialized_end=386
   _globals['_PROPOSEREQUEST']._serialized_start=389
-  _globals['_PROPOSEREQUEST']._serialized_end=608
-  _globals['_PROPOSERESPONSE']._serialized_start=611
-  _globals['_PROPOSERESPONSE']._serialized_end=745
-  _globals['_PROPOSALROWREQUEST']._serialized_start=747
-  _globals['_PROPOSALROWREQUEST']._serialized_end=862
-  _globals['_SCOREREQUEST']._serialized_start=865
-  _globals['_SCOREREQUEST']._serialized_end=1106
-  _globals['_SCORERESPONSE']._serialized_start=1109
-  _globals['_SCORERESPONSE']._serialized_end=1325
-  _globals['_APPENDREQUEST']._serialized_start=1327
-  _globals['_APPENDREQUEST']._serialized_end=1402
-  _globals['_ROLLBACKREQUEST']._serialized_start=1404
-  _globals['_ROLLBACKREQUEST']._serialized_end=1460
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1462
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1503
-  _globals['_GETSESSIONREQUEST']._serialized_start=1505
-  _globals['_GETSESSIONREQUEST']._serialized_end=1544
-  _globals['_SESSIONSTATE']._serialized_start=1546
-  _globals['_SESSIONSTATE']._serialized_end=1618
-  _globals['_DESCRIBEREQUEST']._serialized_start=1620
-  _globals['_DESCRIBEREQUEST']._serialized_end=1637
-  _globals['_MODELINFO']._serialized_start=1640
-  _globals['_MODELINFO']._serialized_end=2019
-  _globals['_STATICFORWARDS']._serialized_start=2022
-  _globals['_STATICFORWARDS']._serialized_end=2185
-  _globals['_STEPCOST']._serialized_start=2187
-  _globals['_STEPCOST']._serialized_end=2232
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2234
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2255
-  _globals['_TOKENIZERFILE']._serialized_start=2257
-  _globals['_TOKENIZERFILE']._serialized_end=2303
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2305
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2369
-  _globals['_EMPTY']._serialized_start=2371
-  _globals['_EMPTY']._serialized_end=2378
-  _globals['_DRAFTSERVICE']._serialized_start=2381
-  _globals['_DRAFTSERVICE']._serialized_end=3027
-  _globals['_TARGETSERVICE']._serialized_start=3030
-  _globals['_TARGETSERVICE']._serialized_end=3603
+  _globals['_PROPOSEREQUEST']._serialized_end=653
+  _globals['_PROPOSERESPONSE']._serialized_start=656
+  _globals['_PROPOSERESPONSE']._serialized_end=869
+  _globals['_PROPOSALROWREQUEST']._serialized_start=871
+  _globals['_PROPOSALROWREQUEST']._serialized_end=986
+  _globals['_SCOREREQUEST']._serialized_start=989
+  _globals['_SCOREREQUEST']._serialized_end=1368
+  _globals['_SCORERESPONSE']._serialized_start=1371
+  _globals['_SCORERESPONSE']._serialized_end=1632
+  _globals['_APPENDREQUEST']._serialized_start=1634
+  _globals['_APPENDREQUEST']._serialized_end=1709
+  _globals['_ROLLBACKREQUEST']._serialized_start=1711
+  _globals['_ROLLBACKREQUEST']._serialized_end=1767
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1769
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1810
+  _globals['_GETSESSIONREQUEST']._serialized_start=1812
+  _globals['_GETSESSIONREQUEST']._serialized_end=1851
+  _globals['_SESSIONSTATE']._serialized_start=1853
+  _globals['_SESSIONSTATE']._serialized_end=1925
+  _globals['_DESCRIBEREQUEST']._serialized_start=1927
+  _globals['_DESCRIBEREQUEST']._serialized_end=1944
+  _globals['_MODELINFO']._serialized_start=1947
+  _globals['_MODELINFO']._serialized_end=2347
+  _globals['_STATICFORWARDS']._serialized_start=2350
+  _globals['_STATICFORWARDS']._serialized_end=2513
+  _globals['_STEPCOST']._serialized_start=2515
+  _globals['_STEPCOST']._serialized_end=2560
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2562
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2583
+  _globals['_TOKENIZERFILE']._serialized_start=2585
+  _globals['_TOKENIZERFILE']._serialized_end=2631
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2633
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2697
+  _globals['_EMPTY']._serialized_start=2699
+  _globals['_EMPTY']._serialized_end=2706
+  _globals['_DRAFTSERVICE']._serialized_start=2709
+  _globals['_DRAFTSERVICE']._serialized_end=3355
+  _globals['_TARGETSERVICE']._serialized_start=3358
+  _globals['_TARGETSERVICE']._serialized_end=3931
 # @@protoc_insertion_point(module_scope)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import model_pb2 as specdec_dot_v1_dot_model__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x16specdec/v1/model.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9f\x01\n\x11SpeculationParams\x12\x16\n\tlookahead\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x64isabled\x18\x02 \x01(\x08\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x04rule\x18\x05 \x01(\x0e\x32\x10.specdec.v1.RuleB\x0c\n\n_lookaheadB\n\n\x08_overlap\"\xf8\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x15\n\rchat_template\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0cstop_strings\x18\t \x03(\t\x12\x32\n\x0bspeculation\x18\n \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\x07\n\x05inputB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xa6\x03\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x05\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0etarget_seconds\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x15\n\rround_seconds\x18\r \x01(\x01\x12\x1d\n\x15\x64raft_compute_seconds\x18\x0e \x01(\x01\x12\x1e\n\x16target_compute_seconds\x18\x0f \x01(\x01\x12\x12\n\nwire_bytes\x18\x10 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x11 \x01(\x05\"t\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\"+\n\x08TextSpan\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x08\"L\n\x0bRoundCounts\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\"\xbf\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\x12#\n\x05spans\x18\x05 \x03(\x0b\x32\x14.specdec.v1.TextSpan\x12\'\n\x06rounds\x18\x06 \x01(\x0b\x32\x17.specdec.v1.RoundCounts*D\n\x04Rule\x12\x14\n\x10RULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eRULE_LEVIATHAN\x10\x01\x12\x12\n\x0eRULE_INVARIANT\x10\x02\x32\xa1\x01\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x16specdec/v1/model.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc7\x01\n\x11SpeculationParams\x12\x16\n\tlookahead\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x64isabled\x18\x02 \x01(\x08\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x04rule\x18\x05 \x01(\x0e\x32\x10.specdec.v1.Rule\x12\x17\n\ntree_nodes\x18\x06 \x01(\x05H\x02\x88\x01\x01\x42\x0c\n\n_lookaheadB\n\n\x08_overlapB\r\n\x0b_tree_nodes\"\xf8\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x15\n\rchat_template\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x14\n\x0cstop_strings\x18\t \x03(\t\x12\x32\n\x0bspeculation\x18\n \x01(\x0b\x32\x1d.specdec.v1.SpeculationParamsB\x07\n\x05inputB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xa6\x03\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x18\n\x10generated_tokens\x18\t \x01(\x05\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0etarget_seconds\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x15\n\rround_seconds\x18\r \x01(\x01\x12\x1d\n\x15\x64raft_compute_seconds\x18\x0e \x01(\x01\x12\x1e\n\x16target_compute_seconds\x18\x0f \x01(\x01\x12\x12\n\nwire_bytes\x18\x10 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x11 \x01(\x05\"t\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\"+\n\x08TextSpan\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x08\"L\n\x0bRoundCounts\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\"\xbf\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specdec.v1.GenerateStats\x12#\n\x05spans\x18\x05 \x03(\x0b\x32\x14.specdec.v1.TextSpan\x12\'\n\x06rounds\x18\x06 \x01(\x0b\x32\x17.specdec.v1.RoundCounts*D\n\x04Rule\x12\x14\n\x10RULE_UNSPECIFIED\x10\x00\x12\x12\n\x0eRULE_LEVIATHAN\x10\x01\x12\x12\n\x0eRULE_INVARIANT\x10\x02\x32\xa1\x01\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RULE']._serialized_start=1600
-  _globals['_RULE']._serialized_end=1668
+  _globals['_RULE']._serialized_start=1640
+  _globals['_RULE']._serialized_end=1708
   _globals['_CHATMESSAGE']._serialized_start=69
   _globals['_CHATMESSAGE']._serialized_end=113
   _globals['_CHATMESSAGES']._serialized_start=115
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=174
   _globals['_TOKENIDS']._serialized_end=197
   _globals['_SPECULATIONPARAMS']._serialized_start=200
-  _globals['_SPECULATIONPARAMS']._serialized_end=359
-  _globals['_GENERATEREQUEST']._serialized_start=362
-  _globals['_GENERATEREQUEST']._serialized_end=738
-  _globals['_GENERATESTATS']._serialized_start=741
-  _globals['_GENERATESTATS']._serialized_end=1163
-  _globals['_GENERATERESPONSE']._serialized_start=1165
-  _globals['_GENERATERESPONSE']._serialized_end=1281
-  _globals['_TEXTSPAN']._serialized_start=1283
-  _globals['_TEXTSPAN']._serialized_end=1326
-  _globals['_ROUNDCOUNTS']._serialized_start=1328
-  _globals['_ROUNDCOUNTS']._serialized_end=1404
-  _globals['_GENERATECHUNK']._serialized_start=1407
-  _globals['_GENERATECHUNK']._serialized_end=1598
-  _globals['_ORCHESTRATOR']._serialized_start=1671
-  _globals['_ORCHESTRATOR']._serialized_end=1832
+  _globals['_SPECULATIONPARAMS']._serialized_end=399
+  _globals['_GENERATEREQUEST']._serialized_start=402
+  _globals['_GENERATEREQUEST']._serialized_end=778
+  _globals['_GENERATESTATS']._serialized_start=781
+  _globals['_GENERATESTATS']._serialized_end=1203
+  _globals['_GENERATERESPONSE']._serialized_start=1205
+  _globals['_GENERATERESPONSE']._serialized_end=1321
+  _globals['_TEXTSPAN']._serialized_start=1323
+  _globals['_TEXTSPAN']._serialized_end=1366
+  _globals['_ROUNDCOUNTS']._serialized_start=1368
+  _globals['_ROUNDCOUNTS']._serialized_end=1444
+  _globals['_GENERATECHUNK']._serialized_start=1447
+  _globals['_GENERATECHUNK']._serialized_end=1638
+  _globals['_ORCHESTRATOR']._serialized_start=1711
+  _globals['_ORCHESTRATOR']._serialized_end=1872
 # @@protoc_insertion_point(module_scope)
