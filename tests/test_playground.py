@@ -63,17 +63,22 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
             browser.get(http.url + "/")
             wait = WebDriverWait(browser, 60)
             wait.until(lambda b: b.find_element(By.ID, "model").text == MODEL)
-            for field, value in (("prompt", PROMPT), ("max_tokens", str(MAX_TOKENS))):
-                box = browser.find_element(By.ID, field)
-                box.clear()
-                box.send_keys(value)
-            browser.find_element(By.ID, "send").click()
-            wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
-            assert browser.find_element(By.ID, "error").text == ""
-            reply = browser.find_element(By.ID, "reply")
+
+            def generate(**fields):  # fill the fields, send, wait for the reply; its element
+                for field, value in fields.items():
+                    box = browser.find_element(By.ID, field)
+                    box.clear()
+                    box.send_keys(value)
+                browser.find_element(By.ID, "send").click()
+                wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
+                assert browser.find_element(By.ID, "error").text == ""
+                return browser.find_element(By.ID, "reply")
+
+            reply = generate(prompt=PROMPT, max_tokens=str(MAX_TOKENS))
             text = browser.execute_script("return arguments[0].textContent", reply)
             rounds = len(reply.find_elements(By.CSS_SELECTOR, ".round"))
-            drafted = [e.get_attribute("textContent") for e in reply.find_elements(By.CSS_SELECTOR, ".round > .drafted")]
+            drafted = reply.find_elements(By.CSS_SELECTOR, ".round > .drafted")
+            drafted = [e.get_attribute("textContent") for e in drafted]
             supplied = len(reply.find_elements(By.CSS_SELECTOR, ".round > .target"))
             stats = {n: browser.find_element(By.ID, f"stat-{n}").text for n in ("rounds", "tokens", "acceptance")}
             for path in (tmp_path / "playground.png", ROOT / "bench-results" / "playground.png"):
@@ -81,13 +86,7 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
                 assert browser.save_screenshot(str(path))
             print(f"screenshot: {ROOT / 'bench-results' / 'playground.png'}")
             # A draft tree: the accepted path is each round's drafted span, and the text is the same.
-            box = browser.find_element(By.ID, "tree_nodes")
-            box.clear()
-            box.send_keys("6")
-            browser.find_element(By.ID, "send").click()
-            wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
-            assert browser.find_element(By.ID, "error").text == ""
-            reply = browser.find_element(By.ID, "reply")
+            reply = generate(tree_nodes="6")
             tree_text = browser.execute_script("return arguments[0].textContent", reply)
             tree_drafted = len(reply.find_elements(By.CSS_SELECTOR, ".round > .drafted"))
         finally:
