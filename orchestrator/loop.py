@@ -38,7 +38,7 @@ import numpy as np
 
 from orchestrator import RULES
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
-from orchestrator.trees import PairTrees
+from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
@@ -224,6 +224,10 @@ class SpeculativeLoop:
         the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
         `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise."""
         self.trees = trees or PairTrees()
+        # Under the Leviathan rule a tree's shape decides which uniform meets which token, so it
+        # learns from this generation's rounds alone (a seed then replays it); greedy and
+        # invariant outputs do not depend on the shape, and learn from the whole pair's.
+        self._tree_acceptance = self.trees.acceptance if config.coupled else TreeAcceptance()
         self.config = config
         self.prompt = list(prompt)
         self.session_id = uuid.uuid4().hex
@@ -570,7 +574,7 @@ class SpeculativeLoop:
                 uniforms=draws.draft[: depth * TREE_BRANCHES],
                 noise_seed=cfg.noise_seed,
                 tree_nodes=cfg.tree_nodes,
-                tree_acceptance=self.trees.acceptance.table(cfg.sampling.greedy),
+                tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
             ),
         )
         self.draft.length, self.draft.pending = proposal.length, []
@@ -600,7 +604,7 @@ class SpeculativeLoop:
             path, last = list(scores.accepted_nodes), scores.final_token
             if any(parents[node] != (path[i - 1] if i else -1) for i, node in enumerate(path)):
                 raise SpecdecError(f"target returned {path}, not a path of the draft tree")
-        self.trees.acceptance.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
+        self._tree_acceptance.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
         with self._stats_lock:
             self.stats.draft_seconds += draft_time
             self.stats.target_seconds += target_time

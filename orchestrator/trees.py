@@ -10,6 +10,9 @@ which children were tried (those before the accepted one on each node of the acc
 and every child of its last node) and whether each was accepted, starting from a prior of two
 tries at the bucket's middle probability. The table rides on each tree's Propose
 (ProposeRequest.tree_acceptance). Greedy and sampled rounds accept differently: a table each.
+The pair's generations share one, except under the Leviathan rule: there the tree's shape decides
+which uniform meets which token, so a generation keeps its own table (orchestrator.loop), learnt
+from its rounds alone, and a seed replays its text whatever ran beside it.
 
 Under adaptive lookahead, TreeChoice picks a tree or a chain each round by what each kind's
 rounds measured (committed tokens a second).
