@@ -1,7 +1,8 @@
 """`specdec chaos` on tiny random models, under either sampling rule, with chains and with draft
-trees: 8 concurrent streams (greedy and seeded sampling) while the draft and the target are killed with SIGKILL at least 10 times; nothing is lost,
-duplicated or changed, no session is left and no service grew. Plus the checks' own logic
-on hand-made streams, so a broken stream is known to fail them."""
+trees: 8 concurrent streams (greedy and seeded sampling) while the draft and the target are
+killed with SIGKILL at least 10 times; nothing is lost, duplicated or changed, no session is left
+and no service grew. Plus the checks' own logic on hand-made streams, so a broken stream is known
+to fail them."""
 
 from __future__ import annotations
 
