@@ -411,7 +411,7 @@ def _request_attributes(request) -> dict:
 
 
 class _Instruments:
-    """Every instrument, by name (see the README's Metrics table)."""
+    """Every instrument, by name (see docs/observability.md's Metrics table)."""
 
     def __init__(self, meter):
         def hist(name, unit, description, buckets=SECONDS_BUCKETS):
