@@ -97,7 +97,7 @@ def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
                         backend.crop(other, int(rng.integers(1, other.length)))
                         backend.forward(other, rng.integers(0, 5000, int(rng.integers(1, 6))).tolist(), 1)
                 items = [(c, [int(rng.integers(0, 5000))], 1) for c in others] + [(mine, [token], 1)]
-                out.append(backend.forward_batch(items)[-1][0])
+                out.append(backend.forward_batch(items)[-1][0].clone())  # a view until the next forward
             return torch.stack(out)
         finally:
             for cache in [mine, *others]:
