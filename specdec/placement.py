@@ -115,11 +115,13 @@ class Cores:
     forward with the fewest threads its requests allow, under the machine's core lock unless the
     service owns its cores. Used by the model worker's thread only."""
 
-    def __init__(self, role: str, threads: int, shared: bool, lock_path: Path = CORE_LOCK):
+    def __init__(self, role: str, threads: int, shared: bool, lock_path: Path = CORE_LOCK, cores: int = 0):
+        """`threads`: the most a step uses (the service's); `shared`: the machine's `cores` (0:
+        those this process may use) are the other service's too, so its steps take the lock."""
         self.role = role
-        self.threads = threads  # the most a step uses (the service's --threads)
-        self.shared = shared  # the machine's cores are the other service's too: steps take the lock
-        draft, target = split_threads(len(usable_cores()))
+        self.threads = threads
+        self.shared = shared
+        draft, target = split_threads(cores or len(usable_cores()))
         self.share = min(threads, target if role == "target" else draft) if shared else threads
         self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
         self._set = None  # the backend's set_threads, given at the first step
@@ -130,8 +132,9 @@ class Cores:
         return sorted({self.share, self.threads})
 
     def of(self, asked: Iterable[int | None]) -> int:
-        """A step's threads: the fewest any of its requests allows (None: the service's own)."""
-        return max(1, min((a or self.threads for a in asked), default=self.threads))
+        """A step's threads: the fewest any of its requests allows (None: the service's own),
+        never more than the service's."""
+        return max(1, min([self.threads, *(a or self.threads for a in asked)]))
 
     @contextlib.contextmanager
     def step(self, threads: int, backend) -> Iterator[float]:
