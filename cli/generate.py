@@ -122,9 +122,9 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
 
 def _threads(s) -> str:
     """The threads the target's steps ran with, as ' on N threads', where its service reports them."""
-    if not (s.target_core_seconds and s.target_compute_seconds):
+    if not (s.target_core_seconds and s.target_forward_seconds):
         return ""
-    return f" on {s.target_core_seconds / s.target_compute_seconds:.0f} threads"
+    return f" on {s.target_core_seconds / s.target_forward_seconds:.0f} threads"
 
 
 def _response_json(response) -> dict:

@@ -65,6 +65,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 steps=len(steps),
                 step_tokens=sum(f.step_tokens for f in steps),
                 threads=min((f.step_threads for f in steps), default=0),
+                forward_seconds=sum(f.seconds for f in steps),
             )
 
         threads = request.threads if request.HasField("threads") else None

@@ -277,4 +277,6 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         drafted_tokens=s.drafted_tokens,
         draft_core_seconds=s.draft_core_seconds,
         target_core_seconds=s.target_core_seconds,
+        draft_forward_seconds=s.draft_forward_seconds,
+        target_forward_seconds=s.target_forward_seconds,
     )

@@ -128,7 +128,9 @@ class LoopStats:
     drafted_tokens: int = 0  # tokens the draft service proposed, continuations thrown away included
     draft_compute_seconds: float = 0.0  # of which the draft service reported computing
     target_compute_seconds: float = 0.0  # of which the target service reported computing
-    draft_core_seconds: float = 0.0  # the draft's compute times the threads it ran with
+    draft_forward_seconds: float = 0.0  # of the draft's compute, its forwards'
+    target_forward_seconds: float = 0.0  # of the target's compute, its forwards'
+    draft_core_seconds: float = 0.0  # the draft's forward seconds times the threads they ran with
     target_core_seconds: float = 0.0  # the target's
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
@@ -422,7 +424,8 @@ class SpeculativeLoop:
             )
         with self._stats_lock:
             self.stats.draft_compute_seconds += proposal.compute_seconds
-            self.stats.draft_core_seconds += proposal.compute_seconds * proposal.threads
+            self.stats.draft_forward_seconds += proposal.forward_seconds
+            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
             self.stats.drafted_tokens += len(proposal.token_ids)
         self.draft.length, self.draft.pending = proposal.length, []
         return _Proposal(
@@ -473,7 +476,8 @@ class SpeculativeLoop:
             _wait_quietly(continuation, self._timeout())
             raise
         self.stats.target_compute_seconds += scores.compute_seconds
-        self.stats.target_core_seconds += scores.compute_seconds * scores.threads
+        self.stats.target_forward_seconds += scores.forward_seconds
+        self.stats.target_core_seconds += scores.forward_seconds * scores.threads
         self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
         after = None
         if continuation is not None:  # its error (SessionLost: the draft service went away) goes up

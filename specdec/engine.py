@@ -102,7 +102,8 @@ class Forward:
     step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
     step_sessions: int = 0  # ... and the sessions it ran
     step_threads: int = 0  # ... the threads it ran with
-    waited: float = 0.0  # ... and the seconds it waited for the machine's core lock
+    waited: float = 0.0  # ... the seconds it waited for the machine's core lock
+    seconds: float = 0.0  # ... and the seconds of the batched forward (on a GPU: its launch)
 
 
 class SessionEngine:
@@ -167,14 +168,16 @@ class SessionEngine:
             if self.cores is not None:
                 threads = self.cores.of(f.threads for f in forwards)
                 waited = stack.enter_context(self.cores.step(threads, self.backend))
+            t0 = time.perf_counter()
             if batch is not None:
                 logits = batch(items)
             else:
                 logits = [self.backend.forward(*item) for item in items]
+            seconds = time.perf_counter() - t0
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
-            f.step_threads, f.waited = threads, waited
+            f.step_threads, f.waited, f.seconds = threads, waited, seconds
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------

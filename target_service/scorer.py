@@ -30,6 +30,7 @@ class Scores:
     step_sessions: int = 0  # sessions that batched forward ran
     step_threads: int = 0  # the threads it ran with (0: the process's)
     waited: float = 0.0  # seconds it waited for the machine's core lock
+    forward_seconds: float = 0.0  # seconds of the batched forward
 
 
 def score(
@@ -49,7 +50,7 @@ def score(
     assert params.greedy or coupled or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
-    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited
+    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
         return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
     probs = probs_from_logits(logits, params)

@@ -46,6 +46,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 step_tokens=scores.step_tokens,
                 step_sessions=scores.step_sessions,
                 threads=scores.step_threads,
+                forward_seconds=scores.forward_seconds,
             )
 
         threads = request.threads if request.HasField("threads") else None

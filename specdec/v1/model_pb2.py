@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"d\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_threads\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\xfd\x01\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_noise_seedB\n\n\x08_threads\"\x97\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07threads\x18\x14 \x01(\x05\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\x93\x02\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_noise_seedB\n\n\x08_threads\"\xe9\x01\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\x12\x15\n\rstep_sessions\x18\x08 \x01(\x05\x12\x0f\n\x07threads\x18\x14 \x01(\x05\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\x12(\n\nstep_costs\x18\x17 \x03(\x0b\x32\x14.specdec.v1.StepCost\x12\x0f\n\x07machine\x18\x18 \x01(\t\x12\x33\n\x0fstatic_forwards\x18\x1e \x01(\x0b\x32\x1a.specdec.v1.StaticForwards\x12\x1a\n\x12\x62uilds_after_ready\x18\x1f \x01(\x05\"\xa3\x01\n\x0eStaticForwards\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x03(\x05\x12\x0e\n\x06widths\x18\x03 \x03(\x05\x12\x0f\n\x07lengths\x18\x04 \x03(\x05\x12\r\n\x05\x62uilt\x18\x05 \x01(\x05\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x05\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\"N\n\x08StepCost\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\x12\x0f\n\x07threads\x18\x04 \x01(\x05\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/model.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\">\n\x07ProbRow\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"d\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_threads\"%\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\x05\"9\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x02 \x01(\x05\"\xfd\x01\n\x0eProposeRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08uniforms\x18\x05 \x03(\x01\x12\x16\n\x0e\x61ssumed_tokens\x18\x06 \x03(\x05\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_noise_seedB\n\n\x08_threads\"\xb0\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x02\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07threads\x18\x14 \x01(\x05\x12\x17\n\x0f\x66orward_seconds\x18\x15 \x01(\x01\"s\n\x12ProposalRowRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_token_id\"\x93\x02\n\x0cScoreRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x15\n\rappend_tokens\x18\x02 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11\x64raft_token_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x61\x63\x63\x65pt_uniforms\x18\x06 \x03(\x01\x12\x17\n\nnoise_seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x07threads\x18\x14 \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_noise_seedB\n\n\x08_threads\"\x82\x02\n\rScoreResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x18\x64raft_token_target_probs\x18\x02 \x03(\x02\x12\x14\n\x0crow_position\x18\x03 \x01(\x05\x12 \n\x03row\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ProbRow\x12\x0e\n\x06length\x18\x05 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\x05\x12\x15\n\rstep_sessions\x18\x08 \x01(\x05\x12\x0f\n\x07threads\x18\x14 \x01(\x05\x12\x17\n\x0f\x66orward_seconds\x18\x15 \x01(\x01\"K\n\rAppendRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"8\n\x0fRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tto_length\x18\x02 \x01(\x05\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"H\n\x0cSessionState\x12\x0e\n\x06length\x18\x01 \x01(\x05\x12\x15\n\rcached_length\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x15\n\ropen_sessions\x18\t \x01(\x05\x12\x11\n\tkv_tokens\x18\n \x01(\x05\x12\x0c\n\x04\x63pus\x18\x14 \x03(\x05\x12\x0f\n\x07threads\x18\x15 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x16 \x01(\t\x12(\n\nstep_costs\x18\x17 \x03(\x0b\x32\x14.specdec.v1.StepCost\x12\x0f\n\x07machine\x18\x18 \x01(\t\x12\x33\n\x0fstatic_forwards\x18\x1e \x01(\x0b\x32\x1a.specdec.v1.StaticForwards\x12\x1a\n\x12\x62uilds_after_ready\x18\x1f \x01(\x05\"\xa3\x01\n\x0eStaticForwards\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x03(\x05\x12\x0e\n\x06widths\x18\x03 \x03(\x05\x12\x0f\n\x07lengths\x18\x04 \x03(\x05\x12\r\n\x05\x62uilt\x18\x05 \x01(\x05\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\r\n\x05slots\x18\x07 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\x05\x12\x10\n\x08kv_bytes\x18\t \x01(\x03\"N\n\x08StepCost\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\x12\x0f\n\x07threads\x18\x04 \x01(\x05\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"@\n\x14GetTokenizerResponse\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TokenizerFile\"\x07\n\x05\x45mpty2\x86\x05\n\x0c\x44raftService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x0bProposalRow\x12\x1e.specdec.v1.ProposalRowRequest\x1a\x13.specdec.v1.ProbRow\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponse2\xbd\x04\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12<\n\x05Score\x12\x18.specdec.v1.ScoreRequest\x1a\x19.specdec.v1.ScoreResponse\x12=\n\x06\x41ppend\x12\x19.specdec.v1.AppendRequest\x1a\x18.specdec.v1.SessionState\x12\x41\n\x08Rollback\x12\x1b.specdec.v1.RollbackRequest\x1a\x18.specdec.v1.SessionState\x12\x45\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x18.specdec.v1.SessionState\x12\x42\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a\x11.specdec.v1.Empty\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12Q\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a .specdec.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,41 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=423
   _globals['_PROPOSEREQUEST']._serialized_end=676
   _globals['_PROPOSERESPONSE']._serialized_start=679
-  _globals['_PROPOSERESPONSE']._serialized_end=830
-  _globals['_PROPOSALROWREQUEST']._serialized_start=832
-  _globals['_PROPOSALROWREQUEST']._serialized_end=947
-  _globals['_SCOREREQUEST']._serialized_start=950
-  _globals['_SCOREREQUEST']._serialized_end=1225
-  _globals['_SCORERESPONSE']._serialized_start=1228
-  _globals['_SCORERESPONSE']._serialized_end=1461
-  _globals['_APPENDREQUEST']._serialized_start=1463
-  _globals['_APPENDREQUEST']._serialized_end=1538
-  _globals['_ROLLBACKREQUEST']._serialized_start=1540
-  _globals['_ROLLBACKREQUEST']._serialized_end=1596
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1598
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1639
-  _globals['_GETSESSIONREQUEST']._serialized_start=1641
-  _globals['_GETSESSIONREQUEST']._serialized_end=1680
-  _globals['_SESSIONSTATE']._serialized_start=1682
-  _globals['_SESSIONSTATE']._serialized_end=1754
-  _globals['_DESCRIBEREQUEST']._serialized_start=1756
-  _globals['_DESCRIBEREQUEST']._serialized_end=1773
-  _globals['_MODELINFO']._serialized_start=1776
-  _globals['_MODELINFO']._serialized_end=2172
-  _globals['_STATICFORWARDS']._serialized_start=2175
-  _globals['_STATICFORWARDS']._serialized_end=2338
-  _globals['_STEPCOST']._serialized_start=2340
-  _globals['_STEPCOST']._serialized_end=2418
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2420
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2441
-  _globals['_TOKENIZERFILE']._serialized_start=2443
-  _globals['_TOKENIZERFILE']._serialized_end=2489
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2491
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2555
-  _globals['_EMPTY']._serialized_start=2557
-  _globals['_EMPTY']._serialized_end=2564
-  _globals['_DRAFTSERVICE']._serialized_start=2567
-  _globals['_DRAFTSERVICE']._serialized_end=3213
-  _globals['_TARGETSERVICE']._serialized_start=3216
-  _globals['_TARGETSERVICE']._serialized_end=3789
+  _globals['_PROPOSERESPONSE']._serialized_end=855
+  _globals['_PROPOSALROWREQUEST']._serialized_start=857
+  _globals['_PROPOSALROWREQUEST']._serialized_end=972
+  _globals['_SCOREREQUEST']._serialized_start=975
+  _globals['_SCOREREQUEST']._serialized_end=1250
+  _globals['_SCORERESPONSE']._serialized_start=1253
+  _globals['_SCORERESPONSE']._serialized_end=1511
+  _globals['_APPENDREQUEST']._serialized_start=1513
+  _globals['_APPENDREQUEST']._serialized_end=1588
+  _globals['_ROLLBACKREQUEST']._serialized_start=1590
+  _globals['_ROLLBACKREQUEST']._serialized_end=1646
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1648
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1689
+  _globals['_GETSESSIONREQUEST']._serialized_start=1691
+  _globals['_GETSESSIONREQUEST']._serialized_end=1730
+  _globals['_SESSIONSTATE']._serialized_start=1732
+  _globals['_SESSIONSTATE']._serialized_end=1804
+  _globals['_DESCRIBEREQUEST']._serialized_start=1806
+  _globals['_DESCRIBEREQUEST']._serialized_end=1823
+  _globals['_MODELINFO']._serialized_start=1826
+  _globals['_MODELINFO']._serialized_end=2222
+  _globals['_STATICFORWARDS']._serialized_start=2225
+  _globals['_STATICFORWARDS']._serialized_end=2388
+  _globals['_STEPCOST']._serialized_start=2390
+  _globals['_STEPCOST']._serialized_end=2468
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2470
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2491
+  _globals['_TOKENIZERFILE']._serialized_start=2493
+  _globals['_TOKENIZERFILE']._serialized_end=2539
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2541
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2605
+  _globals['_EMPTY']._serialized_start=2607
+  _globals['_EMPTY']._serialized_end=2614
+  _globals['_DRAFTSERVICE']._serialized_start=2617
+  _globals['_DRAFTSERVICE']._serialized_end=3263
+  _globals['_TARGETSERVICE']._serialized_start=3266
+  _globals['_TARGETSERVICE']._serialized_end=3839
 # @@protoc_insertion_point(module_scope)
