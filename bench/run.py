@@ -74,6 +74,7 @@ class BenchConfig:
     hf_baselines: bool = True
     hf_static: bool | None = None  # the hf-static rows (and the baseline); None: for a CUDA target
     overlap: tuple[bool, ...] = (True, False)  # overlapped rounds (specdec), sequential (specdec-seq)
+    trees: tuple[int, ...] = ()  # draft trees' node budgets: specdec-tree rows, per fixed k (the depth)
     draft_placement: Placement = field(default_factory=Placement)  # default: LocalPipeline's split
     target_placement: Placement = field(default_factory=Placement)
     timeline: bool = True
@@ -132,14 +133,18 @@ def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: 
 
 
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
-def _specdec_generate(stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True) -> dict:
+def _specdec_generate(
+    stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0
+) -> dict:
     from specdec.v1 import model_pb2, orchestrator_pb2
 
     spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap)
     if k == "adaptive":
         spec.lookahead, spec.adaptive = max(config.ks), True
     elif k != "-":
-        spec.lookahead = int(k)
+        spec.lookahead = int(k.split("/")[0])  # a tree's row: "depth/nodes"
+    if tree_nodes:
+        spec.tree_nodes = tree_nodes
     request = orchestrator_pb2.GenerateRequest(
         token_ids=orchestrator_pb2.TokenIds(ids=ids),
         max_new_tokens=config.max_tokens,
@@ -262,6 +267,11 @@ def run(config: BenchConfig) -> dict:
             for overlap in config.overlap:
                 method = "specdec" if overlap else "specdec-seq"
                 plan += [((method, drafter, t, k), drafter, {"overlap": overlap}) for k in ks]
+            # A tree of n nodes and depth k beside the chains (its rounds are sequential).
+            extra = [{"overlap": False, "tree_nodes": n} for n in config.trees]
+            plan += [
+                (("specdec-tree", drafter, t, f"{k}/{x['tree_nodes']}"), drafter, x) for k in config.ks for x in extra
+            ]
 
     rows = {key: Row(*key) for key, _, _ in plan}
     bar = tqdm(total=len(plan) * len(prompt_ids) * config.repeats, desc="bench", unit="gen", dynamic_ncols=True)
@@ -454,6 +464,7 @@ def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = Non
                 entry[key] = row.median(key)
         if row.method in ("specdec", "specdec-seq", "specdec-off"):
             entry["round_tokens_per_second"] = row.median("round_tokens_per_second")
+        if row.method.startswith("specdec"):
             entry["time"] = {key: row.median(key) for key in TIME_KEYS}
         seq = rows.get(("specdec-seq", row.drafter, row.temperature, row.k))
         if row.method == "specdec" and seq is not None:  # overlapped over sequential rounds, paired

@@ -36,6 +36,13 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--drafters", default="model,ngram,llamacpp", help="comma list of model, ngram, llamacpp")
     b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")
+    b.add_argument(
+        "--trees",
+        default="",
+        metavar="NODES",
+        help="comma list of draft trees' node budgets: specdec-tree rows (k = depth/nodes), one a fixed k, beside the "
+        "chains (default: none)",
+    )
     b.add_argument("--temperatures", default="0,0.7", help="comma list (default 0,0.7)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
     b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
@@ -124,6 +131,7 @@ def bench(args) -> int:
         drafters=tuple(d for d in args.drafters.split(",") if d),
         ks=tuple(int(k) for k in floats(args.ks)),
         adaptive=not args.no_adaptive,
+        trees=tuple(int(n) for n in floats(args.trees)),
         temperatures=floats(args.temperatures),
         max_tokens=args.max_tokens,
         repeats=args.repeats,

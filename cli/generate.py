@@ -33,6 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
     options.add_overlap_flag(g, client=True)
     options.add_rule_flag(g, client=True)
+    options.add_tree_flag(g, client=True)
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
@@ -74,6 +75,8 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
         speculation.overlap = False
     if args.rule is not None:
         speculation.rule = orchestrator_pb2.Rule.Value(f"RULE_{args.rule.upper()}")
+    if args.tree is not None:
+        speculation.tree_nodes = args.tree
     return orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=not args.raw,

@@ -169,6 +169,20 @@ def add_rule_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
     )
 
 
+def add_tree_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
+    whose = "this request" if client else "requests that do not say (speculation.tree_nodes)"
+    p.add_argument(
+        "--tree",
+        type=int,
+        metavar="NODES",
+        default=None if client else 0,
+        help=f"draft trees for {whose}: each round the draft proposes up to NODES tokens (1.."
+        f"{validation.MAX_TREE_NODES}), a spine of --lookahead steps and its most probable runners-up, and "
+        "the target verifies them in one forward; sequential rounds; the target must be a transformers model "
+        + ("(default: the server's, chains unless it was started with --tree)" if client else "(default 0: chains)"),
+    )
+
+
 def add_overlap_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
     whose = "this request" if client else "requests that do not say (speculation.overlap)"
     p.add_argument(

@@ -91,6 +91,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_limit_flags(up, "all")
     options.add_overlap_flag(up)
     options.add_rule_flag(up)
+    options.add_tree_flag(up)
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
@@ -156,6 +157,7 @@ def cmd_up(args) -> int:
             admission=options.admission_limits(args),
             overlap=not args.no_overlap,
             rule=args.rule,
+            tree_nodes=args.tree,
             http_port=args.http_port,
         ),
         orchestrator_cpus=args.orchestrator_cpus,

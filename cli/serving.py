@@ -32,6 +32,7 @@ def add_serve_parser(sub) -> None:
     options.add_http_flag(s)
     options.add_overlap_flag(s)
     options.add_rule_flag(s)
+    options.add_tree_flag(s)
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
     options.add_limit_flags(s, "serve")
@@ -64,6 +65,7 @@ def add_orchestrator_parser(sub) -> None:
     options.add_http_flag(o)
     options.add_overlap_flag(o)
     options.add_rule_flag(o)
+    options.add_tree_flag(o)
     options.add_server_security_flags(o)
     options.add_client_security_flags(o, "service-", "the model services")
     options.add_limit_flags(o, "orchestrator")
@@ -95,7 +97,7 @@ def orchestrator(args) -> int:
     from deploy import hosting  # the orchestrator imports transformers for its tokenizer
 
     config = OrchestratorConfig(
-        admission=admission, overlap=not args.no_overlap, rule=args.rule, http_port=args.http_port
+        admission=admission, overlap=not args.no_overlap, rule=args.rule, tree_nodes=args.tree, http_port=args.http_port
     )
     orchestrator = hosting.start_orchestrator(
         args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
@@ -128,6 +130,7 @@ def serve(args) -> int:
         http_port=args.http_port,
         overlap=not args.no_overlap,
         rule=args.rule,
+        tree_nodes=args.tree,
         session_limits=options.session_limits(args),
         admission=options.admission_limits(args),
         drain_timeout=args.drain_timeout,

@@ -12,6 +12,7 @@ from draft_service import METHODS as DRAFTERS
 from orchestrator import RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
 from specdec.models import ALIASES, DEFAULT_ALIAS, GROWN_ALIASES, ModelSpec
+from specdec.validation import MAX_TREE_NODES
 
 ROLES = ("draft", "target")
 BACKENDS = ("torch", "llamacpp")  # what runs a target model (deploy.hosting.target_backend)
@@ -72,8 +73,11 @@ class OrchestratorConfig:
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
     overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset
     rule: str = "leviathan"  # the sampling rule of requests that leave speculation.rule unset (RULES)
+    tree_nodes: int = 0  # draft trees for requests that leave speculation.tree_nodes unset; 0: chains
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port
 
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
+        if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"--tree must be in 0..{MAX_TREE_NODES}, got {self.tree_nodes}")

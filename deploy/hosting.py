@@ -125,7 +125,7 @@ def start_orchestrator(
         security,
         telemetry=telemetry,
         admission=config.admission,
-        defaults=RequestDefaults(config.overlap, config.rule),
+        defaults=RequestDefaults(config.overlap, config.rule, config.tree_nodes),
     )
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:

@@ -89,6 +89,7 @@ class PipelineConfig:
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
     rule: str = "leviathan"  # ... and speculation.rule
+    tree_nodes: int = 0  # ... and speculation.tree_nodes
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
     target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
@@ -158,7 +159,7 @@ class LocalPipeline:
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + ([] if cfg.overlap else ["--no-overlap"])
-                + ["--rule", cfg.rule],
+                + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)],
             )
             self._wait("orchestrator")
         except BaseException:

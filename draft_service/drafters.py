@@ -24,10 +24,12 @@ class Drafter:
     propose: Callable
     # (session, position, token id or None) -> [vocab] draft distribution of the last proposal
     proposal_row: Callable
+    # (engine, session, depth, nodes, params, uniforms, noise_seed) -> proposer.TreeProposal
+    propose_tree: Callable
 
 
-MODEL = Drafter(proposer.propose, proposer.proposal_row)
-NGRAM = Drafter(ngram.propose, proposer.proposal_row)
+MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree)
+NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 
 def make(method: str, spec, compile: bool | None = None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from draft_service.proposer import TreeProposal
 from specdec.engine import Session, SessionEngine
 from specdec.sampling import SamplingParams
 
@@ -94,3 +95,17 @@ class TokenizerBackend:
         from specdec.backend import vocab_digest
 
         return vocab_digest(self.tokenizer)
+
+
+def propose_tree(
+    engine: SessionEngine, session: Session, depth: int, nodes: int, params, uniforms, noise_seed=None, _=()
+):
+    """n-gram lookup cannot branch: its tree is the chain it finds (at most min(depth, nodes)
+    tokens), each a point mass, its rows one-hot (sampling)."""
+    drafts = lookup(session.tokens, min(depth, nodes))
+    proposal = TreeProposal(drafts, list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
+    if drafts and not params.greedy and noise_seed is None:
+        rows = torch.zeros(len(drafts), engine.backend.vocab_size)
+        rows[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+        proposal.rows = dict(zip(range(-1, len(drafts) - 1), rows, strict=True))
+    return proposal

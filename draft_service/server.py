@@ -45,20 +45,32 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
             extra = len(request.assumed_tokens) + request.k
             what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
             self.engine.open_round(session, request.append_tokens, extra, what)
-            proposal = self.drafter.propose(
-                self.engine,
-                session,
-                request.k,
-                SamplingParams.from_proto(request.sampling),
-                list(request.uniforms),
-                list(request.assumed_tokens),
-                request.noise_seed if request.HasField("noise_seed") else None,
-            )
+            params = SamplingParams.from_proto(request.sampling)
+            noise_seed = request.noise_seed if request.HasField("noise_seed") else None
+            if request.tree_nodes:
+                proposal = self.drafter.propose_tree(
+                    self.engine,
+                    session,
+                    request.k,
+                    request.tree_nodes,
+                    params,
+                    list(request.uniforms),
+                    noise_seed,
+                    list(request.tree_acceptance),
+                )
+            else:
+                proposal = self.drafter.propose(
+                    self.engine,
+                    session,
+                    request.k,
+                    params,
+                    list(request.uniforms),
+                    list(request.assumed_tokens),
+                    noise_seed,
+                )
             steps: list = []  # the forwards of the proposal, as they ran (batched with others')
-            tokens, probs = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
-            return model_pb2.ProposeResponse(
-                token_ids=tokens,
-                token_probs=probs,
+            result = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
+            response = model_pb2.ProposeResponse(
                 length=len(session.tokens),
                 # less its waits for the other service's steps on shared cores: not its compute
                 compute_seconds=time.perf_counter() - start - sum(f.waited for f in steps),
@@ -67,6 +79,15 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 threads=min((f.step_threads for f in steps), default=0),
                 forward_seconds=sum(f.seconds for f in steps),
             )
+            if request.tree_nodes:
+                response.token_ids[:], response.token_probs[:] = result.tokens, result.probs
+                response.parent_ids[:] = result.parents
+                for node, row in sorted(result.rows.items()):
+                    response.row_nodes.append(node)
+                    response.node_rows.append(wire.encode_row(row.float().cpu().numpy()))
+            else:
+                response.token_ids[:], response.token_probs[:] = result
+            return response
 
         threads = request.threads if request.HasField("threads") else None
         return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)

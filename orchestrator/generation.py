@@ -16,6 +16,7 @@ from pathlib import Path
 
 from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.trees import TreeAcceptance
 from specdec import validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
 from specdec.sampling import SamplingParams
@@ -47,6 +48,9 @@ class ModelPair:
     model_name: str = ""  # the target's, as it describes itself (what GET /v1/models lists)
     # What adaptive lookahead has measured of this pair, shared by the generations on it.
     costs: PairCosts = field(default_factory=PairCosts, compare=False)
+    tree_verify: bool = False  # the target verifies draft trees (ModelInfo.tree_verify)
+    # How the pair's tree children are accepted, shared by the generations on it (orchestrator.trees).
+    trees: TreeAcceptance = field(default_factory=TreeAcceptance, compare=False)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class RequestDefaults:
 
     overlap: bool = True  # speculation.overlap
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
+    tree_nodes: int = 0  # speculation.tree_nodes (0: chains)
 
 
 # SpeculationParams.rule -> the loop's rule; RULE_UNSPECIFIED takes the orchestrator's default
@@ -143,9 +148,21 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         adaptive=spec.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else defaults.overlap,
         rule=_rule(spec.rule, defaults.rule),
+        tree_nodes=_tree_nodes(pair, spec, defaults.tree_nodes),
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
+
+
+def _tree_nodes(pair: ModelPair, spec, default: int) -> int:
+    nodes = spec.tree_nodes if spec.HasField("tree_nodes") else default
+    validation.tree_nodes(nodes, "speculation.tree_nodes")
+    if nodes and not pair.tree_verify and not spec.disabled:
+        raise FailedPrecondition(
+            "speculation.tree_nodes: the target service verifies chains only (a llama.cpp target); "
+            "leave tree_nodes unset or 0"
+        )
+    return nodes
 
 
 def _rule(value: int, default: str) -> str:
@@ -175,7 +192,7 @@ def generate(
     config = loop_config(pair, request, len(ids), defaults)
     stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
-    loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout, costs=pair.costs)
+    loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout, costs=pair.costs, trees=pair.trees)
     tok = pair.tokenizer
     emitted = 0  # characters of text already sent
     text = ""

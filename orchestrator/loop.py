@@ -47,11 +47,12 @@ import numpy as np
 
 from orchestrator import RULES
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
+from orchestrator.trees import TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
-from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
+from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_BRANCHES
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -100,6 +101,7 @@ class LoopConfig:
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     rule: str = "leviathan"  # one of RULES
+    tree_nodes: int = 0  # > 0: each round a draft tree of this many tokens at most, depth <= lookahead
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -184,6 +186,15 @@ class _Draws:
         n = lookahead + 1
         return cls(u[:lookahead], u[lookahead : lookahead + n], u[lookahead + n : lookahead + 2 * n], u[-1])
 
+    @classmethod
+    def draw_tree(cls, rng: np.random.Generator, lookahead: int, nodes: int, greedy: bool) -> _Draws:
+        """A tree round's: its children's draws (TREE_BRANCHES a depth), a test a node, the last token."""
+        if greedy:
+            return cls([], [], [], 0.0)
+        drawn = lookahead * TREE_BRANCHES
+        u = rng.random(drawn + nodes + 1).tolist()
+        return cls(u[:drawn], u[drawn:-1], [], u[-1])
+
 
 def _wait_quietly(future, timeout: float | None) -> None:
     """Let a continuation finish before the round's own error goes up (no request of the
@@ -213,10 +224,19 @@ class _Side:
 
 class SpeculativeLoop:
     def __init__(
-        self, draft, target, prompt: list[int], config: LoopConfig, timeout=None, costs: PairCosts | None = None
+        self,
+        draft,
+        target,
+        prompt: list[int],
+        config: LoopConfig,
+        timeout=None,
+        costs: PairCosts | None = None,
+        trees: TreeAcceptance | None = None,
     ):
         """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
-        the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own."""
+        the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
+        `trees`: how the pair's tree children are accepted (orchestrator.trees), likewise."""
+        self.trees = trees or TreeAcceptance()
         self.config = config
         self.prompt = list(prompt)
         self.session_id = uuid.uuid4().hex
@@ -227,7 +247,8 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
-        self.overlap = config.overlap and self.draft is not None
+        # A tree round is sequential: a continuation assumes one path accepted, a tree has many.
+        self.overlap = config.overlap and self.draft is not None and not config.tree_nodes
         self.costs = costs or PairCosts()
         self.policy = None
         if config.adaptive:
@@ -381,9 +402,14 @@ class SpeculativeLoop:
         else:
             k = min(wanted, remaining - 1)
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
+        if cfg.tree_nodes:
+            draws = _Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
+        else:
+            draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
         for reopens in itertools.count():
             try:
+                if cfg.tree_nodes and k > 0:
+                    return self._tree_round(k, draws, start)
                 return self._speculate(k, wanted, draws, start)
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
@@ -561,6 +587,67 @@ class SpeculativeLoop:
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit(committed, proposed=proposed, accepted=accepted)
+
+    def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
+        """A round over a draft tree (tree_nodes > 0): the draft proposes a tree of depth
+        `depth`, the target verifies it in one forward; greedy and the invariant rule walk it
+        here (rule.tree_greedy_path), the Leviathan rule on the target (rule.tree_walk)."""
+        cfg = self.config
+        proposal, draft_time = self._call(
+            self.draft.stub.Propose,
+            model_pb2.ProposeRequest(
+                session=self.draft.ref(self.session_id),
+                append_tokens=self.draft.pending,
+                k=depth,
+                sampling=self._sampling,
+                uniforms=draws.draft[: depth * TREE_BRANCHES],
+                noise_seed=cfg.noise_seed,
+                tree_nodes=cfg.tree_nodes,
+                tree_acceptance=self.trees.table(cfg.sampling.greedy),
+                threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
+            ),
+        )
+        self.draft.length, self.draft.pending = proposal.length, []
+        tokens, parents = list(proposal.token_ids), list(proposal.parent_ids)
+        if not tokens:  # a model-free drafter found nothing: a plain target step
+            self.stats.draft_seconds += draft_time
+            return self._speculate(0, 0, draws, start)
+        request = model_pb2.ScoreRequest(
+            session=self.target.ref(self.session_id),
+            append_tokens=self.target.pending,
+            draft_token_ids=tokens,
+            draft_parent_ids=parents,
+            sampling=self._sampling,
+            noise_seed=cfg.noise_seed,
+            threads=self._threads(self.target, concurrent=False),
+        )
+        if not cfg.coupled:  # the Leviathan rule: the target walks the tree with the draft's rows
+            request.draft_rows.extend(proposal.node_rows)
+            request.draft_row_nodes[:] = proposal.row_nodes
+            request.accept_uniforms[:] = draws.accept[: len(tokens)]
+            request.final_uniform = draws.final
+        scores, target_time = self._call(self.target.stub.Score, request)
+        self.target.length, self.target.pending = scores.length, []
+        if cfg.coupled:
+            path = rule.tree_greedy_path(parents, tokens, scores.argmax_token_ids)
+            last = scores.argmax_token_ids[path[-1] + 1 if path else 0]
+        else:
+            path, last = list(scores.accepted_nodes), scores.final_token
+            if any(parents[node] != (path[i - 1] if i else -1) for i, node in enumerate(path)):
+                raise SpecdecError(f"target returned {path}, not a path of the draft tree")
+        self.trees.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
+        with self._stats_lock:
+            self.stats.draft_seconds += draft_time
+            self.stats.target_seconds += target_time
+            self.stats.draft_compute_seconds += proposal.compute_seconds
+            self.stats.target_compute_seconds += scores.compute_seconds
+            self.stats.draft_forward_seconds += proposal.forward_seconds
+            self.stats.target_forward_seconds += scores.forward_seconds
+            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
+            self.stats.target_core_seconds += scores.forward_seconds * scores.threads
+            self.stats.drafted_tokens += len(tokens)
+        self.stats.round_seconds += time.perf_counter() - start
+        return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
 
     def _since_commit(self) -> float | None:
         """Seconds since the generation's last commit (or its target's open), if no prefill ran

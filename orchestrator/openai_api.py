@@ -43,6 +43,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+import orchestrator
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec import security
 from specdec.telemetry import Telemetry, disabled
@@ -78,6 +79,7 @@ PARAMS = {
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
     "speculation.lookahead": "speculation.lookahead",
+    "speculation.tree_nodes": "speculation.tree_nodes",
     "max_new_tokens": "max_tokens",
     "token_ids": "prompt",
     "prompt": "prompt",
@@ -221,11 +223,20 @@ def _set_prompt(request, prompt) -> None:
         raise APIError(400, "prompt must be a string or a list of token ids (one prompt)", "prompt")
 
 
+# speculation.rule over HTTP -> the gRPC enum
+RULES = {name: orchestrator_pb2.Rule.Value(f"RULE_{name.upper()}") for name in orchestrator.RULES}
+
+
 def _set_speculation(msg, value) -> None:
-    if not isinstance(value, dict) or set(value) - {"lookahead", "adaptive", "disabled"}:
-        raise APIError(400, "speculation takes lookahead, adaptive and disabled", "speculation")
-    if "lookahead" in value:
-        msg.lookahead = _integer(value, "lookahead", 0, 2**31 - 1, "speculation.")
+    if not isinstance(value, dict) or set(value) - {"lookahead", "adaptive", "disabled", "rule", "tree_nodes"}:
+        raise APIError(400, "speculation takes lookahead, adaptive, disabled, rule and tree_nodes", "speculation")
+    for name in ("lookahead", "tree_nodes"):
+        if name in value:
+            setattr(msg, name, _integer(value, name, 0, 2**31 - 1, "speculation."))
+    if "rule" in value:
+        if value["rule"] not in RULES:
+            raise APIError(400, f"speculation.rule must be one of {', '.join(RULES)}", "speculation.rule")
+        msg.rule = RULES[value["rule"]]
     for name in ("adaptive", "disabled"):
         if name in value:
             if not isinstance(value[name], bool):

@@ -68,6 +68,7 @@ def connect(
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
         costs=PairCosts(profile, sharing),
+        tree_verify=target_info.tree_verify,
     )
 
 

@@ -13,6 +13,10 @@ Optional, for a backend that batches across sessions (the model worker uses them
 - release(cache): the session ended; its cache may be reused
 - set_threads(n): the threads of the next forwards (called on the thread that runs them;
   specdec.placement.Cores)
+Optional, for a backend that verifies draft trees (`trees = True`; the engine sends them no other):
+- forward_batch(items, trees=[Tree | None per item]) (specdec.kvcache.Tree: the item's block
+  extends a tree of nodes, each attending to the chain and its ancestors)
+- compact(cache, keep, sources): keep `keep` positions, then positions `sources` after them
 The logits a forward returns are valid until the backend's next forward: a caller reads or
 copies them before (the llama.cpp backend returns views of llama.cpp's own buffer, no copy).
 """
@@ -31,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec import models
-from specdec.kvcache import PackedView, Slot, SlotCache, causal_mask
+from specdec.kvcache import PackedView, Slot, SlotCache, causal_mask, compact
 
 PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed forward runs (see HFBackend)
 PACKED_MODEL_TYPES = {"llama"}  # attention plain causal: no sliding window, soft-capping or sinks
@@ -55,6 +59,7 @@ class HFBackend:
     """
 
     kind = "torch"  # Describe's `backend`
+    trees = True  # verifies draft trees: a tree's rows run padded, under their ancestors' mask
 
     def __init__(self, spec: models.ModelSpec):
         self.spec = spec
@@ -91,17 +96,25 @@ class HFBackend:
     def forward(self, cache: Slot, token_ids: list[int], n_logits: int) -> torch.Tensor:
         return self.forward_batch([(cache, token_ids, n_logits)])[0]
 
-    def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
-        """One forward for several sessions' blocks: [n_logits, vocab] float32 logits each."""
+    def forward_batch(self, items: list[tuple[Slot, list[int], int]], trees=None) -> list[torch.Tensor]:
+        """One forward for several sessions' blocks: [n_logits, vocab] float32 logits each.
+        `trees`: a kvcache.Tree (or None) for each item."""
         with self._lock:  # one worker uses a backend; the lock only guards a shared one
-            return self._forward_batch(items)
+            return self._forward_batch(items, trees)
+
+    def compact(self, cache: Slot, keep: int, sources: list[int]) -> None:
+        with self._lock, torch.inference_mode():  # the cache's tensors are inference tensors
+            compact(self.kv, cache, keep, sources)
 
     @torch.inference_mode()
-    def _forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
+    def _forward_batch(self, items: list[tuple[Slot, list[int], int]], trees=None) -> list[torch.Tensor]:
         order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # consecutive slots: no gather
         rows = [items[i] for i in order]
         slots, blocks, wanted = (list(x) for x in zip(*rows, strict=True))
-        hidden = self._last_hidden(slots, blocks, wanted)
+        if trees is not None and any(tree is not None for tree in trees):
+            hidden = picked(self._hidden(slots, blocks, [trees[i] for i in order]), blocks, wanted)
+        else:
+            hidden = self._last_hidden(slots, blocks, wanted)
         logits = self.model.get_output_embeddings()(hidden).float()  # [sum n_logits, vocab]
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         start = 0
@@ -131,18 +144,29 @@ class HFBackend:
         at = torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), wanted, strict=True)])
         return hidden[at.to(self.device)]
 
-    def _hidden(self, slots: list[Slot], blocks: list[list[int]]) -> torch.Tensor:
+    def _hidden(self, slots: list[Slot], blocks: list[list[int]], trees=None) -> torch.Tensor:
         """A padded forward: the last hidden states of row b's block at columns
-        0..len(blocks[b]) - 1: [B, >= max width, hidden]. Writes the blocks' keys and values."""
+        0..len(blocks[b]) - 1: [B, >= max width, hidden]. Writes the blocks' keys and values.
+        A row with a tree (kvcache.Tree) takes its nodes' depths as positions, its ancestors as mask."""
         width = max(len(tokens) for tokens in blocks)
         view = self.kv.view(slots, width)
         ids = torch.zeros(len(blocks), width, dtype=torch.long)
         for b, tokens in enumerate(blocks):  # right-padded; a pad's outputs are never read
             ids[b, : len(tokens)] = torch.tensor(tokens)
+        mask = causal_mask(view.positions, view.kv_length, self.kv.dtype)
+        positions = view.positions
+        for b, tree in enumerate(trees or ()):
+            if tree is not None:
+                if positions is view.positions:
+                    positions = positions.clone()
+                rotary, visible = tree.row(slots[b].length, width, view.kv_length)
+                positions[b] = torch.tensor(rotary, device=self.device)
+                hidden_keys = ~visible.to(self.device)
+                mask[b, 0] = torch.zeros_like(mask[b, 0]).masked_fill(hidden_keys, torch.finfo(self.kv.dtype).min)
         return self.model.base_model(
             input_ids=ids.to(self.device),
-            attention_mask=causal_mask(view.positions, view.kv_length, self.kv.dtype),
-            position_ids=view.positions,
+            attention_mask=mask,
+            position_ids=positions,
             past_key_values=view,
             use_cache=True,
         ).last_hidden_state  # [B, width, hidden]

@@ -57,6 +57,7 @@ from specdec.errors import (
     OutOfRange,
     ResourceExhausted,
 )
+from specdec.kvcache import Tree
 from specdec.limits import KVBudget, SessionLimits
 from specdec.worker import Worker
 
@@ -86,6 +87,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     claimed: bool = False  # a request has used it since OpenSession
+    # The cache's positions from tree.floor on hold a draft tree (a target's verify), `cached`
+    # its nodes flattened; the next commit keeps the accepted path (kvcache.Tree, compact).
+    tree: Tree | None = None
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Forward:
     step_threads: int = 0  # ... the threads it ran with
     waited: float = 0.0  # ... the seconds it waited for the machine's core lock
     seconds: float = 0.0  # ... and the seconds of the batched forward (on a GPU: its launch)
+    tree: Tree | None = None  # the block extends a draft tree (forward_tree)
 
 
 class SessionEngine:
@@ -163,21 +168,25 @@ class SessionEngine:
     def _run_batch(self, forwards: list[Forward]) -> list[torch.Tensor]:
         batch = getattr(self.backend, "forward_batch", None)
         items = [(f.session.cache, f.tokens, f.n_logits) for f in forwards]
+        trees = [f.tree for f in forwards]
         threads, waited = 0, 0.0
         with contextlib.ExitStack() as stack:
             if self.cores is not None:
                 threads = self.cores.of(f.threads for f in forwards)
                 waited = stack.enter_context(self.cores.step(threads, self.backend))
             t0 = time.perf_counter()
-            if batch is not None:
-                logits = batch(items)
-            else:
+            if batch is None:
                 logits = [self.backend.forward(*item) for item in items]
+            elif any(trees):  # forward_tree sends trees only to a backend that verifies them
+                logits = batch(items, trees=trees)
+            else:
+                logits = batch(items)
             seconds = time.perf_counter() - t0
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
             f.step_threads, f.waited, f.seconds = threads, waited, seconds
+            f.session.tree = f.tree
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -279,6 +288,9 @@ class SessionEngine:
         self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
         agreed = _agreed(session)
         session.tokens.extend(token_ids)
+        if session.tree is not None:
+            self._settle_tree(session, keep_path=True)
+            agreed = len(session.cached)  # the path it kept is the committed tokens'
         keep = common_prefix(session.cached, session.tokens, agreed)
         if keep < len(session.tokens):  # else the cache holds them all: its tail past them stays
             self._crop(session, keep)
@@ -287,6 +299,7 @@ class SessionEngine:
         if not 1 <= to_length <= len(session.tokens):
             raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)} (the session length)")
         del session.tokens[to_length:]
+        self._settle_tree(session)
         self._crop(session, to_length - 1)  # the last one is fed again
 
     def forward(self, session: Session, speculative: list[int], n_logits: int) -> Forward:
@@ -296,6 +309,7 @@ class SessionEngine:
         Afterwards the cache holds tokens + speculative (a speculative tail that a later
         commit keeps where it matches and truncates where it does not).
         """
+        self._settle_tree(session)
         sequence = session.tokens + speculative
         self.reserve(session, len(sequence))
         # Keep what the cache holds of this sequence, short of the positions whose logits are
@@ -305,6 +319,37 @@ class SessionEngine:
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         return Forward(session, pending, n_logits, sequence, threads=session.threads)
+
+    def forward_tree(self, session: Session, tokens: list[int], parents: list[int]) -> Forward:
+        """What to feed so the cache holds the committed tokens and then a draft tree (tokens[i]
+        with parent parents[i], an index into tokens or -1), wanting the logits after the last
+        committed token and after each node ([n + 1, vocab]): a verify of a tree. The next
+        commit keeps the nodes of the path it commits (kvcache.compact)."""
+        if not getattr(self.backend, "trees", False):
+            raise FailedPrecondition("draft_parent_ids: this service's backend verifies chains only")
+        chain = self.forward(session, [], 1)  # the committed tokens not cached yet, the last one at least
+        floor = len(session.tokens)
+        self.reserve(session, floor + len(tokens), "append_tokens + draft_token_ids")
+        tree = Tree(floor, tuple(floor - 1 if parent < 0 else floor + parent for parent in parents))
+        return Forward(session, chain.tokens + list(tokens), len(tokens) + 1, session.tokens + list(tokens), tree=tree)
+
+    def _settle_tree(self, session: Session, keep_path: bool = False) -> None:
+        """A cached draft tree becomes a chain again: with `keep_path`, its nodes along the
+        committed tokens past its floor move to the positions after the floor (the rest go);
+        otherwise it is dropped."""
+        tree, session.tree = session.tree, None
+        if tree is None:
+            return
+        path, node = [], tree.floor - 1
+        for token in session.tokens[tree.floor :] if keep_path else ():
+            children = [tree.floor + i for i, parent in enumerate(tree.parents) if parent == node]
+            match = [c for c in children if session.cached[c] == token]
+            if not match:
+                break
+            node = match[0]
+            path.append(node)
+        self.backend.compact(session.cache, tree.floor, path)
+        session.cached = session.cached[: tree.floor] + [session.cached[c] for c in path]
 
     def _crop(self, session: Session, keep: int) -> None:
         if keep < len(session.cached):

@@ -126,6 +126,54 @@ class SlotCache:
         return BatchView(self, slots, width)
 
 
+@dataclass(frozen=True)
+class Tree:
+    """A slot whose positions from `floor` on hold a draft tree, not a chain: position floor + i
+    is a node whose parent is position parents[i] (floor - 1: the node follows the chain before
+    the tree). A node attends to the chain and to its ancestors, and takes the rotary position of
+    its depth (its parent's + 1); its keys and values sit at its own position in the slot, until
+    `compact` moves the accepted path's to consecutive ones."""
+
+    floor: int
+    parents: tuple[int, ...]
+
+    def row(self, start: int, width: int, kv_length: int) -> tuple[list[int], torch.Tensor]:
+        """For a block written at start..start + width - 1: each position's rotary position and
+        which of positions 0..kv_length - 1 it sees ([width, kv_length] bool). Positions below
+        the floor, or past the tree (a pad's), are causal."""
+        rotary: dict[int, int] = {}
+
+        def depth(position: int) -> int:
+            if position < self.floor or position >= self.floor + len(self.parents):
+                return position
+            if position not in rotary:
+                rotary[position] = depth(self.parents[position - self.floor]) + 1
+            return rotary[position]
+
+        visible = torch.zeros(width, kv_length, dtype=torch.bool)
+        for t in range(width):
+            position = start + t
+            if position < self.floor or position >= self.floor + len(self.parents):
+                visible[t, : position + 1] = True
+                continue
+            visible[t, : self.floor] = True
+            node = position
+            while node >= self.floor:
+                visible[t, node] = True
+                node = self.parents[node - self.floor]
+        return [depth(start + t) for t in range(width)], visible
+
+
+def compact(cache: SlotCache, slot: Slot, keep: int, sources: list[int]) -> None:
+    """Keep a slot's first `keep` positions, then the keys and values of positions `sources` (in
+    that order: an accepted path of a tree) at keep, keep + 1, ...: one gather a layer."""
+    if sources and sources != list(range(keep, keep + len(sources))):
+        at = torch.tensor(sources, device=cache.device)
+        for store in (*cache.keys, *cache.values):
+            store[slot.index, :, keep : keep + len(sources)] = store[slot.index, :, at]
+    slot.length = keep + len(sources)
+
+
 def causal_mask(positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive attention mask of a batched forward: [B, 1, width, kv_length], 0 where row
     b's query at positions[b, t] may see key j (j <= its position), the dtype's minimum elsewhere."""

@@ -176,3 +176,96 @@ def coupled_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> list
         rows = zip(probs, keys, strict=True)
         return [int(torch.argmax(row.double() / exponentials(key, tokens))) for row, key in rows]
     return torch.argmax(probs.double() / exponentials(keys[:, None], tokens[None]), dim=1).tolist()
+
+
+def coupled_ranking(probs: torch.Tensor, seed: int, position: int, k: int) -> list[int]:
+    """A row's k best tokens under the noise of (seed, position), best first (those with mass):
+    the first is coupled_tokens' sample, the others the invariant rule's runners-up, which a
+    draft tree offers as siblings. probs: [vocab]."""
+    key = torch.tensor(_signed(noise_key(seed, position)), device=probs.device)
+    scores = probs.double() / exponentials(key, torch.arange(probs.shape[-1], device=probs.device))
+    top = torch.topk(scores, min(k, probs.shape[-1]))
+    return [int(t) for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True) if s > 0]
+
+
+# -- draft trees ---------------------------------------------------------------------------------
+# A tree of n draft nodes: tokens[i] and parents[i] (-1: the node follows the committed tokens,
+# else an earlier node's index). Rows of the target (and of the draft) are indexed by node + 1:
+# row 0 is the root (the law of the token after the committed ones), row i + 1 the law after node
+# i. A node's children are the nodes whose parent it is, in index order: the order the draft drew
+# them in. A chain is a tree of one branch, and these reduce to the chain rule above on it.
+
+
+def tree_children(parents) -> dict[int, list[int]]:
+    """Each node's children in index order; key -1 is the root."""
+    out: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        assert -1 <= parent < i, (i, parent)  # parents come before their children
+        out.setdefault(int(parent), []).append(i)
+    return out
+
+
+def tree_greedy_path(parents, tokens, target_tokens) -> list[int]:
+    """The accepted nodes: from the root, the child whose token is the target's token at its
+    parent, while there is one. target_tokens: [n + 1] the target's token at the root and after
+    each node (its argmax, or under the invariant rule its Gumbel-max sample). The round commits
+    those nodes' tokens, then target_tokens[1 + path[-1]] (target_tokens[0] for an empty path)."""
+    kids, path, node = tree_children(parents), [], -1
+    while True:
+        match = [c for c in kids.get(node, ()) if tokens[c] == target_tokens[node + 1]]
+        if not match:
+            return path
+        node = match[0]  # a node's children are distinct tokens
+        path.append(node)
+
+
+def tree_walk(parents, tokens, target_rows, draft_rows, accept_uniforms, final_uniform: float) -> tuple[list[int], int]:
+    """Recursive rejection sampling down a draft tree (SpecInfer; Sequoia): (accepted nodes, the
+    round's last token). At a node, its children are tried in order: child x is accepted with
+    min(1, target(x) / draft(x)); on a rejection the target's row becomes the residual
+    norm(max(0, target - draft)) and x leaves the draft's row (the children were drawn from it
+    without replacement), then the next child is tried; past the last, the token is sampled from
+    the residual. An accepted child becomes the node; a node without children ends the path with
+    a bonus token from its target row. The output law is the target's.
+
+    target_rows: [n + 1, vocab] (row 0 the root's); draft_rows: {node: [vocab]} for the root (-1)
+    and every node with children, the row its children were drawn from; accept_uniforms: [n], the
+    uniform that tests node i; final_uniform: the last token's."""
+    kids, path, node = tree_children(parents), [], -1
+    while True:
+        target = np.asarray(target_rows[node + 1], dtype=np.float64)
+        target = target / target.sum()
+        children = kids.get(node, [])
+        if children:
+            draft = np.asarray(draft_rows[node], dtype=np.float64)
+            draft = draft / draft.sum()
+        accepted = None
+        for child in children:
+            x = tokens[child]
+            if accept_uniforms[child] * draft[x] <= target[x]:
+                accepted = child
+                break
+            target = residual(target, draft)
+            draft = draft.copy()
+            draft[x] = 0.0
+            if not draft.sum() > 0:
+                break
+            draft /= draft.sum()
+        if accepted is None:
+            return path, sample(target, final_uniform)
+        path.append(accepted)
+        node = accepted
+
+
+def draw_without_replacement(probs, uniforms) -> list[int]:
+    """Tokens drawn one by one from `probs` without replacement (each with its uniform), until the
+    uniforms or the mass run out: the order a draft tree's children are tried in (tree_walk)."""
+    row = np.array(probs, dtype=np.float64)
+    out = []
+    for u in uniforms:
+        if not row.sum() > 0:
+            break
+        token = sample(row, u)
+        out.append(token)
+        row[token] = 0.0
+    return out

@@ -258,6 +258,7 @@ class SessionServicer:
             ],
             static_forwards=static_forwards(getattr(backend, "built", None)),
             builds_after_ready=getattr(backend, "builds_after_ready", 0),
+            tree_verify=self.engine.role == "target" and getattr(backend, "trees", False),
         )
 
     def GetTokenizer(self, request, context):

@@ -528,7 +528,7 @@ class _ObservedBackend:
         self._instruments.forward_tokens.add(len(token_ids), self._attrs)
         return logits
 
-    def forward_batch(self, items):
+    def forward_batch(self, items, **trees):
         """One span for a batched forward of several sessions (specdec.backend), in the trace of
         the first session's request (the model worker runs it in that request's context)."""
         tokens = sum(len(ids) for _, ids, _ in items)
@@ -536,7 +536,7 @@ class _ObservedBackend:
         with self._tracer.start_as_current_span("specdec.forward", attributes=attributes):
             t0 = time.perf_counter()
             batch = getattr(self._backend, "forward_batch", None)
-            logits = batch(items) if batch else [self._backend.forward(*item) for item in items]
+            logits = batch(items, **trees) if batch else [self._backend.forward(*item) for item in items]
             self._instruments.forward_duration.record(time.perf_counter() - t0, self._attrs)
         self._instruments.forward_tokens.add(tokens, self._attrs)
         return logits

@@ -17,6 +17,9 @@ from specdec.errors import InvalidArgument
 
 MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
 DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
+MAX_TREE_NODES = 64  # tokens of a draft tree
+TREE_BRANCHES = 4  # children a draft tree's spine node may have (draws a depth, in sampling mode)
+TREE_BUCKETS = 5  # draft-probability buckets of ProposeRequest.tree_acceptance
 
 
 def sampling(msg, field: str = "sampling") -> None:
@@ -70,6 +73,11 @@ def threads(request) -> None:
         raise InvalidArgument(f"threads must be >= 1 when set, got {request.threads}")
 
 
+def tree_nodes(n: int, field: str) -> None:
+    if not 0 <= n <= MAX_TREE_NODES:
+        raise InvalidArgument(f"{field} must be in 0..{MAX_TREE_NODES} (0: a chain), got {n}")
+
+
 def propose_request(request, vocab_size: int) -> None:
     """DraftService.Propose, before the session is touched."""
     lookahead(request.k, "k")
@@ -77,9 +85,33 @@ def propose_request(request, vocab_size: int) -> None:
     sampling(request.sampling)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.assumed_tokens, vocab_size, "assumed_tokens")
+    tree_nodes(request.tree_nodes, "tree_nodes")
+    if request.tree_nodes and request.assumed_tokens:
+        raise InvalidArgument("assumed_tokens: a tree is proposed after the committed tokens only")
+    if request.tree_acceptance:
+        probabilities(request.tree_acceptance, TREE_BRANCHES * TREE_BUCKETS, "tree_acceptance")
     if request.sampling.temperature > 0:
-        # The invariant rule draws nothing: its noise comes from noise_seed.
-        uniforms(request.uniforms, 0 if request.HasField("noise_seed") else request.k, "uniforms")
+        # The invariant rule draws nothing: its noise comes from noise_seed. A tree draws its
+        # children: TREE_BRANCHES a depth.
+        count = request.k * (TREE_BRANCHES if request.tree_nodes else 1)
+        uniforms(request.uniforms, 0 if request.HasField("noise_seed") else count, "uniforms")
+
+
+def tree(parents: Sequence[int], tokens: Sequence[int], field: str) -> set[int]:
+    """A draft tree's parents: one a token, each an earlier index or -1, siblings distinct tokens;
+    returns the nodes that have children (-1: the root)."""
+    if len(parents) != len(tokens):
+        raise InvalidArgument(f"{field}: needs {len(tokens)} entries (one a draft token), got {len(parents)}")
+    if len(tokens) > MAX_TREE_NODES:
+        raise InvalidArgument(f"{field}: a tree holds at most {MAX_TREE_NODES} tokens, got {len(tokens)}")
+    seen: set[tuple[int, int]] = set()
+    for i, (parent, token) in enumerate(zip(parents, tokens, strict=True)):
+        if not -1 <= parent < i:
+            raise InvalidArgument(f"{field}[{i}]: a parent is -1 or an earlier index, got {parent}")
+        if (parent, token) in seen:
+            raise InvalidArgument(f"{field}[{i}]: token {token} is already a child of {parent}")
+        seen.add((parent, token))
+    return {parent for parent, _ in seen}
 
 
 def score_request(request, vocab_size: int) -> None:
@@ -88,7 +120,29 @@ def score_request(request, vocab_size: int) -> None:
     threads(request)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
+    if request.draft_parent_ids:
+        score_tree(request, vocab_size)
+        return
     if request.sampling.temperature > 0:
         k = 0 if request.HasField("noise_seed") else len(request.draft_token_ids)  # invariant: ids only
         probabilities(request.draft_token_probs, k, "draft_token_probs")
         uniforms(request.accept_uniforms, k, "accept_uniforms")
+
+
+def score_tree(request, vocab_size: int) -> None:
+    """A Score of a draft tree: its shape, and for the Leviathan rule its rows and uniforms."""
+    internal = tree(request.draft_parent_ids, request.draft_token_ids, "draft_parent_ids")
+    if request.sampling.temperature > 0 and not request.HasField("noise_seed"):
+        n = len(request.draft_token_ids)
+        uniforms(request.accept_uniforms, n, "accept_uniforms")
+        if not (request.HasField("final_uniform") and 0.0 <= request.final_uniform < 1.0):
+            raise InvalidArgument("final_uniform: a tree's last token needs a uniform in [0, 1)")
+        nodes = list(request.draft_row_nodes)
+        if len(nodes) != len(request.draft_rows) or set(nodes) != internal or len(set(nodes)) != len(nodes):
+            raise InvalidArgument(
+                f"draft_rows: one row for the root (-1) and each node with children, {sorted(internal)}; "
+                f"got rows for {nodes}"
+            )
+        bad = [r.vocab_size for r in request.draft_rows if r.vocab_size != vocab_size]
+        if bad:
+            raise InvalidArgument(f"draft_rows: a row over {bad[0]} tokens, the vocabulary has {vocab_size}")

@@ -1,4 +1,5 @@
-"""Scoring: [last committed token, drafts...] in one forward pass, k + 1 positions.
+"""Scoring: [last committed token, drafts...] in one forward pass, k + 1 positions; or the
+last committed token and a draft tree, each node attending to its ancestors (score_tree).
 
 Scoring runs on the engine's model worker, batched with other sessions' forwards.
 Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the target
@@ -10,13 +11,14 @@ returns the row at the first rejected position (or the bonus row).
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from specdec import rule
 from specdec.engine import Forward, Session, SessionEngine
+from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams, probs_from_logits
 
 
@@ -31,6 +33,8 @@ class Scores:
     step_threads: int = 0  # the threads it ran with (0: the process's)
     waited: float = 0.0  # seconds it waited for the machine's core lock
     forward_seconds: float = 0.0  # seconds of the batched forward
+    accepted_nodes: list[int] = field(default_factory=list)  # a tree, Leviathan: the accepted path
+    final_token: int = 0  # ... and the round's last token
 
 
 def score(
@@ -61,3 +65,55 @@ def score(
     at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
     n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
     return Scores([], at, n, probs[n].cpu().numpy(), *step)
+
+
+@dataclass(frozen=True)
+class TreeRule:
+    """What the Leviathan rule needs to walk a tree on the target: the draft's rows at the root
+    (-1) and at each node with children, the uniforms testing each node, the last token's."""
+
+    draft_rows: dict[int, np.ndarray]
+    accept_uniforms: list[float]
+    final_uniform: float
+
+
+def draft_rows(rows, nodes) -> dict[int, np.ndarray]:
+    """ScoreRequest.draft_rows (decoded, wire.decode_row) by node, each a distribution."""
+    out = {}
+    for node, row in zip(nodes, rows, strict=True):
+        if not (np.isfinite(row).all() and (row >= 0).all() and row.sum() > 0):
+            raise InvalidArgument(f"draft_rows: the row of node {node} is not a distribution")
+        out[int(node)] = row
+    return out
+
+
+def score_tree(
+    engine: SessionEngine,
+    session: Session,
+    draft_ids: list[int],
+    parents: list[int],
+    params: SamplingParams,
+    noise_seed: int | None = None,
+    walk: TreeRule | None = None,
+) -> Generator[Forward, torch.Tensor, Scores]:
+    """Verify a draft tree in one forward. Greedy: `argmax` holds the target's argmax at the root
+    and after each node (n + 1); the invariant rule (`noise_seed`): its Gumbel-max sample there,
+    each keyed by the position it is at in the sequence (the node's depth); the Leviathan rule
+    (`walk`): the target walks the tree (rule.tree_walk) and returns the path and last token."""
+    forward = engine.forward_tree(session, draft_ids, parents)
+    logits = yield forward  # [n + 1, vocab]: after the committed tokens, then after each node
+    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
+    if params.greedy:
+        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
+    probs = probs_from_logits(logits, params)
+    if noise_seed is not None:
+        depth = [0] * len(parents)
+        for i, parent in enumerate(parents):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        positions = [len(session.tokens) + d for d in (0, *depth)]
+        return Scores(rule.coupled_tokens(probs, noise_seed, positions), [], 0, None, *step)
+    assert walk is not None  # checked at the edge
+    path, last = rule.tree_walk(
+        parents, draft_ids, probs.cpu().numpy(), walk.draft_rows, walk.accept_uniforms, walk.final_uniform
+    )
+    return Scores([], [], 0, None, *step, accepted_nodes=path, final_token=last)

@@ -12,7 +12,7 @@ from specdec.security import ServerSecurity
 from specdec.service import SessionServicer
 from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
-from target_service.scorer import score
+from target_service import scorer
 
 SERVICE_NAME = "specdec.v1.TargetService"
 
@@ -26,15 +26,25 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             start = time.perf_counter()
             extra = len(request.draft_token_ids)
             self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
-            scores = yield from score(
-                self.engine,
-                session,
-                list(request.draft_token_ids),
-                SamplingParams.from_proto(request.sampling),
-                list(request.draft_token_probs),
-                list(request.accept_uniforms),
-                request.noise_seed if request.HasField("noise_seed") else None,
-            )
+            params = SamplingParams.from_proto(request.sampling)
+            noise_seed = request.noise_seed if request.HasField("noise_seed") else None
+            if request.draft_parent_ids:
+                walk = None
+                if not params.greedy and noise_seed is None:
+                    rows = scorer.draft_rows(map(wire.decode_row, request.draft_rows), request.draft_row_nodes)
+                    walk = scorer.TreeRule(rows, list(request.accept_uniforms), request.final_uniform)
+                ids, parents = list(request.draft_token_ids), list(request.draft_parent_ids)
+                scores = yield from scorer.score_tree(self.engine, session, ids, parents, params, noise_seed, walk)
+            else:
+                scores = yield from scorer.score(
+                    self.engine,
+                    session,
+                    list(request.draft_token_ids),
+                    params,
+                    list(request.draft_token_probs),
+                    list(request.accept_uniforms),
+                    noise_seed,
+                )
             return model_pb2.ScoreResponse(
                 argmax_token_ids=scores.argmax,
                 draft_token_target_probs=scores.draft_token_probs,
@@ -47,6 +57,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 step_sessions=scores.step_sessions,
                 threads=scores.step_threads,
                 forward_seconds=scores.forward_seconds,
+                accepted_nodes=scores.accepted_nodes,
+                final_token=scores.final_token,
             )
 
         threads = request.threads if request.HasField("threads") else None

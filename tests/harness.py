@@ -44,9 +44,9 @@ class SlowBackend:
         time.sleep(self.delay)
         return self._backend.forward(cache, token_ids, n_logits)
 
-    def forward_batch(self, items):
+    def forward_batch(self, items, **trees):
         time.sleep(self.delay)  # one batched forward of several sessions costs one pass
-        return self._backend.forward_batch(items)
+        return self._backend.forward_batch(items, **trees)
 
     def __getattr__(self, name):
         return getattr(self._backend, name)

@@ -33,6 +33,12 @@ class MarkovBackend:
     def crop(self, cache, keep):
         del cache[keep:]
 
+    # A draft tree: a node's logits are its token's row, whatever its ancestors.
+    trees = True
+
+    def compact(self, cache, keep, sources):
+        cache[keep:] = [cache[i] for i in sources]
+
     def tokenizer_files(self):
         return {}
 

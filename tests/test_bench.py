@@ -20,6 +20,7 @@ DATA = Path(__file__).with_name("data")
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     cmd = [sys.executable, "-m", "cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
     cmd += ["--hf-static"]  # on by default for a CUDA target only
+    cmd += ["--trees", "6"]  # a draft tree of 6 nodes beside each fixed k
     cmd += ["--out", str(tmp_path)]  # the summarisation passages exceed the tiny models' context
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -32,6 +33,7 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     expected |= {
         (m, d, k) for m in ("specdec", "specdec-seq") for d in ("model", "ngram") for k in ("2", "4", "adaptive")
     }
+    expected |= {("specdec-tree", d, k) for d in ("model", "ngram") for k in ("2/6", "4/6")}
     assert set(rows) == expected
     for key, row in rows.items():
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0 and row["runs"] == 2, key

@@ -74,8 +74,9 @@ def test_distribution_through_the_loop(llama_draft):
 def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
     """A session's logits bit for bit the same alone, batched with other sessions' steps and
     prompts, while others roll back and re-grow (their freed cells reused), after its own
-    re-prefill in other blocks, and on any number of threads: the Leviathan rule reads the draft's probabilities, so a seed
-    reproduces its text under load only if they are the load's no matter."""
+    re-prefill in other blocks, and on any number of threads: the Leviathan rule reads the
+    draft's probabilities, so a seed reproduces its text under load only if they are the
+    load's no matter."""
     _, backend = llama_draft
     rng = np.random.default_rng(0)
     prompt = [1, 4093, 198, 30, 500, 700, 900, 2000, 28, 10, 11]

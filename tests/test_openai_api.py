@@ -133,6 +133,17 @@ def test_seed_reproduces_the_grpc_sample(stack, client):
     assert len(others) > 1  # the seed is used, not ignored
 
 
+def test_the_invariant_rule_over_http_gives_the_target_alones_sample(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0.7, seed=99)
+
+    def text(**speculation):
+        reply = client.chat.completions.create(extra_body={"speculation": {"rule": "invariant", **speculation}}, **kw)
+        return reply.choices[0].message.content
+
+    alone = text(disabled=True)
+    assert text(lookahead=3) == text(lookahead=8) == text(lookahead=6, adaptive=True) == alone
+
+
 def test_stop_ends_the_text_before_the_stop_string(stack, client):
     p, _ = stack
     ids = orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT)
@@ -194,6 +205,7 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat", {"speculation": {"lookahead": 99}}, 400, "speculation.lookahead"),
     ("chat", {"speculation": {"depth": 2}}, 400, "speculation"),
+    ("chat", {"speculation": {"rule": "gumbel"}}, 400, "speculation.rule"),
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("completions", {"prompt": [999999]}, 400, "prompt"),  # outside the vocabulary

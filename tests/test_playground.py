@@ -63,23 +63,32 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
             browser.get(http.url + "/")
             wait = WebDriverWait(browser, 60)
             wait.until(lambda b: b.find_element(By.ID, "model").text == MODEL)
-            for field, value in (("prompt", PROMPT), ("max_tokens", str(MAX_TOKENS))):
-                box = browser.find_element(By.ID, field)
-                box.clear()
-                box.send_keys(value)
-            browser.find_element(By.ID, "send").click()
-            wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
-            assert browser.find_element(By.ID, "error").text == ""
-            reply = browser.find_element(By.ID, "reply")
+
+            def generate(**fields):  # fill the fields, send, wait for the reply; its element
+                for field, value in fields.items():
+                    box = browser.find_element(By.ID, field)
+                    box.clear()
+                    box.send_keys(value)
+                browser.find_element(By.ID, "send").click()
+                wait.until(lambda b: b.find_element(By.ID, "reply").get_attribute("data-state") in ("done", "error"))
+                assert browser.find_element(By.ID, "error").text == ""
+                return browser.find_element(By.ID, "reply")
+
+            reply = generate(prompt=PROMPT, max_tokens=str(MAX_TOKENS))
             text = browser.execute_script("return arguments[0].textContent", reply)
-            rounds = reply.find_elements(By.CSS_SELECTOR, ".round")
+            rounds = len(reply.find_elements(By.CSS_SELECTOR, ".round"))
             drafted = reply.find_elements(By.CSS_SELECTOR, ".round > .drafted")
-            supplied = reply.find_elements(By.CSS_SELECTOR, ".round > .target")
+            drafted = [e.get_attribute("textContent") for e in drafted]
+            supplied = len(reply.find_elements(By.CSS_SELECTOR, ".round > .target"))
             stats = {n: browser.find_element(By.ID, f"stat-{n}").text for n in ("rounds", "tokens", "acceptance")}
             for path in (tmp_path / "playground.png", ROOT / "bench-results" / "playground.png"):
                 path.parent.mkdir(exist_ok=True)
                 assert browser.save_screenshot(str(path))
             print(f"screenshot: {ROOT / 'bench-results' / 'playground.png'}")
+            # A draft tree: the accepted path is each round's drafted span, and the text is the same.
+            reply = generate(tree_nodes="6")
+            tree_text = browser.execute_script("return arguments[0].textContent", reply)
+            tree_drafted = len(reply.find_elements(By.CSS_SELECTOR, ".round > .drafted"))
         finally:
             http.stop()
         # The page shows what the gRPC API returns for the same request (greedy: the same text).
@@ -87,9 +96,10 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
         ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=messages, max_new_tokens=MAX_TOKENS))
     assert text == ref.text
     # A box per committed round with text: the target's token closes each; accepted drafts lead some.
-    assert stats["rounds"] == str(ref.stats.rounds) and 1 < len(rounds) <= ref.stats.rounds
-    assert len(supplied) == len(rounds) and len(drafted) > 0
-    drafted_text = sum(len(e.get_attribute("textContent")) for e in drafted)
+    assert stats["rounds"] == str(ref.stats.rounds) and 1 < rounds <= ref.stats.rounds
+    assert supplied == rounds and len(drafted) > 0
+    drafted_text = sum(len(t) for t in drafted)
     assert 0 < drafted_text < len(text)
     assert stats["tokens"] == str(MAX_TOKENS)
     assert stats["acceptance"] == f"{100 * ref.stats.acceptance_rate:.1f} %"
+    assert tree_text == text and tree_drafted

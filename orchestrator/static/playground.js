@@ -34,8 +34,15 @@ function requestBody(model) {
     temperature: number("temperature"),
     top_p: number("top_p"),
     stream: true,
-    speculation: { lookahead: number("lookahead"), adaptive: $("adaptive").checked, disabled: $("disabled").checked },
+    speculation: {
+      lookahead: number("lookahead"),
+      adaptive: $("adaptive").checked,
+      disabled: $("disabled").checked,
+      rule: $("rule").value,
+    },
   };
+  // A tree's accepted path is a round's drafted span, shaded as a chain's accepted drafts are.
+  if (number("tree_nodes") > 0) body.speculation.tree_nodes = number("tree_nodes");
   if (number("seed") > 0) body.seed = number("seed");
   return body;
 }

@@ -51,7 +51,7 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "threads")
+    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "tree_nodes", "tree_acceptance", "threads")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class ProposeRequest(_message.Message):
     UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NOISE_SEED_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -67,17 +69,22 @@ class ProposeRequest(_message.Message):
     uniforms: _containers.RepeatedScalarFieldContainer[float]
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
     noise_seed: int
+    tree_nodes: int
+    tree_acceptance: _containers.RepeatedScalarFieldContainer[float]
     threads: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "threads", "forward_seconds")
+    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_NODES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -86,9 +93,12 @@ class ProposeResponse(_message.Message):
     compute_seconds: float
     steps: int
     step_tokens: int
+    parent_ids: _containers.RepeatedScalarFieldContainer[int]
+    node_rows: _containers.RepeatedCompositeFieldContainer[ProbRow]
+    row_nodes: _containers.RepeatedScalarFieldContainer[int]
     threads: int
     forward_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
     __slots__ = ("session", "position", "token_id")
@@ -101,7 +111,7 @@ class ProposalRowRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "threads")
+    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +119,10 @@ class ScoreRequest(_message.Message):
     DRAFT_TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_UNIFORMS_FIELD_NUMBER: _ClassVar[int]
     NOISE_SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROW_NODES_FIELD_NUMBER: _ClassVar[int]
+    FINAL_UNIFORM_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -117,11 +131,15 @@ class ScoreRequest(_message.Message):
     draft_token_probs: _containers.RepeatedScalarFieldContainer[float]
     accept_uniforms: _containers.RepeatedScalarFieldContainer[float]
     noise_seed: int
+    draft_parent_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_rows: _containers.RepeatedCompositeFieldContainer[ProbRow]
+    draft_row_nodes: _containers.RepeatedScalarFieldContainer[int]
+    final_uniform: float
     threads: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "threads", "forward_seconds")
+    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "accepted_nodes", "final_token", "threads", "forward_seconds")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROW_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +148,8 @@ class ScoreResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    FINAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -140,9 +160,11 @@ class ScoreResponse(_message.Message):
     compute_seconds: float
     step_tokens: int
     step_sessions: int
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    final_token: int
     threads: int
     forward_seconds: float
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., final_token: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session", "token_ids")
@@ -187,7 +209,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "static_forwards", "builds_after_ready")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "static_forwards", "builds_after_ready", "tree_verify")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +227,7 @@ class ModelInfo(_message.Message):
     MACHINE_FIELD_NUMBER: _ClassVar[int]
     STATIC_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BUILDS_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
+    TREE_VERIFY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_digest: str
@@ -222,7 +245,8 @@ class ModelInfo(_message.Message):
     machine: str
     static_forwards: StaticForwards
     builds_after_ready: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ...) -> None: ...
+    tree_verify: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ...) -> None: ...
 
 class StaticForwards(_message.Message):
     __slots__ = ("mode", "batches", "widths", "lengths", "built", "seconds", "slots", "capacity", "kv_bytes")

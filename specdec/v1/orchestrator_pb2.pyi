@@ -38,18 +38,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("lookahead", "disabled", "adaptive", "overlap", "rule")
+    __slots__ = ("lookahead", "disabled", "adaptive", "overlap", "rule", "tree_nodes")
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     lookahead: int
     disabled: bool
     adaptive: bool
     overlap: bool
     rule: Rule
-    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation")

@@ -1,0 +1,204 @@
+"""Draft trees: the draft proposes a tree, the target verifies it in one forward, exactly.
+
+- the transformers backend's tree forward gives each node the logits of its own root path run as
+  a plain chain, and after a commit the cache holds the accepted path as if it had been fed alone;
+- the draft's tree is a spine with runners-up, at most the budget, parents before children;
+- greedy: a tree generation is token for token the target alone's, for the model and n-gram
+  drafters and several budgets and depths (stand-ins), and for the tiny models over gRPC;
+- sampling: the output law through the loop and through the three services is the target's
+  (chi-square, T = 0.7 with top-k and top-p, budgets that branch at several depths), and a
+  deliberately wrong residual fails the same test; the invariant rule with trees still gives the
+  target alone's seeded text;
+- both services end with no session and no KV held.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.drafters import MODEL, NGRAM
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from specdec import rule
+from specdec.backend import HFBackend
+from specdec.engine import SessionEngine
+from specdec.models import ModelSpec
+from specdec.sampling import SamplingParams
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import pipeline
+from tests.standins import random_markov
+from tests.stats import counts_chisquare, markov_chisquare, transition_counts
+from tests.test_loop import kernel_after_transform
+from tests.test_overlap import near
+from tests.test_rule import wrong_tree_walk
+from tests.test_seeds import SUPPORT, TokenizedMarkov, pair, run_all
+
+SAMPLING = SamplingParams(temperature=0.7, top_k=8, top_p=0.95)
+
+
+def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models):
+    backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
+    prefix = [1, 10, 7, 14, 14]
+    tokens, parents = [20, 21, 22, 23, 24, 25], [-1, -1, 0, 0, 2, 1]
+    engine = SessionEngine(backend, "target")
+
+    def run(request):
+        engine.open("s", prefix)
+        try:
+            return engine.call("s", None, request)
+        finally:
+            engine.close("s")
+
+    def tree(session):
+        logits = yield engine.forward_tree(session, tokens, parents)
+        return logits
+
+    got = run(tree)  # [7, vocab]: after the prefix, then after each node
+    for node in range(-1, len(tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tokens[at])
+            at = parents[at]
+
+        def chain(session, path=path):
+            logits = yield engine.forward(session, path, 1)
+            return logits
+
+        torch.testing.assert_close(got[node + 1], run(chain)[0], atol=1e-4, rtol=1e-4)
+
+    # A commit keeps the accepted path (root -> 1 -> 5), compacted: the next step's logits are as if
+    # the path had been fed as a chain.
+    def commit_then_step(session):
+        yield engine.forward_tree(session, tokens, parents)
+        engine.commit(session, [tokens[1], tokens[5], 30])
+        assert session.cached == [*prefix, tokens[1], tokens[5]] and session.tree is None
+        logits = yield engine.forward(session, [], 1)
+        return logits
+
+    def plain(session):
+        engine.commit(session, [tokens[1], tokens[5], 30])
+        logits = yield engine.forward(session, [], 1)
+        return logits
+
+    torch.testing.assert_close(run(commit_then_step), run(plain), atol=1e-4, rtol=1e-4)
+    assert engine.open_sessions == 0 and engine.kv.held == 0
+
+
+GREEDY = SamplingParams()
+
+
+def generate(draft, target, n: int, sampling=GREEDY, seed: int = 3, **config):
+    loop = SpeculativeLoop(draft, target, [0, 1, 2], LoopConfig(sampling, n, seed=seed, **config))
+    for _ in loop.rounds():
+        pass
+    return loop.generated, loop.stats
+
+
+@pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
+def test_greedy_trees_equal_the_target_alone(drafter):
+    target_probs = random_markov(12, 31, alpha=0.3)
+    draft, target = pair(target_probs, near(target_probs, 32), drafter)
+    plain, _ = generate(draft, target, 200, speculate=False)
+    for depth, nodes in [(4, 8), (8, 4), (3, 12), (6, 6)]:
+        out, stats = generate(draft, target, 200, lookahead=depth, tree_nodes=nodes)
+        assert out == plain and stats.draft_tokens > 0, (depth, nodes)
+        assert stats.accepted_tokens <= stats.rounds * depth
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+
+
+def test_the_draft_proposes_a_spine_with_runners_up():
+    target_probs = random_markov(12, 41, alpha=0.8)  # flat rows: runners-up are worth a place
+    draft, _ = pair(target_probs, target_probs)
+    engine = draft.servicer.engine
+    engine.open("s", [0, 1, 2])
+    request = model_pb2.ProposeRequest(session=model_pb2.SessionRef(session_id="s", expected_length=3), k=4)
+    request.tree_nodes = 9
+    tree = draft.Propose(request)
+    parents = list(tree.parent_ids)
+    assert 1 < len(tree.token_ids) <= 9 and len(parents) == len(tree.token_ids)
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    children = rule.tree_children(parents)
+    assert max(len(c) for c in children.values()) > 1  # it branched
+    assert len(children) > 1  # and went deeper than one level
+    engine.close("s")
+
+
+def test_the_law_through_the_loop_is_the_targets():
+    target_probs, draft_probs = random_markov(6, 51), random_markov(6, 52)
+    draft, target = pair(target_probs, draft_probs)
+    tokens, stats = generate(draft, target, 8_000, SAMPLING, lookahead=3, tree_nodes=6)
+    assert markov_chisquare([2, *tokens], kernel_after_transform(target_probs, SAMPLING)) > 1e-3
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def chains_through_the_services(target_kernel, draft_kernel, tokens: int) -> np.ndarray:
+    with pipeline(TokenizedMarkov(draft_kernel), TokenizedMarkov(target_kernel)) as p:
+        requests = [
+            orchestrator_pb2.GenerateRequest(
+                token_ids=orchestrator_pb2.TokenIds(ids=[SUPPORT[0]]),
+                sampling=model_pb2.SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+                seed=200 + i,
+                max_new_tokens=tokens,
+                speculation=orchestrator_pb2.SpeculationParams(lookahead=3, tree_nodes=6),
+            )
+            for i in range(8)
+        ]
+        outputs = run_all(p.addresses["orchestrator"], requests)
+        assert p.sessions_freed_within(5)
+        stub = orchestrator_pb2_grpc.OrchestratorStub
+        assert stub  # the services answered every request
+    index = {t: i for i, t in enumerate(SUPPORT)}
+    return transition_counts([[0, *(index[t] for t in out)] for out in outputs], len(SUPPORT))
+
+
+def support_kernel(kernel) -> np.ndarray:
+    return kernel_after_transform(kernel, SamplingParams(temperature=0.7, top_k=4, top_p=0.9))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return random_markov(len(SUPPORT), 81), random_markov(len(SUPPORT), 82)
+
+
+def test_the_law_through_the_services_is_the_targets(kernels):
+    target_kernel, draft_kernel = kernels
+    counts = chains_through_the_services(target_kernel, draft_kernel, 1000)
+    assert counts_chisquare(counts, support_kernel(target_kernel)) > 1e-3
+    assert counts_chisquare(counts, support_kernel(draft_kernel)) < 1e-3
+
+
+def test_a_wrong_residual_through_the_services_fails_the_same_test(kernels, monkeypatch):
+    monkeypatch.setattr(rule, "tree_walk", wrong_tree_walk)  # the target service runs in this process
+    target_kernel, draft_kernel = kernels
+    counts = chains_through_the_services(target_kernel, draft_kernel, 1000)
+    assert counts_chisquare(counts, support_kernel(target_kernel)) < 1e-3
+
+
+def test_the_invariant_rule_with_trees_gives_the_target_alones_text():
+    target_probs = random_markov(12, 61, alpha=0.3)
+    draft, target = pair(target_probs, near(target_probs, 62))
+    alone, _ = generate(draft, target, 300, SAMPLING, seed=5, speculate=False, rule="invariant")
+    for depth, nodes in [(4, 8), (2, 6)]:
+        out, stats = generate(draft, target, 300, SAMPLING, seed=5, lookahead=depth, tree_nodes=nodes, rule="invariant")
+        assert out == alone and 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def request(prompt, **speculation) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=prompt),
+        max_new_tokens=40,
+        speculation=orchestrator_pb2.SpeculationParams(**speculation),
+    )
+
+
+def test_greedy_trees_over_grpc_on_the_tiny_models(tiny_backends):
+    prompts = [[1, 10, 7, 14, 14, 17, 39], [1, 20, 21, 22], [1, 5]]
+    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+        address = p.addresses["orchestrator"]
+        alone = run_all(address, [request(ids, disabled=True) for ids in prompts])
+        for depth, nodes in [(4, 8), (6, 3)]:
+            trees = run_all(address, [request(ids, lookahead=depth, tree_nodes=nodes) for ids in prompts])
+            assert trees == alone, (depth, nodes)
+        assert p.sessions_freed_within(5)
+        assert p.target.Describe(model_pb2.DescribeRequest()).kv_tokens == 0
