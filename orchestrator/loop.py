@@ -265,6 +265,7 @@ class SpeculativeLoop:
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
+        self._round_overlaps = False  # this round drafts overlapped (see Threads)
 
     @property
     def _overlapping(self) -> bool:
@@ -321,7 +322,7 @@ class SpeculativeLoop:
         """The threads a request of `side` may use (see Threads): its share of the cores if the
         other service computes meanwhile, for this generation or, in overlapped rounds, for others;
         every core if not; None where the services do not share cores (their own)."""
-        overlapped = concurrent or (self.overlap and self._overlapping and RUNNING.count() > 1)
+        overlapped = concurrent or (self._round_overlaps and RUNNING.count() > 1)
         draft, target = self.costs.threads(overlapped)
         return draft if side is self.draft else target
 
@@ -395,6 +396,8 @@ class SpeculativeLoop:
         wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
         ready = self.draft is not None and self._draft_ready(wanted)
         wanted = wanted if ready else 0
+        # An overlapped round's requests run beside others' under load; a plain round's (k = 0) never
+        self._round_overlaps = self.overlap and self._overlapping and wanted > 0
         if not ready:
             k = 0
         elif self._carried is not None:
