@@ -7,13 +7,17 @@ lists), for each temperature:
                    forward on CUDA: the honest baseline on a GPU; on by default for a CUDA target);
   (b) hf-assisted  transformers assisted generation in-process with the same draft model
                    (prompt lookup for the ngram drafter; none for llama.cpp);
-  (c) specdec-off  specdec through gRPC with speculation off (target service only);
+  (c) specdec-off  specdec through gRPC with speculation off (target service only: unpinned,
+                   on every core, the honest counterpart of (a));
   (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round), with
-                   overlapped rounds (the draft proposes round r + 1 while the target
-                   verifies round r); specdec-seq: the same with sequential rounds.
+                   overlapped rounds allowed (the draft proposes round r + 1 while the target
+                   verifies round r; on cores the services share, the price chooses overlapped
+                   rounds on their shares or sequential rounds on every core, round by round);
+                   specdec-seq: the same with sequential rounds only.
 Next to (a), the one-process anchor on one core: hf-target-1core, the same `generate` pinned
-to the target's core with one thread (the services run on their own cores: the draft on the
-first quarter of the machine's, the target on the rest, or as --draft-cpus/--target-cpus say).
+to one core with one thread (the services share the machine's cores, as the orchestrator
+chooses round by round, or run where --draft-cpus/--target-cpus pin them). Every row says its
+threads: an in-process row's, or the services' mean over their forwards (draft+target).
 The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
 target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
 llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k.
@@ -30,12 +34,15 @@ from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)
 the bound from one-process costs (bench.costs: the target's verify and the draft's step, each
 timed alone on its service's cores before the rows; overlapped rows tokens per round /
 max(k draft steps, verify of k + 1), sequential rows tokens per round / (k draft steps +
-verify)) and the rounds' tokens/s over it ("of bound"), service compute time (draft ms per
+verify); on shared cores the overlapped one at the services' shares, and a specdec row's bound
+the better of the two) and the rounds' tokens/s over it ("of bound"), service compute time (draft ms per
 token it proposed, thrown-away continuations included; target ms per round), and orchestrator
 overhead per round (round time not spent computing in a model service; sequential rounds
 only: overlapped, the services compute at once).
+A second table says where a round's time goes, per specdec row (format_time_table): waits on each
+service, their forwards and other work, the orchestrator, the RPCs, the cores left idle.
 Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
-round by round, sequential vs overlapped: bench.timeline) to --out and prints a table.
+round by round, sequential vs overlapped: bench.timeline) to --out and prints the tables.
 """
 
 from __future__ import annotations
