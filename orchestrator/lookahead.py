@@ -92,7 +92,11 @@ services' Describe: specdec.placement), the two kinds of round are two placement
 round runs both services at once, each on its share of the threads (space-sharing), a
 sequential one runs them in turn, each forward on every core (time-sharing: the core lock
 keeps the other service off them), so its draft's and target's work add up on the one machine
-(RoundCosts.shared) where a pair of devices does each beside the other. Each is priced at its
+(RoundCosts.shared) where a pair of devices does each beside the other. That is for one
+generation alone: under load one generation's draft steps fall between another's verify steps,
+and time-sharing made every step of the machine wait for the lock (2 and 4 clients choosing
+sequential rounds on every core: 40-51 tok/s, where k = 4 on the shares gave 42-67), so there any
+round that drafts runs on the shares, and both kinds are priced there. Each is priced at its
 threads: the draft's step by its service's profile at those threads (scaled by what serving
 measures against the profile at the threads its steps ran with), the target's by the verify line,
 fitted over steps brought to every core's threads by the target's profile (Sharing.verify_ratio)
@@ -585,20 +589,22 @@ class AdaptiveLookahead:
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         wait_on, wait_off = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         n = max(1, self.load())
-        # every generation drafting, as they all choose alike; each kind of round at its threads (see Cores)
+        # every generation drafting, as they all choose alike; each kind of round at its threads (see
+        # Cores: under load, on the services' shares whatever the kind)
         rounds = {}
         for overlapped in (True, False):
-            draft_threads, target_threads = costs.threads(overlapped)
+            draft_threads, target_threads = costs.threads(overlapped or n > 1)
             rounds[overlapped] = RoundCosts(
                 costs.draft_cost(n, draft_threads),
                 line,
                 wait_on,
                 n,
                 costs.sessions(n),
-                shared=costs.sharing is not None and not overlapped,
+                shared=costs.sharing is not None and not overlapped and n == 1,
                 scale=costs.verify_scale(target_threads),
             )
-        t0 = rounds[False].step(n) + wait_off  # a round without speculation: a step of n one-token rounds
+        # a round without speculation: a step of n one-token rounds, on every core
+        t0 = line[0] + line[1] * (n - 1) + wait_off
         if self.fixed:  # the cheaper kind of round at k_max
             k = self.k_max
             self.overlapping = self.overlap and round_time(alpha, k, rounds[True], True) <= round_time(

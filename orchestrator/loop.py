@@ -15,8 +15,9 @@ gives the target's own sample, whatever the lookahead, drafter, overlap or sched
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
 specdec.placement), every request names the threads its forwards may use: the services' shares
 while both compute for this generation at once (an overlapped round's continuation beside its
-verify, both prefills) or while other generations run overlapped rounds, every core otherwise
-(the core lock makes the services take turns). The adaptive policy chooses the kind of round by
+verify, both prefills) or, under load, in any round that drafts (one generation's draft steps
+fall between another's verify steps); every core otherwise (the core lock makes the services
+take turns): a plain round's verify, and alone, a sequential round's. The adaptive policy chooses the kind of round by
 its price at each placement; so does a fixed k where its text does not depend on the schedule
 (greedy, the invariant rule), while a Leviathan sample at a fixed k keeps the request's overlap
 setting, so that its seed replays.
@@ -265,7 +266,7 @@ class SpeculativeLoop:
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
-        self._round_overlaps = False  # this round drafts overlapped (see Threads)
+        self._round_speculates = False  # this round drafts (see Threads)
 
     @property
     def _overlapping(self) -> bool:
@@ -322,7 +323,7 @@ class SpeculativeLoop:
         """The threads a request of `side` may use (see Threads): its share of the cores if the
         other service computes meanwhile, for this generation or, in overlapped rounds, for others;
         every core if not; None where the services do not share cores (their own)."""
-        overlapped = concurrent or (self._round_overlaps and RUNNING.count() > 1)
+        overlapped = concurrent or (self._round_speculates and RUNNING.count() > 1)
         draft, target = self.costs.threads(overlapped)
         return draft if side is self.draft else target
 
@@ -396,8 +397,7 @@ class SpeculativeLoop:
         wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
         ready = self.draft is not None and self._draft_ready(wanted)
         wanted = wanted if ready else 0
-        # An overlapped round's requests run beside others' under load; a plain round's (k = 0) never
-        self._round_overlaps = self.overlap and self._overlapping and wanted > 0
+        self._round_speculates = wanted > 0  # under load, its requests run beside others' (see Threads)
         if not ready:
             k = 0
         elif self._carried is not None:
