@@ -397,7 +397,9 @@ def scratch_caches(backend, n: int):
 
 
 PROFILE_SESSIONS = (1, 2, 4, 8, 16)  # the batched decode steps a draft service times at start
-PROFILE_TOKENS = (1, 2, 3, 5, 9, 17)  # the forwards of one session a target times (a verify of k + 1)
+# The forwards of one session a target times: a verify of k + 1, and the steps of many sessions' (a
+# second thread gains more as a step grows: the fp32 target 1.0x at 1 token, 1.38x at 17, 1.60x at 65)
+PROFILE_TOKENS = (1, 2, 3, 5, 9, 17, 33, 65)
 PROFILE_CONTEXT = 16  # tokens each profiled session holds
 PROFILE_REPS = 3  # timed steps per size (the median), after one dropped
 

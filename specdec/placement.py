@@ -27,9 +27,9 @@ for the next parallel region spinning GOMP_SPINCOUNT times (300000 by default) b
 sleep: after each llama.cpp decode its threads burnt ~7 ms of a core (torch's, measured, none).
 Taking turns on 2 cores with the llama.cpp F32 target (a 9-token verify, then 4 draft steps,
 each on 2 threads), the verify took 1.21x its cost alone, the round 74-80 ms; with
-GOMP_SPINCOUNT=10000 (~1 ms of spinning) 0.95-1.01x, 63-64 ms. OMP_WAIT_POLICY=PASSIVE (no spin
-at all) made every barrier inside a forward a sleep: the Q8_0 draft step 3.2x slower, the torch
-target's 1.3x. So a service process sets SERVICE_ENV before torch or llama.cpp loads (libgomp
+GOMP_SPINCOUNT=10000 (~1 ms of spinning) 0.95-1.01x, 59-64 ms. OMP_WAIT_POLICY=PASSIVE (no spin
+at all) made every barrier inside a forward a sleep: the Q8_0 draft step 3.2x slower, the F32
+target's verify 2x. So a service process sets SERVICE_ENV before torch or llama.cpp loads (libgomp
 reads it then; cli.serving).
 """
 
