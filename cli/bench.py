@@ -215,12 +215,13 @@ def add_chaos_parser(sub) -> None:
     c.add_argument("--rss-slack-mb", type=float, default=64.0, help="memory growth allowed per service (default 64)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     options.add_rule_flag(c)
+    options.add_tree_flag(c)
     options.add_pair_flags(c)
 
 
 def chaos(args) -> int:
     config = ChaosConfig(
-        pipeline=options.pipeline_config(args, rule=args.rule),
+        pipeline=options.pipeline_config(args, rule=args.rule, tree_nodes=args.tree),
         streams=args.streams,
         requests_per_stream=args.requests_per_stream,
         max_tokens=args.max_tokens,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from orchestrator.trees import TreeAcceptance
+from orchestrator.trees import PairTrees
 from specdec import validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
 from specdec.sampling import SamplingParams
@@ -49,8 +49,8 @@ class ModelPair:
     # What adaptive lookahead has measured of this pair, shared by the generations on it.
     costs: PairCosts = field(default_factory=PairCosts, compare=False)
     tree_verify: bool = False  # the target verifies draft trees (ModelInfo.tree_verify)
-    # How the pair's tree children are accepted, shared by the generations on it (orchestrator.trees).
-    trees: TreeAcceptance = field(default_factory=TreeAcceptance, compare=False)
+    # What the generations on the pair learn of its draft trees (orchestrator.trees).
+    trees: PairTrees = field(default_factory=PairTrees, compare=False)
 
 
 @dataclass

@@ -48,7 +48,7 @@ import numpy as np
 
 from orchestrator import RULES
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
-from orchestrator.trees import TreeAcceptance
+from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
@@ -232,12 +232,16 @@ class SpeculativeLoop:
         config: LoopConfig,
         timeout=None,
         costs: PairCosts | None = None,
-        trees: TreeAcceptance | None = None,
+        trees: PairTrees | None = None,
     ):
         """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
         the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
-        `trees`: how the pair's tree children are accepted (orchestrator.trees), likewise."""
-        self.trees = trees or TreeAcceptance()
+        `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise."""
+        self.trees = trees or PairTrees()
+        # Under the Leviathan rule a tree's shape decides which uniform meets which token, so it
+        # learns from this generation's rounds alone (a seed then replays it); greedy and
+        # invariant outputs do not depend on the shape, and learn from the whole pair's.
+        self._tree_acceptance = self.trees.acceptance if config.coupled else TreeAcceptance()
         self.config = config
         self.prompt = list(prompt)
         self.session_id = uuid.uuid4().hex
@@ -248,8 +252,9 @@ class SpeculativeLoop:
         self.target = _Side(target)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
-        # A tree round is sequential: a continuation assumes one path accepted, a tree has many.
-        self.overlap = config.overlap and self.draft is not None and not config.tree_nodes
+        # A tree round is sequential (a continuation assumes one path accepted, a tree has many);
+        # an adaptive generation with trees chooses between them and overlapped chains.
+        self.overlap = config.overlap and self.draft is not None and (config.adaptive or not config.tree_nodes)
         self.costs = costs or PairCosts()
         self.policy = None
         if config.adaptive:
@@ -404,16 +409,24 @@ class SpeculativeLoop:
             k = len(self._carried.tokens)  # proposed last round, as its continuation
         else:
             k = min(wanted, remaining - 1)
+        # A tree (tree_nodes), or under adaptive lookahead the kind whose rounds measured faster.
+        tree = bool(cfg.tree_nodes) and k > 0 and self._carried is None
+        if tree and self.policy is not None:
+            tree = self.trees.choice.tree(cfg.sampling.greedy)
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        if cfg.tree_nodes:
+        if tree:
             draws = _Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
         else:
             draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
         for reopens in itertools.count():
             try:
-                if cfg.tree_nodes and k > 0:
-                    return self._tree_round(k, draws, start)
-                return self._speculate(k, wanted, draws, start)
+                if not tree:
+                    return self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
+                step = self._tree_round(k, draws, start)
+                if self.policy is not None:  # the chains' calibration restarts after it (_since_commit)
+                    self.trees.choice.update(cfg.sampling.greedy, True, step.committed, time.perf_counter() - start)
+                    self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
+                return step
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
                     raise
@@ -461,7 +474,7 @@ class SpeculativeLoop:
             list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k]), report=proposal
         ), seconds
 
-    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float) -> Round:
+    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
         drafts = _Proposal([], [], [])
@@ -589,6 +602,8 @@ class SpeculativeLoop:
             )
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start
+        if measure and self.policy is not None:  # a chain's round, for an adaptive choice of trees
+            self.trees.choice.update(cfg.sampling.greedy, False, len(committed), time.perf_counter() - start)
         return self._commit(committed, proposed=proposed, accepted=accepted)
 
     def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
@@ -606,7 +621,7 @@ class SpeculativeLoop:
                 uniforms=draws.draft[: depth * TREE_BRANCHES],
                 noise_seed=cfg.noise_seed,
                 tree_nodes=cfg.tree_nodes,
-                tree_acceptance=self.trees.table(cfg.sampling.greedy),
+                tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
                 threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
             ),
         )
@@ -638,7 +653,7 @@ class SpeculativeLoop:
             path, last = list(scores.accepted_nodes), scores.final_token
             if any(parents[node] != (path[i - 1] if i else -1) for i, node in enumerate(path)):
                 raise SpecdecError(f"target returned {path}, not a path of the draft tree")
-        self.trees.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
+        self._tree_acceptance.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
         with self._stats_lock:
             self.stats.draft_seconds += draft_time
             self.stats.target_seconds += target_time

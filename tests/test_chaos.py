@@ -1,7 +1,8 @@
-"""`specdec chaos` on tiny random models, under either sampling rule: 8 concurrent streams (greedy
-and seeded sampling) while the draft and the target are killed with SIGKILL at least 10 times; nothing is lost,
-duplicated or changed, no session is left and no service grew. Plus the checks' own logic
-on hand-made streams, so a broken stream is known to fail them."""
+"""`specdec chaos` on tiny random models, under either sampling rule, with chains and with draft
+trees: 8 concurrent streams (greedy and seeded sampling) while the draft and the target are
+killed with SIGKILL at least 10 times; nothing is lost, duplicated or changed, no session is left
+and no service grew. Plus the checks' own logic on hand-made streams, so a broken stream is known
+to fail them."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from bench import chaos
 from cli import main as cli
 
 
-@pytest.mark.parametrize("rule", ["leviathan", "invariant"])
-def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys, rule):
+@pytest.mark.parametrize("rule,tree", [("leviathan", 0), ("leviathan", 6), ("invariant", 6)])
+def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys, rule, tree):
     code = cli.main(
         ["chaos", "--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
         + ["--target-dtype", "float32", "--draft-dtype", "float32", "--streams", "8", "--kills", "10"]
-        + ["--max-tokens", "48", "--duration", "600", "--seed", "3", "--json", "--rule", rule]
+        + ["--max-tokens", "48", "--duration", "600", "--seed", "3", "--json", "--rule", rule, "--tree", str(tree)]
     )
     result = json.loads(capsys.readouterr().out)
     print(chaos.text(result))

@@ -20,6 +20,7 @@ import torch
 
 from draft_service.drafters import MODEL, NGRAM
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.trees import EXPLORE_ROUNDS, REVISIT, PairTrees, TreeChoice
 from specdec import rule
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
@@ -202,3 +203,39 @@ def test_greedy_trees_over_grpc_on_the_tiny_models(tiny_backends):
             assert trees == alone, (depth, nodes)
         assert p.sessions_freed_within(5)
         assert p.target.Describe(model_pb2.DescribeRequest()).kv_tokens == 0
+
+
+def test_an_adaptive_generation_takes_a_tree_only_while_trees_measure_faster():
+    choice = TreeChoice()
+    picks = []
+    for _ in range(2 * EXPLORE_ROUNDS):  # both kinds are measured first, alternately
+        tree = choice.tree(greedy=True)
+        picks.append(tree)
+        choice.update(True, tree, tokens=3 if tree else 5, seconds=1.0)  # chains commit more a second
+    assert picks.count(True) == picks.count(False) == EXPLORE_ROUNDS
+    later = []
+    for _ in range(4 * REVISIT):
+        tree = choice.tree(greedy=True)
+        later.append(tree)
+        choice.update(True, tree, tokens=3 if tree else 5, seconds=1.0)
+    assert 0 < later.count(True) <= 5  # the losing kind only as a revisit
+    for _ in range(40):  # trees get faster (another text): they win it back
+        tree = choice.tree(greedy=True)
+        choice.update(True, tree, tokens=9 if tree else 5, seconds=1.0)
+    assert sum(choice.tree(greedy=True) for _ in range(10)) >= 9
+    assert choice.tree(greedy=False)  # sampled rounds are measured apart, from scratch
+
+
+def test_adaptive_with_trees_stays_exact_and_uses_both_kinds():
+    target_probs = random_markov(12, 71, alpha=0.3)
+    draft, target = pair(target_probs, near(target_probs, 72))
+    plain, _ = generate(draft, target, 300, speculate=False)
+    trees = PairTrees()
+    loop = SpeculativeLoop(
+        draft, target, [0, 1, 2], LoopConfig(GREEDY, 300, lookahead=6, adaptive=True, tree_nodes=8), trees=trees
+    )
+    for _ in loop.rounds():
+        pass
+    assert loop.generated == plain
+    seen = trees.choice._rounds
+    assert seen.get((True, True), 0) > 0 and seen.get((True, False), 0) > 0
