@@ -7,13 +7,17 @@ lists), for each temperature:
                    forward on CUDA: the honest baseline on a GPU; on by default for a CUDA target);
   (b) hf-assisted  transformers assisted generation in-process with the same draft model
                    (prompt lookup for the ngram drafter; none for llama.cpp);
-  (c) specdec-off  specdec through gRPC with speculation off (target service only);
+  (c) specdec-off  specdec through gRPC with speculation off (target service only: unpinned,
+                   on every core, the honest counterpart of (a));
   (d) specdec      fixed lookahead k, and adaptive lookahead (k chosen per round), with
-                   overlapped rounds (the draft proposes round r + 1 while the target
-                   verifies round r); specdec-seq: the same with sequential rounds.
+                   overlapped rounds allowed (the draft proposes round r + 1 while the target
+                   verifies round r; on cores the services share, the price chooses overlapped
+                   rounds on their shares or sequential rounds on every core, round by round);
+                   specdec-seq: the same with sequential rounds only.
 Next to (a), the one-process anchor on one core: hf-target-1core, the same `generate` pinned
-to the target's core with one thread (the services run on their own cores: the draft on the
-first quarter of the machine's, the target on the rest, or as --draft-cpus/--target-cpus say).
+to one core with one thread (the services share the machine's cores, as the orchestrator
+chooses round by round, or run where --draft-cpus/--target-cpus pin them). Every row says its
+threads: an in-process row's, or the services' mean over their forwards (draft+target).
 The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
 target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
 llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k.
@@ -30,12 +34,15 @@ from tokens per round), the theoretical speedup (1 - alpha^(k+1)) / ((1 - alpha)
 the bound from one-process costs (bench.costs: the target's verify and the draft's step, each
 timed alone on its service's cores before the rows; overlapped rows tokens per round /
 max(k draft steps, verify of k + 1), sequential rows tokens per round / (k draft steps +
-verify)) and the rounds' tokens/s over it ("of bound"), service compute time (draft ms per
+verify); on shared cores the overlapped one at the services' shares, and a specdec row's bound
+the better of the two) and the rounds' tokens/s over it ("of bound"), service compute time (draft ms per
 token it proposed, thrown-away continuations included; target ms per round), and orchestrator
 overhead per round (round time not spent computing in a model service; sequential rounds
 only: overlapped, the services compute at once).
+A second table says where a round's time goes, per specdec row (format_time_table): waits on each
+service, their forwards and other work, the orchestrator, the RPCs, the cores left idle.
 Writes results.json, speedup.png and timeline.png (when the draft and the target are busy,
-round by round, sequential vs overlapped: bench.timeline) to --out and prints a table.
+round by round, sequential vs overlapped: bench.timeline) to --out and prints the tables.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import platform
 import statistics
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import costs, engines, timeline
@@ -129,7 +136,7 @@ def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: 
         out = model.generate(torch.tensor([ids], device=model.device), **kwargs)
     wall = time.perf_counter() - t0
     n = out.shape[1] - len(ids)
-    return {"tokens": n, "wall": wall, "tokens_per_second": n / wall}
+    return {"tokens": n, "wall": wall, "tokens_per_second": n / wall, "threads": torch.get_num_threads()}
 
 
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
@@ -166,6 +173,25 @@ def _specdec_generate(
     compute = s.draft_compute_seconds + s.target_compute_seconds
     # Overlapped, the two services compute at once: the round time less their sum says nothing.
     overhead = None if overlap and k != "-" else s.round_seconds - compute
+    # Where a round's time goes (ms a round): waiting on each service, of which their forwards and
+    # their other work; the orchestrator; and the share of the machine's cores the forwards kept busy.
+    cores = len(placement.usable_cores())
+    run |= {
+        "round_ms": 1000 * s.round_seconds / rounds,
+        "draft_wait_ms": 1000 * s.draft_seconds / rounds,
+        "target_wait_ms": 1000 * s.target_seconds / rounds,
+        "draft_forward_ms": 1000 * s.draft_forward_seconds / rounds,
+        "target_forward_ms": 1000 * s.target_forward_seconds / rounds,
+        "service_ms": 1000 * (compute - s.draft_forward_seconds - s.target_forward_seconds) / rounds,
+        "orchestrator_ms": 1000 * (s.round_seconds - s.draft_seconds - s.target_seconds) / rounds,
+        # sequential rounds: the waits on the services less their compute (the RPCs, queueing)
+        "rpc_ms": None if overhead is None else 1000 * (s.draft_seconds + s.target_seconds - compute) / rounds,
+        "busy_cores": (s.draft_core_seconds + s.target_core_seconds) / (s.round_seconds * cores)
+        if s.round_seconds
+        else None,
+        "draft_threads": s.draft_core_seconds / s.draft_forward_seconds if s.draft_forward_seconds else None,
+        "target_threads": s.target_core_seconds / s.target_forward_seconds if s.target_forward_seconds else None,
+    }
     run |= {
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
         "tokens_per_round": s.mean_accepted_length,
@@ -286,6 +312,7 @@ def run(config: BenchConfig) -> dict:
                     elif where == "llamacpp-target":
                         result = llama_target.generate(ids, config.max_tokens, temperature, config.seed)
                         del result["token_ids"]
+                        result["threads"] = threads
                     elif where == "llama-speculative":
                         result = engines.run_speculative(
                             config.llama_speculative, text, len(ids), config.max_tokens, int(k), temperature,
@@ -293,6 +320,7 @@ def run(config: BenchConfig) -> dict:
                         )  # fmt: skip
                         if rep == 0:  # what was parsed, once per row
                             bar.write(f"llama-speculative T={temperature} k={k}: {result}")
+                        result["threads"] = threads
                     else:
                         result = _specdec_generate(stubs[where], ids, config, temperature, k, **extra)
                     if rep > 0:
@@ -307,23 +335,58 @@ def run(config: BenchConfig) -> dict:
 
 def _forward_costs(config: BenchConfig, pipelines: dict, prompt_ids: list[list[int]]) -> dict:
     """One-process costs (bench.costs), each model alone on its service's cores, for the rows'
-    bounds: the target's verify of 1 to k_max + 1 tokens, each drafter's step; seconds."""
+    bounds: the target's verify of 1 to k_max + 1 tokens, each drafter's step; seconds. Where the
+    services share the machine's cores (neither pinned, on a CPU of several: specdec.placement),
+    also at their shares of the cores ("target_share", "draft_share"): overlapped rounds run there."""
     widths = sorted({1, 2, 3, 5, 9} | {k + 1 for k in config.ks})
     context = round(statistics.mean(map(len, prompt_ids))) + config.max_tokens // 2
-    out: dict = {"context": context, "draft": {}}
+    out: dict = {"context": context, "draft": {}, "draft_share": {}}
+    cores = placement.usable_cores()
     for drafter, pipeline in pipelines.items():
         draft_place, target_place = pipeline.placements
+        shared = not (draft_place.cpus or target_place.cpus) and config.target.device == "cpu" and len(cores) > 1
+        shares = placement.split_threads(len(cores)) if shared else None
         if "target" not in out:
             target = ModelServiceConfig(
                 "target", config.target, cpus=_cores(target_place), threads=target_place.threads,
                 backend=config.target_backend, compile=config.target_compile,
             )  # fmt: skip
             out["target"] = costs.measure(target, widths, context)
+            if shares:
+                out["target_share"] = costs.measure(replace(target, threads=shares[1]), widths, context)
         if drafter != "ngram":  # a lookup, no model: its step costs next to nothing
-            cores, threads = _cores(draft_place), draft_place.threads
-            draft = ModelServiceConfig("draft", config.draft, drafter, cpus=cores, threads=threads)
+            draft = ModelServiceConfig(
+                "draft", config.draft, drafter, cpus=_cores(draft_place), threads=draft_place.threads
+            )
             out["draft"][drafter] = costs.measure(draft, [1], context)[1]
+            if shares:
+                out["draft_share"][drafter] = costs.measure(replace(draft, threads=shares[0]), [1], context)[1]
     return out
+
+
+def _bound(row: Row, run: dict, forward_costs: dict) -> float:
+    """The tokens/s a generation's rounds could reach at most (bench.costs), from its tokens and
+    drafts per round: sequential rows, the draft's k steps then the verify, on every core;
+    overlapped rows, the longer of the two, on the services' shares of the cores where they share
+    them, and there the better of that and the sequential bound (the price picks either)."""
+    tokens, k = run["tokens_per_round"], run["drafts_per_round"]
+    draft, verify = forward_costs["draft"].get(row.drafter, 0.0), forward_costs["target"]
+    sequential = costs.sequential_bound(tokens, k, draft, verify)
+    if row.method != "specdec":
+        return sequential
+    if "target_share" not in forward_costs:
+        return costs.overlap_bound(tokens, k, draft, verify)
+    share = forward_costs["draft_share"].get(row.drafter, 0.0)
+    return max(sequential, costs.overlap_bound(tokens, k, share, forward_costs["target_share"]))
+
+
+def _threads(row: Row) -> str:
+    """The threads a row ran with: an in-process row's, or the services' (draft+target, mean over
+    their forwards: a row whose rounds took both placements lies between)."""
+    if row.method.startswith("specdec"):
+        d, t = row.median("draft_threads"), row.median("target_threads")
+        return f"{d:.1f}+{t:.1f}" if d == d else f"{t:.1f}"
+    return f"{row.median('threads'):.0f}"
 
 
 def _cores(place: Placement) -> tuple[int, ...] | None:
@@ -385,6 +448,7 @@ def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = Non
             "tokens_per_second": tps,
             "speedup": paired_speedup(row, baseline[row.temperature]) if row.temperature in baseline else None,
             "runs": len(row.runs),
+            "threads": _threads(row),
         }
         if row.temperature in baseline:
             kinds = dict.fromkeys(r["kind"] for r in row.runs)
@@ -407,6 +471,8 @@ def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = Non
                 entry[key] = row.median(key)
         if row.method in ("specdec", "specdec-seq", "specdec-off"):
             entry["round_tokens_per_second"] = row.median("round_tokens_per_second")
+        if row.method.startswith("specdec"):
+            entry["time"] = {key: row.median(key) for key in TIME_KEYS}
         seq = rows.get(("specdec-seq", row.drafter, row.temperature, row.k))
         if row.method == "specdec" and seq is not None:  # overlapped over sequential rounds, paired
             entry["overlap_speedup"] = paired_speedup(row, seq)
@@ -420,9 +486,7 @@ def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = Non
             if entry["speedup"]:
                 entry["efficiency"] = entry["speedup"] / entry["theoretical_speedup"]
             if forward_costs and "target" in forward_costs:  # each generation against its own bound
-                draft, verify = forward_costs["draft"].get(row.drafter, 0.0), forward_costs["target"]
-                bound = costs.overlap_bound if row.method == "specdec" else costs.sequential_bound
-                bounds = [bound(r["tokens_per_round"], r["drafts_per_round"], draft, verify) for r in row.runs]
+                bounds = [_bound(row, r, forward_costs) for r in row.runs]
                 entry["bound_tokens_per_second"] = statistics.median(bounds)
                 ratios = [r["round_tokens_per_second"] / b for r, b in zip(row.runs, bounds, strict=True)]
                 entry["bound_efficiency"] = statistics.median(ratios)
@@ -454,6 +518,7 @@ COLUMNS = [
     ("drafter", "{}"),
     ("temperature", "{:.1f}"),
     ("k", "{}"),
+    ("threads", "{}"),
     ("tokens_per_second", "{:.2f}"),
     ("speedup", "{:.2f}x"),
     ("round_tokens_per_second", "{:.2f}"),
@@ -473,9 +538,9 @@ COLUMNS = [
     ("overhead_ms_per_round", "{:.2f}"),
     ("overhead_fraction", "{:.1%}"),
 ]
-HEADERS = ["method", "drafter", "T", "k", "tok/s", "speedup", "rounds tok/s", "ovl/seq", "ovl/seq rounds", "accept",
-           "tok/round", "c", "alpha", "theory", "eff", "bound", "of bound", "B/round", "draft ms", "target ms",
-           "ovh ms", "ovh %"]  # fmt: skip
+HEADERS = ["method", "drafter", "T", "k", "threads", "tok/s", "speedup", "rounds tok/s", "ovl/seq", "ovl/seq rounds",
+           "accept", "tok/round", "c", "alpha", "theory", "eff", "bound", "of bound", "B/round", "draft ms",
+           "target ms", "ovh ms", "ovh %"]  # fmt: skip
 
 
 def format_table(results: dict) -> str:
@@ -495,6 +560,31 @@ def _align(lines: list[list[str]]) -> str:
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+# Where a round's time goes, per specdec row (medians over generations, ms a round)
+TIME_KEYS = ("round_ms", "draft_wait_ms", "target_wait_ms", "orchestrator_ms", "draft_forward_ms",
+             "target_forward_ms", "service_ms", "rpc_ms", "busy_cores")  # fmt: skip
+TIME_HEADERS = ["method", "drafter", "T", "k", "threads", "round", "wait draft", "wait target", "orchestrator",
+                "draft fwd", "target fwd", "services other", "RPC+queue", "cores busy", "idle"]  # fmt: skip
+
+
+def format_time_table(results: dict) -> str:
+    """Where a round's time goes, one line per specdec row: the round; what the orchestrator
+    waited on the draft and on the target, and the rest (its own work); the services' forwards
+    (overlapped, at once: they do not add up to the round) and their other work; sequential rounds'
+    waits beyond the services' compute (the RPCs, queueing); the machine's cores busy in forwards."""
+    lines = [TIME_HEADERS]
+    for r in results["rows"]:
+        if "time" not in r:
+            continue
+        t = r["time"]
+        cells = [r["method"], r["drafter"], f"{r['temperature']:.1f}", r["k"], r["threads"]]
+        cells += ["-" if t[key] is None or t[key] != t[key] else f"{t[key]:.1f}" for key in TIME_KEYS[:-1]]
+        busy = t["busy_cores"]
+        cells += ["-", "-"] if busy is None or busy != busy else [f"{busy:.0%}", f"{1 - busy:.0%}"]
+        lines.append(cells)
+    return _align(lines)
 
 
 def format_kinds_table(results: dict) -> str:
@@ -562,6 +652,7 @@ def main(config: BenchConfig) -> dict:
               f"target verify by tokens {verify}; draft step {drafts}")  # fmt: skip
     print(f"speedup: over {results['baseline']}")
     print(format_table(results))
+    print("\nwhere a round's time goes (ms a round, medians over generations)\n" + format_time_table(results))
     if kinds := format_kinds_table(results):
         print(f"\nspeedup over {results['baseline']} by prompt kind\n" + kinds)
     written = [config.out / "results.json", config.out / "speedup.png"]

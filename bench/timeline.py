@@ -56,7 +56,8 @@ def record(
     origin = [0.0]
     draft, target = _Timed(pair.draft, spans, origin), _Timed(pair.target, spans, origin)
     config = LoopConfig(SamplingParams(temperature=temperature), tokens, lookahead=k, seed=1, overlap=overlap)
-    loop = SpeculativeLoop(draft, target, prompt_ids, config)
+    loop = SpeculativeLoop(draft, target, prompt_ids, config, costs=pair.costs)  # the services' threads by kind
+    loop.policy = None  # the kind of round the timeline names, every round: no price chooses it
     rounds = loop.rounds()
     first = next(rounds)  # opens the sessions (prefill): not part of the timeline
     origin[0] = time.perf_counter()

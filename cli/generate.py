@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument(
         "--compare",
         action="store_true",
-        help="then generate again with the target alone (--no-speculation, same services) and print the speedup",
+        help="then generate again with the target alone (--no-speculation, same services: locally, on every core "
+        "unless --target-cpus pins it) and print the speedup",
     )
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
     options.add_pair_flags(g)
@@ -115,11 +116,18 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
         fast, slow = response.stats.tokens_per_second, alone.stats.tokens_per_second
         same = "the same text" if alone.text == response.text else "a different sample (sampling)"
         print(
-            f"[speculative decoding {fast:.1f} tok/s vs the target alone {slow:.1f} tok/s: "
+            f"[speculative decoding {fast:.1f} tok/s vs the target alone{_threads(alone.stats)} {slow:.1f} tok/s: "
             f"{fast / slow if slow else 0:.2f}x speedup; {same}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _threads(s) -> str:
+    """The threads the target's steps ran with, as ' on N threads', where its service reports them."""
+    if not (s.target_core_seconds and s.target_forward_seconds):
+        return ""
+    return f" on {s.target_core_seconds / s.target_forward_seconds:.0f} threads"
 
 
 def _response_json(response) -> dict:

@@ -49,11 +49,15 @@ def add_placement_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(
         f"--{prefix}cpus",
         metavar="LIST",
-        help=f"CPU cores {who} may use, as taskset lists them (0 or 0,2 or 0-3): on one machine each service "
-        "owns its cores, as each owns its GPU in a GPU pair (default: all it was started with)",
+        help=f"CPU cores {who} may use, as taskset lists them (0 or 0,2 or 0-3): pinned, a service owns its "
+        "cores and runs every forward on its own threads (default: all it was started with, shared with the other "
+        "service as the orchestrator chooses round by round)",
     )
     p.add_argument(
-        f"--{prefix}threads", type=int, metavar="N", help=f"threads of {who}'s forwards (default: one per core)"
+        f"--{prefix}threads",
+        type=int,
+        metavar="N",
+        help=f"threads of {who}'s forwards at most (default: one per core)",
     )
 
 

@@ -8,6 +8,7 @@ host something, so `specdec --help` and the client commands stay light.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -16,7 +17,7 @@ from pathlib import Path
 from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline
-from specdec import models
+from specdec import models, placement
 from specdec.placement import parse_cpus
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -75,6 +76,8 @@ def model_service(args, role: str) -> int:
     spec = options.model_spec(args)
     server_security = options.server_security(args)
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
+    for name, value in placement.SERVICE_ENV.items():  # read by OpenMP when torch loads it, just below
+        os.environ.setdefault(name, value)
     from deploy import hosting  # torch and the model: only for the commands that host one
 
     cpus = None if args.cpus is None else parse_cpus(args.cpus)

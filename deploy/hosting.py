@@ -39,13 +39,16 @@ def start_model_service(
     telemetry: Telemetry | None = None,
 ) -> tuple[Served, int]:
     """Pin the process to the config's cores and threads, load its model (or drafter) and serve
-    it; returns (server, bound port)."""
-    placement.apply(config.cpus, config.threads)
+    it; returns (server, bound port). Unpinned on a CPU of several cores, its steps share the
+    machine's cores with another service's as the requests ask (specdec.placement.Cores)."""
+    usable, threads = placement.apply(config.cpus, config.threads)
+    shared = config.cpus is None and config.spec.device == "cpu" and len(usable) > 1
+    cores = placement.Cores(config.role, threads, shared)
     if config.role == "draft":
         backend, drafter = drafters.make(config.drafter, config.spec, config.compile)
     else:
         backend, drafter = target_backend(config), None
-    return serve_model(config, backend, host, port, drafter, security, telemetry)
+    return serve_model(config, backend, host, port, drafter, security, telemetry, cores)
 
 
 def target_backend(config: ModelServiceConfig):
@@ -66,10 +69,12 @@ def serve_model(
     drafter: drafters.Drafter | None = None,
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
+    cores: placement.Cores | None = None,
 ) -> tuple[Served, int]:
     """Serve an already built backend in the config's role (the harness passes its tiny models);
-    `drafter` defaults to the model drafter."""
-    common = {"security": security, "telemetry": telemetry, "limits": config.limits}
+    `drafter` defaults to the model drafter; `cores`: its threads step by step (None: the
+    process's, no core lock)."""
+    common = {"security": security, "telemetry": telemetry, "limits": config.limits, "cores": cores}
     if config.role == "draft":
         return serve_draft(backend, host, port, drafter or drafters.MODEL, **common)
     return serve_target(backend, host, port, **common)

@@ -7,9 +7,10 @@ folder, shown when one fails to start. They inherit the environment (OTEL_* conf
 telemetry).
 
 The draft and target bind loopback only; the orchestrator binds `host` and alone faces
-clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target get
-disjoint cores unless told otherwise (specdec.placement.split_for_pair), as a GPU pair gives
-each service its own device. An auth token reaches every child through
+clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target may both
+use every core unless told otherwise (--draft-cpus, --target-cpus pin them): the orchestrator
+chooses, round by round, whether they compute at once on their shares of the cores or in turn
+on all of them (specdec.placement). An auth token reaches every child through
 its environment (never argv, which other users can read), and every service then requires it.
 
 Supervision: a monitor thread watches the children. A model service that fails (a non-zero
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.configs import ModelServiceConfig
-from specdec import models, placement, security
+from specdec import models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
 LOOPBACK = "127.0.0.1"
@@ -117,7 +118,7 @@ class LocalPipeline:
     restarts: Counter = field(default_factory=Counter)  # service name -> restarts that came up
     failure: str | None = None  # why the pipeline stopped working, once it has
     http_url: str | None = None  # the orchestrator's HTTP API, when config.http_port is set
-    placements: tuple[Placement, Placement] | None = None  # the draft's and the target's, once started
+    placements: tuple[Placement, Placement] | None = None  # the draft's and the target's, as configured
 
     def __post_init__(self):
         self._commands: dict[str, list[str]] = {}  # name -> argv without --port
@@ -140,7 +141,7 @@ class LocalPipeline:
             models.draft_gguf_path()  # likewise (the llama.cpp drafter's default file)
         t0 = time.perf_counter()
         try:
-            draft_place, target_place = self.placements = self._placements()
+            draft_place, target_place = self.placements = (cfg.draft_placement, cfg.target_placement)
             draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
             self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
             compiled = [] if cfg.target_compile is None else ["--compile" if cfg.target_compile else "--no-compile"]
@@ -168,19 +169,6 @@ class LocalPipeline:
         self._monitor.start()
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
-
-    def _placements(self) -> tuple[Placement, Placement]:
-        """As configured; with neither given and both on the CPU, disjoint cores for each, as a
-        GPU pair gives each service its own device (specdec.placement.split_for_pair)."""
-        cfg = self.config
-        given = (cfg.draft_placement, cfg.target_placement)
-        on_cpu = all(spec.device == "cpu" for spec in (cfg.draft, cfg.target))
-        split = placement.split_for_pair(placement.usable_cores())
-        if any(p.cpus for p in given) or not on_cpu or split is None:
-            return given
-        cores = [Placement(placement.format_cpus(c), p.threads) for c, p in zip(split, given, strict=True)]
-        self.log(f"specdec: draft on cores {cores[0].cpus}, target on {cores[1].cpus} (--draft-cpus, --target-cpus)")
-        return cores[0], cores[1]
 
     @property
     def address(self) -> str:

@@ -19,15 +19,14 @@ from specdec.v1 import model_pb2, model_pb2_grpc
 SERVICE_NAME = "specdec.v1.DraftService"
 
 
-def _metered(proposal, steps: list[int]):
-    """Run a proposal's forwards (engine.Forward) on the worker, appending the tokens of each
-    batched forward it ran in to `steps`."""
+def _metered(proposal, steps: list):
+    """Run a proposal's forwards (engine.Forward) on the worker, appending each, once run, to `steps`."""
     logits = None
     try:
         while True:
             forward = proposal.send(logits)
             logits = yield forward
-            steps.append(forward.step_tokens)
+            steps.append(forward)
     except StopIteration as stop:
         return stop.value
 
@@ -69,13 +68,16 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                     list(request.assumed_tokens),
                     noise_seed,
                 )
-            steps: list[int] = []  # tokens of each batched forward the proposal ran in
+            steps: list = []  # the forwards of the proposal, as they ran (batched with others')
             result = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
             response = model_pb2.ProposeResponse(
                 length=len(session.tokens),
-                compute_seconds=time.perf_counter() - start,
+                # less its waits for the other service's steps on shared cores: not its compute
+                compute_seconds=time.perf_counter() - start - sum(f.waited for f in steps),
                 steps=len(steps),
-                step_tokens=sum(steps),
+                step_tokens=sum(f.step_tokens for f in steps),
+                threads=min((f.step_threads for f in steps), default=0),
+                forward_seconds=sum(f.seconds for f in steps),
             )
             if request.tree_nodes:
                 response.token_ids[:], response.token_probs[:] = result.tokens, result.probs
@@ -87,7 +89,8 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 response.token_ids[:], response.token_probs[:] = result
             return response
 
-        return self.engine.call(ref.session_id, ref.expected_length, run, context)
+        threads = request.threads if request.HasField("threads") else None
+        return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
 
     def ProposalRow(self, request, context):
         ref = request.session
@@ -107,17 +110,28 @@ def serve(
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
     limits: SessionLimits | None = None,
+    cores=None,
 ):
     """Start a draft service on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("draft")) adds spans
-    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens. The server
-    drains with server.drain() (specdec.lifecycle).
+    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens; `cores`
+    (specdec.placement.Cores) sets each step's threads. The server drains with server.drain()
+    (specdec.lifecycle).
     """
 
     def add_servicer(engine, server):
         model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
 
     return serve_model(
-        backend, "draft", SERVICE_NAME, add_servicer, host, port, limits=limits, telemetry=telemetry, security=security
+        backend,
+        "draft",
+        SERVICE_NAME,
+        add_servicer,
+        host,
+        port,
+        limits=limits,
+        telemetry=telemetry,
+        security=security,
+        cores=cores,
     )

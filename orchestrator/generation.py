@@ -292,4 +292,8 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         target_compute_seconds=s.target_compute_seconds,
         wire_bytes=s.wire_bytes,
         drafted_tokens=s.drafted_tokens,
+        draft_core_seconds=s.draft_core_seconds,
+        target_core_seconds=s.target_core_seconds,
+        draft_forward_seconds=s.draft_forward_seconds,
+        target_forward_seconds=s.target_forward_seconds,
     )

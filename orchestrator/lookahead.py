@@ -87,6 +87,23 @@ A round counts up to MISPRICED times its price, and each ratio decays with its o
 it stays while the load is elsewhere. Alone the price is the formula's, as measured (overlapped
 rounds within 2-5% of its bound).
 
+Cores. Where the draft and the target share one machine's cores (PairCosts.sharing, from the
+services' Describe: specdec.placement), the two kinds of round are two placements: an overlapped
+round runs both services at once, each on its share of the threads (space-sharing), a
+sequential one runs them in turn, each forward on every core (time-sharing: the core lock
+keeps the other service off them), so its draft's and target's work add up on the one machine
+(RoundCosts.shared) where a pair of devices does each beside the other. That is for one
+generation alone: under load one generation's draft steps fall between another's verify steps,
+and time-sharing made every step of the machine wait for the lock (2 and 4 clients choosing
+sequential rounds on every core: 40-51 tok/s, where k = 4 on the shares gave 42-67), so there any
+round that drafts runs on the shares, and both kinds are priced there. Each is priced at its
+threads: the draft's step by its service's profile at those threads (scaled by what serving
+measures against the profile at the threads its steps ran with), the target's by the verify line,
+fitted over steps brought to every core's threads by the target's profile (Sharing.verify_ratio)
+and taken back to the round's threads the same way; a plain round runs the target on every core.
+A fixed k (not adaptive) is priced too where its text does not depend on the schedule (greedy,
+the invariant rule): such a request gets the cheaper kind of round each round (`fixed`).
+
 Load. Every generation reports its rounds, so the windows count steps, not reports: a round of
 each of N generations weighs as one step (counted one by one, under load the line's window
 shrank to two steps and its intercept swung from 12 to 234 ms between rounds). Under load
@@ -103,7 +120,7 @@ cost falls towards nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the past per step (a round of each generation): a window of ~5 steps
@@ -168,10 +185,13 @@ class RoundCosts:
     wait: float = 0.0  # what a speculating round waits on the target beyond its step
     load: int = 1  # generations running
     sessions: float = 1.0  # of them, those whose blocks share a verify step (measured)
+    shared: bool = False  # the two services take turns on one machine's cores: their works add up
+    scale: Callable[[float], float] | None = None  # the verify line at the round's threads: T(m) scale(m)
 
     def step(self, tokens: float) -> float:
         t1, slope = self.verify
-        return t1 + slope * (tokens - 1)
+        line = t1 + slope * (tokens - 1)
+        return line * self.scale(tokens) if self.scale is not None else line
 
 
 def round_time(alpha: float, k: int, costs: RoundCosts, overlap: bool) -> float:
@@ -187,6 +207,8 @@ def round_time(alpha: float, k: int, costs: RoundCosts, overlap: bool) -> float:
     else:
         path = k * costs.draft + verify + costs.wait
         draft_work = k * costs.draft
+    if costs.shared:  # one machine's cores, the services in turn
+        return max(path, target_work + draft_work)
     return max(path, target_work, draft_work)
 
 
@@ -196,17 +218,46 @@ def speedup(alpha: float, k: int, costs: RoundCosts, overlap: bool, t0: float) -
     return 1.0 if k == 0 else expected_tokens(alpha, k) * t0 / round_time(alpha, k, costs, overlap)
 
 
-def best_lookahead(alpha: float, costs: RoundCosts, t0: float, k_max: int, overlap: bool) -> tuple[int, bool]:
+def best_lookahead(
+    alpha: float, costs: RoundCosts | Mapping[bool, RoundCosts], t0: float, k_max: int, overlap: bool
+) -> tuple[int, bool]:
     """(k, overlapped) with the highest speedup, k in 0..k_max (0: no speculation pays);
-    overlapped rounds only where `overlap` allows them; of equals, the smallest k."""
+    overlapped rounds only where `overlap` allows them; of equals, the smallest k. `costs`: one
+    for both kinds of round, or each kind's (overlapped: True), as on cores the services share."""
+    by_mode = costs if isinstance(costs, Mapping) else {True: costs, False: costs}
     modes = (True, False) if overlap else (False,)
     best, most = (0, overlap), 1.0
     for k in range(1, k_max + 1):
         for mode in modes:
-            gain = speedup(alpha, k, costs, mode, t0)
+            gain = speedup(alpha, k, by_mode[mode], mode, t0)
             if gain > most * (1 + 1e-9):
                 best, most = (k, mode), gain
     return best
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """The draft and the target on one machine's cores (see Cores): the threads each runs with in
+    overlapped rounds (its share, both at once) and in sequential ones (every core, in turn), and
+    what their forwards cost at each as the services timed them at start (Describe's
+    step_costs): the draft's batched step by sessions, the target's forward by tokens."""
+
+    draft_threads: tuple[int, int]  # (overlapped, sequential)
+    target_threads: tuple[int, int]
+    draft: dict[int, dict[int, float]]  # threads -> {sessions: seconds}
+    verify: dict[int, dict[int, float]]  # threads -> {tokens: seconds}
+
+    def threads(self, overlapped: bool) -> tuple[int, int]:
+        """(the draft's, the target's) threads in a round of that kind."""
+        i = 0 if overlapped else 1
+        return self.draft_threads[i], self.target_threads[i]
+
+    def verify_ratio(self, threads: int, tokens: float) -> float:
+        """A target forward of `tokens` tokens on `threads` threads over the same on every core."""
+        every = self.target_threads[1]
+        if threads == every or threads not in self.verify:
+            return 1.0
+        return profiled(self.verify[threads], tokens) / profiled(self.verify[every], tokens)
 
 
 @dataclass
@@ -220,6 +271,7 @@ class DraftCost:
     compute: float = 0.0
     steps: int = 0
     step_tokens: int = 0
+    threads: int = 0  # the threads its steps ran with (0: not reported)
 
 
 class CostLine:
@@ -268,11 +320,12 @@ class PairCosts:
     load where speculation does not pay the explorations are paid once for all generations, not
     once by each. Updated and read under its lock (generations run on their own threads)."""
 
-    def __init__(self, draft_profile: dict[int, float] | None = None):
+    def __init__(self, draft_profile: dict[int, float] | None = None, sharing: Sharing | None = None):
         self.lock = threading.Lock()
         # the draft's batched step of n sessions as its service timed it at start (Describe's
-        # step_costs; {}: not reported), and the measured steps over it (see draft_cost)
+        # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
         self.draft_profile = dict(draft_profile or {})
+        self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
         self.draft_scale = [0.0, 0.0]  # [sum, weight] of measured / profiled step, FIT_DECAY
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
@@ -309,7 +362,26 @@ class PairCosts:
         line = self.verify.fit()
         return (self.verify.mean(), 0.0) if line is None and k_max <= 1 else line
 
-    def draft_cost(self, sessions: int) -> float:
+    def threads(self, overlapped: bool) -> tuple[int | None, int | None]:
+        """The threads of (the draft's, the target's) forwards in a round of that kind; None: the
+        service's own (the services do not share cores)."""
+        return self.sharing.threads(overlapped) if self.sharing is not None else (None, None)
+
+    def _draft_curve(self, threads: int | None) -> dict[int, float]:
+        """The draft's profile at `threads` threads (None, or not timed: at its own)."""
+        if self.sharing is not None and threads in self.sharing.draft:
+            return self.sharing.draft[threads]
+        return self.draft_profile
+
+    def verify_scale(self, threads: int | None) -> Callable[[float], float] | None:
+        """What turns the verify line (fitted at every core's threads where the cores are shared)
+        into the target's step at `threads`; None: the line as it is."""
+        sharing = self.sharing
+        if sharing is None or threads is None or threads == sharing.target_threads[1]:
+            return None
+        return lambda tokens: sharing.verify_ratio(threads, tokens)
+
+    def draft_cost(self, sessions: int, threads: int | None = None) -> float:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
         that many (draft_step) per token, plus what a round waits for the draft beyond its
         compute. While the step is unknown (no profile and the steps all of one size, or a
@@ -317,8 +389,8 @@ class PairCosts:
         steps held, no batching assumed: measured by lone rounds only (a pair's first generations), a step of
         16 sessions was priced as one session's, speculation looked cheap at 16 clients, and
         each of them opened its draft and waited behind the others' prefills before its rounds
-        measured otherwise."""
-        step = self.draft_step(sessions)
+        measured otherwise. `threads`: its steps' (None: the service's own)."""
+        step = self.draft_step(sessions, threads)
         if step is None:
             per_token = self.draft_seconds / self.draft_tokens
             if self.draft_line.w:  # against the sessions its steps held, on average
@@ -327,16 +399,18 @@ class PairCosts:
         waited = max(0.0, self.draft_seconds - self.draft_compute)
         return (step * self.draft_steps + waited) / self.draft_tokens
 
-    def draft_step(self, sessions: int) -> float | None:
-        """Seconds of the draft's batched step of `sessions` sessions: its service's profile
-        scaled by what its steps measured against it (the curve's shape from the profile, its
-        level from serving: a handler's and the worker's share of the core), else the line
-        fitted over the steps measured; None while neither is known."""
+    def draft_step(self, sessions: int, threads: int | None = None) -> float | None:
+        """Seconds of the draft's batched step of `sessions` sessions on `threads` threads (None:
+        its own): its service's profile at those threads scaled by what its steps measured against
+        the profile at theirs (the curve's shape from the profile, its level from serving: a
+        handler's and the worker's share of the core), else the line fitted over the steps
+        measured; None while neither is known."""
         if self.draft_steps == 0:
             return None
-        if self.draft_profile:
+        curve = self._draft_curve(threads)
+        if curve:
             total, weight = self.draft_scale
-            return profiled(self.draft_profile, sessions) * (total / weight if weight else 1.0)
+            return profiled(curve, sessions) * (total / weight if weight else 1.0)
         line = self.draft_line.fit()
         return None if line is None else line[0] + line[1] * (sessions - 1)
 
@@ -402,6 +476,7 @@ class PairCosts:
         sessions: int = 1,
         step_sessions: int | None = None,
         quiet: bool = True,
+        target_threads: int = 0,
     ) -> None:
         """One round of one of `sessions` generations running: each reports its rounds, so the
         windows above count rounds of them all (a round of each of 16 generations is one step,
@@ -409,7 +484,8 @@ class PairCosts:
         intercept swung from 12 to 234 ms). `step_sessions`: the sessions in its verify step,
         for a round that speculated with the others (None: not counted). `quiet`: no prefill ran on
         the pair during the round; one that did waited behind it, and its wait is not counted
-        (see Calibration)."""
+        (see Calibration). `target_threads`: its verify step's (0: not reported); on shared cores
+        the verify line is fitted at every core's threads (see Cores)."""
         share = 1 / max(1, sessions)
         d = DECAY**share
         if step_sessions:
@@ -435,10 +511,12 @@ class PairCosts:
                 self.draft_line.add(draft.step_tokens / draft.steps, draft.compute / draft.steps, share)
             if draft.steps and self.draft_profile and quiet:  # a step beside a prompt's chunks is no decode step
                 f = FIT_DECAY**share
-                ratio = draft.compute / draft.steps / profiled(self.draft_profile, draft.step_tokens / draft.steps)
+                curve = self._draft_curve(draft.threads or None)
+                ratio = draft.compute / draft.steps / profiled(curve, draft.step_tokens / draft.steps)
                 self.draft_scale = [f * self.draft_scale[0] + share * ratio, f * self.draft_scale[1] + share]
         self.usual_k = FIT_DECAY**share * self.usual_k + proposed
-        self.verify.add(step, target_compute, share)
+        scale = self.verify_scale(target_threads or None)
+        self.verify.add(step, target_compute / scale(step) if scale else target_compute, share)
 
 
 @dataclass
@@ -449,6 +527,7 @@ class AdaptiveLookahead:
 
     k_max: int
     overlap: bool = False  # overlapped rounds allowed (see Pricing: chosen where they pay)
+    fixed: bool = False  # k is k_max, always: only the kind of round is chosen (see Cores)
     load: Callable[[], int] = lambda: 1  # generations sharing the services' forwards
     costs: PairCosts = field(default_factory=PairCosts)
     accepted: float = 0.0
@@ -467,6 +546,8 @@ class AdaptiveLookahead:
         with self.costs.lock:
             costs = self.costs
             k = self._best_k()
+            if self.fixed:
+                return k
             self.exploring = False
             if k > 0:
                 costs.off_rounds, costs.explore_after = 0, EXPLORE_EVERY
@@ -482,7 +563,7 @@ class AdaptiveLookahead:
         """Whether the next round would draft, asked before it (no round counted): a new
         generation opens its draft's session only then."""
         with self.costs.lock:
-            return self._best_k() > 0
+            return self.fixed or self._best_k() > 0
 
     def alpha(self) -> float | None:
         """Per-token acceptance: this generation's, the pair's as a prior; None: no evidence."""
@@ -499,6 +580,8 @@ class AdaptiveLookahead:
         if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
             return self.k_max
         line = costs.verify_cost(self.k_max)
+        if line is None and self.fixed:  # every step of one size: its mean, and no slope
+            line = (costs.verify.mean(), 0.0)
         if line is None:  # every recent step fed the same number of tokens: try another k
             usual = round(costs.usual_k / costs.verify.w)
             if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
@@ -506,12 +589,31 @@ class AdaptiveLookahead:
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         wait_on, wait_off = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         n = max(1, self.load())
-        # every generation drafting, as they all choose alike
-        rounds = RoundCosts(costs.draft_cost(n), line, wait_on, n, costs.sessions(n))
-        t0 = rounds.step(n) + wait_off  # a round without speculation: a step of n one-token rounds
+        # every generation drafting, as they all choose alike; each kind of round at its threads (see
+        # Cores: under load, on the services' shares whatever the kind)
+        rounds = {}
+        for overlapped in (True, False):
+            draft_threads, target_threads = costs.threads(overlapped or n > 1)
+            rounds[overlapped] = RoundCosts(
+                costs.draft_cost(n, draft_threads),
+                line,
+                wait_on,
+                n,
+                costs.sessions(n),
+                shared=costs.sharing is not None and not overlapped and n == 1,
+                scale=costs.verify_scale(target_threads),
+            )
+        # a round without speculation: a step of n one-token rounds, on every core
+        t0 = line[0] + line[1] * (n - 1) + wait_off
+        if self.fixed:  # the cheaper kind of round at k_max
+            k = self.k_max
+            self.overlapping = self.overlap and round_time(alpha, k, rounds[True], True) <= round_time(
+                alpha, k, rounds[False], False
+            )
+            return k
         k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
         if n > 1:
-            self.promised = speedup(alpha, k, rounds, self.overlapping, t0)
+            self.promised = speedup(alpha, k, rounds[self.overlapping], self.overlapping, t0)
             calibration = costs.calibration(n)
             if calibration is None:  # not measured at this load: the formula must promise more than its error
                 self.speculating = self.promised > 1 + UNPROVEN
@@ -519,7 +621,7 @@ class AdaptiveLookahead:
                 self.speculating = speculates(self.promised * calibration, self.speculating)
             k = k if self.speculating else 0
         # the chosen k's price; k = 0: drafts it did not choose (an exploration's, carried) are not calibrated
-        self.priced = (round_time(alpha, k, rounds, self.overlapping) if k else None, t0, n)
+        self.priced = (round_time(alpha, k, rounds[self.overlapping], self.overlapping) if k else None, t0, n)
         return k
 
     def update(
@@ -533,6 +635,7 @@ class AdaptiveLookahead:
         step_sessions: int | None = None,
         round_seconds: float | None = None,
         quiet: bool = True,
+        target_threads: int = 0,
     ) -> None:
         """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
         for the proposed tokens, the service's steps unknown), the seconds waited on the target,
@@ -541,7 +644,7 @@ class AdaptiveLookahead:
         proposed + 1, as when no other session shares the target), the sessions it ran, the seconds
         since its generation's last commit (None: not timed), and whether no prefill ran on the
         pair meanwhile (one that did waited behind it: neither its wait nor its time is counted;
-        see Calibration)."""
+        see Calibration), and the threads the target's step ran with (0: not reported)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
         if not isinstance(draft, DraftCost):
@@ -550,7 +653,9 @@ class AdaptiveLookahead:
         with self.costs.lock:
             compute = target_seconds if target_compute is None else target_compute
             counted = step_sessions if proposed > 0 and not self.exploring else None
-            self.costs.update(proposed, accepted, draft, target_seconds, step, compute, self.load(), counted, quiet)
+            self.costs.update(
+                proposed, accepted, draft, target_seconds, step, compute, self.load(), counted, quiet, target_threads
+            )
             if quiet and round_seconds and self.priced is not None and not self.exploring:
                 spec_price, plain_price, load = self.priced
                 price = plain_price if proposed == 0 else spec_price  # None: drafts it did not choose (carried)

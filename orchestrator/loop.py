@@ -12,6 +12,16 @@ Invariant: nothing is drawn here; the services compute each position's noise fro
 and a draft is accepted iff it equals the target's token, as in greedy decoding: a seed then
 gives the target's own sample, whatever the lookahead, drafter, overlap or schedule.
 
+Threads. Where the two services share one machine's cores (PairCosts.sharing,
+specdec.placement), every request names the threads its forwards may use: the services' shares
+while both compute for this generation at once (an overlapped round's continuation beside its
+verify, both prefills) or, under load, in any round that drafts (one generation's draft steps
+fall between another's verify steps); every core otherwise (the core lock makes the services
+take turns): a plain round's verify, and alone, a sequential round's. The adaptive policy chooses the kind of round by
+its price at each placement; so does a fixed k where its text does not depend on the schedule
+(greedy, the invariant rule), while a Leviathan sample at a fixed k keeps the request's overlap
+setting, so that its seed replays.
+
 The loop knows nothing of text: the caller (orchestrator.generation) detokenises and
 handles stop strings, and may stop consuming at any round; the sessions are closed then.
 `draft` and `target` are anything with the stubs' methods (gRPC stubs, or in-process
@@ -121,6 +131,10 @@ class LoopStats:
     drafted_tokens: int = 0  # tokens the draft service proposed, continuations thrown away included
     draft_compute_seconds: float = 0.0  # of which the draft service reported computing
     target_compute_seconds: float = 0.0  # of which the target service reported computing
+    draft_forward_seconds: float = 0.0  # of the draft's compute, its forwards'
+    target_forward_seconds: float = 0.0  # of the target's compute, its forwards'
+    draft_core_seconds: float = 0.0  # the draft's forward seconds times the threads they ran with
+    target_core_seconds: float = 0.0  # the target's
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
     recoveries: int = 0  # sessions re-opened after a service lost them
@@ -241,10 +255,15 @@ class SpeculativeLoop:
         # A tree round is sequential (a continuation assumes one path accepted, a tree has many);
         # an adaptive generation with trees chooses between them and overlapped chains.
         self.overlap = config.overlap and self.draft is not None and (config.adaptive or not config.tree_nodes)
+        self.costs = costs or PairCosts()
         self.policy = None
         if config.adaptive:
             self.policy = AdaptiveLookahead(
-                config.lookahead, overlap=self.overlap, load=RUNNING.count, costs=costs or PairCosts()
+                config.lookahead, overlap=self.overlap, load=RUNNING.count, costs=self.costs
+            )
+        elif self.overlap and config.coupled and self.costs.sharing is not None:  # the kind of round only
+            self.policy = AdaptiveLookahead(
+                config.lookahead, overlap=True, fixed=True, load=RUNNING.count, costs=self.costs
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
@@ -252,6 +271,12 @@ class SpeculativeLoop:
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
+        self._round_speculates = False  # this round drafts (see Threads)
+
+    @property
+    def _overlapping(self) -> bool:
+        """Whether the rounds overlap where allowed: the policy's choice, else always."""
+        return self.policy is None or self.policy.overlapping
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -259,20 +284,21 @@ class SpeculativeLoop:
     # -- lifecycle -------------------------------------------------------------------------
     def rounds(self) -> Iterator[Round]:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
+        cfg = self.config
         RUNNING.add(1)
         try:
             # Both prefills at once, each on its own service: the first round waits for the
             # slower one, not for their sum. An adaptive generation opens its draft's session
             # only once its policy speculates (_draft_ready): under a load where speculation
             # does not pay, the draft prefills nothing.
-            if self.draft is not None and (self.policy is None or self.policy.would_speculate()):
+            if self.draft is not None and (not cfg.adaptive or self.policy.would_speculate()):
                 self._open_draft()
-            try:
-                self._open(self.target, self.prompt)
+            try:  # beside the draft's prefill, on its share of the cores
+                self._open(self.target, self.prompt, concurrent=self._draft_opening is not None)
             except BaseException:
                 _wait_quietly(self._draft_opening, self._timeout())
                 raise
-            if self.policy is None and self.draft is not None:
+            if not cfg.adaptive and self.draft is not None:
                 self._draft_ready(wait=True)
             if self.policy:
                 self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
@@ -298,11 +324,21 @@ class SpeculativeLoop:
         except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
             pass
 
-    def _open(self, side: _Side, tokens: list[int]) -> None:
+    def _threads(self, side: _Side, concurrent: bool) -> int | None:
+        """The threads a request of `side` may use (see Threads): its share of the cores if the
+        other service computes meanwhile, for this generation or, in overlapped rounds, for others;
+        every core if not; None where the services do not share cores (their own)."""
+        overlapped = concurrent or (self._round_speculates and RUNNING.count() > 1)
+        draft, target = self.costs.threads(overlapped)
+        return draft if side is self.draft else target
+
+    def _open(self, side: _Side, tokens: list[int], concurrent: bool = True) -> None:
         with self._prefilling():
             try:
                 side.stub.OpenSession(
-                    model_pb2.OpenSessionRequest(session_id=self.session_id, prompt_token_ids=tokens),
+                    model_pb2.OpenSessionRequest(
+                        session_id=self.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
+                    ),
                     timeout=self._timeout(),
                 )
             except SessionLost:  # the service is down or restarting: wait for it
@@ -366,6 +402,7 @@ class SpeculativeLoop:
         wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
         ready = self.draft is not None and self._draft_ready(wanted)
         wanted = wanted if ready else 0
+        self._round_speculates = wanted > 0  # under load, its requests run beside others' (see Threads)
         if not ready:
             k = 0
         elif self._carried is not None:
@@ -408,10 +445,11 @@ class SpeculativeLoop:
             self._carried.lost = True  # its rows went with the service: propose it again
         self.stats.recoveries += 1
 
-    def _propose(self, k: int, uniforms, assumed=()) -> tuple[_Proposal, float]:
+    def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[_Proposal, float]:
         """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds). More
         pending commits than a round makes (the draft's session opened or idle while rounds went
-        without it) is a prefill for the pair (see lookahead's Calibration)."""
+        without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
+        the round's verify (a continuation)."""
         with self._prefilling(len(self.draft.pending) > self.config.lookahead + 2):
             proposal, seconds = self._call(
                 self.draft.stub.Propose,
@@ -423,10 +461,13 @@ class SpeculativeLoop:
                     uniforms=uniforms[:k],
                     assumed_tokens=assumed,
                     noise_seed=self.config.noise_seed,
+                    threads=self._threads(self.draft, concurrent),
                 ),
             )
         with self._stats_lock:
             self.stats.draft_compute_seconds += proposal.compute_seconds
+            self.stats.draft_forward_seconds += proposal.forward_seconds
+            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
             self.stats.drafted_tokens += len(proposal.token_ids)
         self.draft.length, self.draft.pending = proposal.length, []
         return _Proposal(
@@ -452,12 +493,13 @@ class SpeculativeLoop:
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
-        overlap = self.overlap and (self.policy is None or self.policy.overlapping)  # adaptive: its choice
-        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if overlap else 0
+        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if self.overlap and self._overlapping else 0
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
-            continuation = _CONTINUATIONS.submit(ctx.run, self._propose, k_next + 1, draws.continuation, drafts.tokens)
+            continuation = _CONTINUATIONS.submit(
+                ctx.run, self._propose, k_next + 1, draws.continuation, drafts.tokens, concurrent=True
+            )
         try:
             scores, target_time = self._call(
                 self.target.stub.Score,
@@ -469,12 +511,15 @@ class SpeculativeLoop:
                     draft_token_probs=drafts.probs,
                     accept_uniforms=accept_u,
                     noise_seed=cfg.noise_seed,
+                    threads=self._threads(self.target, concurrent=continuation is not None),
                 ),
             )
         except BaseException:
             _wait_quietly(continuation, self._timeout())
             raise
         self.stats.target_compute_seconds += scores.compute_seconds
+        self.stats.target_forward_seconds += scores.forward_seconds
+        self.stats.target_core_seconds += scores.forward_seconds * scores.threads
         self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
         after = None
         if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
@@ -545,6 +590,7 @@ class SpeculativeLoop:
                     sum(r.compute_seconds for r in reports),
                     sum(r.steps for r in reports),
                     sum(r.step_tokens for r in reports),
+                    min((r.threads for r in reports), default=0),
                 ),
                 target_time,
                 scores.step_tokens or None,
@@ -552,6 +598,7 @@ class SpeculativeLoop:
                 scores.step_sessions or None,
                 since := self._since_commit(),
                 since is not None,
+                scores.threads,
             )
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start
@@ -575,6 +622,7 @@ class SpeculativeLoop:
                 noise_seed=cfg.noise_seed,
                 tree_nodes=cfg.tree_nodes,
                 tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
+                threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
             ),
         )
         self.draft.length, self.draft.pending = proposal.length, []
@@ -589,6 +637,7 @@ class SpeculativeLoop:
             draft_parent_ids=parents,
             sampling=self._sampling,
             noise_seed=cfg.noise_seed,
+            threads=self._threads(self.target, concurrent=False),
         )
         if not cfg.coupled:  # the Leviathan rule: the target walks the tree with the draft's rows
             request.draft_rows.extend(proposal.node_rows)
@@ -610,6 +659,10 @@ class SpeculativeLoop:
             self.stats.target_seconds += target_time
             self.stats.draft_compute_seconds += proposal.compute_seconds
             self.stats.target_compute_seconds += scores.compute_seconds
+            self.stats.draft_forward_seconds += proposal.forward_seconds
+            self.stats.target_forward_seconds += scores.forward_seconds
+            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
+            self.stats.target_core_seconds += scores.forward_seconds * scores.threads
             self.stats.drafted_tokens += len(tokens)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))

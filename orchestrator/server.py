@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate, load_tokenizer
-from orchestrator.lookahead import PairCosts
+from orchestrator.lookahead import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
@@ -49,13 +49,15 @@ def connect(
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     draft = None
     max_context = target_info.max_context
-    profile = {}  # the draft's batched step costs (adaptive lookahead's prior for its steps)
+    profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         draft = ResilientStub(model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait_seconds)
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
         check_pair(draft_info, target_info)
         max_context = min(max_context, draft_info.max_context)
-        profile = {c.sessions: c.seconds for c in draft_info.step_costs}
+        curves = _curves(draft_info.step_costs, "sessions")
+        profile = curves[max(curves)] if curves else {}  # at its own threads
+        sharing = shared_cores(draft_info, target_info)
     tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     return ModelPair(
         draft=draft,
@@ -65,9 +67,32 @@ def connect(
         vocab_size=target_info.vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
-        costs=PairCosts(profile),
+        costs=PairCosts(profile, sharing),
         tree_verify=target_info.tree_verify,
     )
+
+
+def shared_cores(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> Sharing | None:
+    """How the two services share one machine's cores (specdec.placement), if they do: both on
+    the CPU of one machine (its boot id), their cores overlapping, each having timed its forwards
+    at two thread counts (its share and every core). None otherwise (two hosts, a GPU, a service
+    pinned to its own cores): each runs on its own threads, whatever the round."""
+    if not draft.machine or draft.machine != target.machine or {draft.device, target.device} != {"cpu"}:
+        return None
+    if not set(draft.cpus) & set(target.cpus):
+        return None
+    drafts, verify = _curves(draft.step_costs, "sessions"), _curves(target.step_costs, "tokens")
+    if len(drafts) < 2 or len(verify) < 2:
+        return None
+    return Sharing((min(drafts), max(drafts)), (min(verify), max(verify)), drafts, verify)
+
+
+def _curves(costs, size: str) -> dict[int, dict[int, float]]:
+    """A profile (Describe's step_costs) by threads: {threads: {sessions or tokens: seconds}}."""
+    out: dict[int, dict[int, float]] = {}
+    for c in costs:
+        out.setdefault(c.threads, {})[getattr(c, size) or 1] = c.seconds
+    return out
 
 
 def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:

@@ -11,10 +11,14 @@ Backend interface (duck-typed; tests supply in-process stand-ins with fixed dist
 Optional, for a backend that batches across sessions (the model worker uses them when present):
 - forward_batch([(cache, token_ids, n_logits), ...]) -> [logits, ...]: one forward for all
 - release(cache): the session ended; its cache may be reused
+- set_threads(n): the threads of the next forwards (called on the thread that runs them;
+  specdec.placement.Cores)
 Optional, for a backend that verifies draft trees (`trees = True`; the engine sends them no other):
 - forward_batch(items, trees=[Tree | None per item]) (specdec.kvcache.Tree: the item's block
   extends a tree of nodes, each attending to the chain and its ancestors)
 - compact(cache, keep, sources): keep `keep` positions, then positions `sources` after them
+The logits a forward returns are valid until the backend's next forward: a caller reads or
+copies them before (the llama.cpp backend returns views of llama.cpp's own buffer, no copy).
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class HFBackend:
     def new_cache(self) -> Slot:
         with self._lock:
             return self.kv.acquire()
+
+    def set_threads(self, n: int) -> None:
+        torch.set_num_threads(n)  # this thread's OpenMP team and MKL's (the worker's)
 
     def release(self, cache: Slot) -> None:
         with self._lock:

@@ -25,6 +25,11 @@ step takes prompts' chunks up to PREFILL_BUDGET tokens (at least one chunk) besi
 and verify: neither a long prompt nor a wave of new ones stalls the others' decodes for more
 than such a step. `call` submits a request and waits for it.
 
+Threads: a request may name the threads its forwards use (the orchestrator's choice of how the
+draft and the target share one machine's cores, specdec.placement); a step runs with the fewest
+any of its forwards allows, under the machine's core lock (`placement.Cores`; none given: the
+process's threads, no lock).
+
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
 
@@ -43,7 +48,7 @@ from typing import Any
 
 import torch
 
-from specdec import validation
+from specdec import placement, validation
 from specdec.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -78,6 +83,7 @@ class Session:
     proposal_start: int = 0
     proposal_tokens: list[int] = field(default_factory=list)  # the token each row drew
     kv_tokens: int = 0  # reserved in the engine's KV budget
+    threads: int | None = None  # the threads the request running on it allows (None: the service's)
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     claimed: bool = False  # a request has used it since OpenSession
@@ -96,16 +102,22 @@ class Forward:
     n_logits: int
     cached: list[int]
     prefill: bool = False  # a prompt's chunk: counts against a step's prefill budget
+    threads: int | None = None  # the most threads it may run with (None: the service's)
     step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
     step_sessions: int = 0  # ... and the sessions it ran
+    step_threads: int = 0  # ... the threads it ran with
+    waited: float = 0.0  # ... the seconds it waited for the machine's core lock
+    seconds: float = 0.0  # ... and the seconds of the batched forward (on a GPU: its launch)
     tree: Tree | None = None  # the block extends a draft tree (forward_tree)
 
 
 class SessionEngine:
-    def __init__(self, backend, role: str, limits: SessionLimits | None = None, step_profile=None):
+    def __init__(self, backend, role: str, limits: SessionLimits | None = None, step_profile=None, cores=None):
         self.backend = backend
         self.role = role
-        self.step_profile: dict[int, float] = dict(step_profile or {})  # profile_steps, for Describe
+        # profile_steps, for Describe: {(threads, sessions, tokens): seconds}
+        self.step_profile: dict[tuple[int, int, int], float] = dict(step_profile or {})
+        self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
         self.kv = KVBudget(self.limits.max_kv_tokens)
         self._sessions: dict[str, Session] = {}
@@ -114,19 +126,29 @@ class SessionEngine:
         )
 
     # -- requests ----------------------------------------------------------------------
-    def call(self, session_id: str, expected_length: int | None, request: Callable, context=None, final=False):
+    def call(
+        self,
+        session_id: str,
+        expected_length: int | None,
+        request: Callable,
+        context=None,
+        final=False,
+        threads: int | None = None,
+    ):
         """Run request(session) on the worker and return its result. `request` is a plain
         function or a generator function yielding Forwards; the session is checked first
         against the caller's view of its committed length. `context` (gRPC) cancels it;
-        `final`: the request ends the session (the worker waits for no later one)."""
+        `final`: the request ends the session (the worker waits for no later one); `threads`:
+        the most its forwards may use (None: the service's)."""
         return self.worker.call(
-            session_id, lambda: self._on_session(session_id, expected_length, request), context, final
+            session_id, lambda: self._on_session(session_id, expected_length, request, threads), context, final
         )
 
-    def _on_session(self, session_id: str, expected_length: int | None, request: Callable) -> Generator:
+    def _on_session(self, session_id: str, expected_length: int | None, request: Callable, threads=None) -> Generator:
         session = self._get(session_id)
         if expected_length is not None and expected_length != len(session.tokens):
             raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
+        session.threads = threads
         try:
             result = request(session)
             if inspect.isgenerator(result):
@@ -147,34 +169,43 @@ class SessionEngine:
         batch = getattr(self.backend, "forward_batch", None)
         items = [(f.session.cache, f.tokens, f.n_logits) for f in forwards]
         trees = [f.tree for f in forwards]
-        if batch is None:
-            logits = [self.backend.forward(*item) for item in items]
-        elif any(trees):  # forward_tree sends trees only to a backend that verifies them
-            logits = batch(items, trees=trees)
-        else:
-            logits = batch(items)
+        threads, waited = 0, 0.0
+        with contextlib.ExitStack() as stack:
+            if self.cores is not None:
+                threads = self.cores.of(f.threads for f in forwards)
+                waited = stack.enter_context(self.cores.step(threads, self.backend))
+            t0 = time.perf_counter()
+            if batch is None:
+                logits = [self.backend.forward(*item) for item in items]
+            elif any(trees):  # forward_tree sends trees only to a backend that verifies them
+                logits = batch(items, trees=trees)
+            else:
+                logits = batch(items)
+            seconds = time.perf_counter() - t0
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
+            f.step_threads, f.waited, f.seconds = threads, waited, seconds
             f.session.tree = f.tree
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------
-    def open(self, session_id: str, prompt: list[int], context=None) -> int:
+    def open(self, session_id: str, prompt: list[int], context=None, threads: int | None = None) -> int:
+        """Open a session holding `prompt` (prefilled by threads of at most `threads`)."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt)), context)
+        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads), context)
 
-    def _open(self, session_id: str, prompt: list[int]) -> Generator:
+    def _open(self, session_id: str, prompt: list[int], threads: int | None = None) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
-        session = Session(tokens=prompt, cache=None)
+        session = Session(tokens=prompt, cache=None, threads=threads)
         self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:
@@ -182,7 +213,7 @@ class SessionEngine:
             prefix = prompt[:-1]  # all but the last token, which the next block feeds
             for start in range(0, len(prefix), PREFILL_CHUNK):
                 end = min(start + PREFILL_CHUNK, len(prefix))
-                yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True)
+                yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
             raise
@@ -287,7 +318,7 @@ class SessionEngine:
         self._crop(session, common_prefix(session.cached, sequence, min(_agreed(session), fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
-        return Forward(session, pending, n_logits, sequence)
+        return Forward(session, pending, n_logits, sequence, threads=session.threads)
 
     def forward_tree(self, session: Session, tokens: list[int], parents: list[int]) -> Forward:
         """What to feed so the cache holds the committed tokens and then a draft tree (tokens[i]
@@ -366,35 +397,45 @@ def scratch_caches(backend, n: int):
 
 
 PROFILE_SESSIONS = (1, 2, 4, 8, 16)  # the batched decode steps a draft service times at start
+# The forwards of one session a target times: a verify of k + 1, and the steps of many sessions' (a
+# second thread gains more as a step grows: the fp32 target 1.0x at 1 token, 1.38x at 17, 1.60x at 65)
+PROFILE_TOKENS = (1, 2, 3, 5, 9, 17, 33, 65)
 PROFILE_CONTEXT = 16  # tokens each profiled session holds
 PROFILE_REPS = 3  # timed steps per size (the median), after one dropped
 
 
-def profile_steps(backend, sessions=PROFILE_SESSIONS, reps: int = PROFILE_REPS) -> dict[int, float]:
-    """Median seconds of a batched decode step (one new token each) of n sessions, for each n
-    in `sessions`, on scratch caches freed afterwards; {} for a backend that does not batch.
+def profile_steps(backend, shapes, cores=None, reps: int = PROFILE_REPS) -> dict[tuple[int, int, int], float]:
+    """Median seconds of a batched forward of n sessions each feeding w tokens (and wanting their
+    logits: a draft step at w = 1, a verify of w tokens), for each (n, w) in `shapes` and each
+    thread count a request may ask for (`cores.counts()`; none: the process's, reported as 0),
+    on scratch caches freed afterwards: {(threads, n, w): seconds}; {} for a backend that does
+    not batch.
 
     A draft's step does not grow linearly with the sessions in it (the default Q8_0 draft on
     one core: 8, 25, 34, 40, 88 ms for 1, 2, 4, 8, 16), so a line fitted over the steps a
     service happens to have run extrapolates badly to a load it has not seen yet (fitted over
     steps of 1-4 sessions it priced a step of 8 at 73-77 ms): the adaptive policy prices a
-    step by this curve, scaled by what the live steps measure (orchestrator.lookahead)."""
+    step by this curve, scaled by what the live steps measure (orchestrator.lookahead), and a
+    round on a share of the machine's cores by the curves at that share's threads."""
     batch = getattr(backend, "forward_batch", None)
-    if batch is None or not sessions:
+    if batch is None or not shapes:
         return {}
-    with scratch_caches(backend, max(sessions)) as caches:
+    counts = cores.counts() if cores is not None else [0]
+    with scratch_caches(backend, max(n for n, _ in shapes)) as caches:
         prompt = [(7 + i) % backend.vocab_size for i in range(PROFILE_CONTEXT)]
         batch([(cache, prompt, 1) for cache in caches])
-        times: dict[int, list[float]] = {n: [] for n in sessions}
+        times: dict[tuple[int, int, int], list[float]] = {(t, n, w): [] for t in counts for n, w in shapes}
         for rep in range(reps + 1):
-            for n in sessions:  # interleaved: a drift in machine speed hits every size alike
-                t0 = time.perf_counter()
-                batch([(cache, [11 + rep], 1) for cache in caches[:n]])
-                if rep:
-                    times[n].append(time.perf_counter() - t0)
+            for t, n, w in times:  # interleaved: a drift in machine speed hits every size alike
+                tokens = [(11 + rep + i) % backend.vocab_size for i in range(w)]
+                with cores.step(t, backend) if cores is not None else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    batch([(cache, tokens, w) for cache in caches[:n]])
+                    if rep:
+                        times[(t, n, w)].append(time.perf_counter() - t0)
                 for cache in caches[:n]:
                     backend.crop(cache, PROFILE_CONTEXT)
-    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
 def _agreed(session: Session) -> int:

@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.engine import PROFILE_SESSIONS, SessionEngine, profile_steps, warm_up
+from specdec.engine import PROFILE_SESSIONS, PROFILE_TOKENS, SessionEngine, profile_steps, warm_up
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
 from specdec.security import ServerSecurity
@@ -186,15 +186,17 @@ def serve_model(
     limits: SessionLimits | None = None,
     telemetry: Telemetry | None = None,
     security: ServerSecurity | None = None,
+    cores=None,
 ) -> tuple[Served, int]:
     """Start a model service over a SessionEngine on `backend` (add_servicer(engine, server)
     adds its servicer): OpenSession is its entry, open sessions keep a drain waiting, idle
     sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
-    and the token; `limits` caps sessions and KV tokens (and size a GraphBackend's cache).
+    and the token; `limits` caps sessions and KV tokens (and size a GraphBackend's cache);
+    `cores` (specdec.placement.Cores) runs each step with the threads its requests ask for.
     The backend's start-up runs on the engine's model worker before the server starts, so the
     thread that captures its CUDA graphs is the one that replays them (_get_ready)."""
     telemetry = telemetry or disabled(role)
-    engine = SessionEngine(telemetry.backend(backend), role, limits)
+    engine = SessionEngine(telemetry.backend(backend), role, limits, cores=cores)
     try:  # on the model worker, the thread that will run every forward (specdec.worker)
         engine.worker.run(lambda: _get_ready(engine, backend))
     except BaseException:
@@ -211,11 +213,19 @@ def serve_model(
 
 def _get_ready(engine: SessionEngine, backend) -> None:
     """What a model service does before it serves, on its model worker: the backend's start-up
-    and warm-up, and a draft's step profile. On the bare backend: no request pays for it, no
-    span records it."""
+    and warm-up, and its step profile (Describe's step_costs, for the orchestrator's adaptive
+    lookahead): a draft's batched steps at every thread count a request may ask for, and a
+    target's verify forwards where it has more than one (its cores shared with the draft's).
+    On the bare backend: no request pays for it, no span records it."""
     warm_up(backend, engine.limits)
-    if engine.role == "draft":  # its batched step costs, for the orchestrator's adaptive lookahead (Describe)
-        engine.step_profile = profile_steps(backend, [n for n in PROFILE_SESSIONS if n <= engine.limits.max_sessions])
+    cores = engine.cores
+    if engine.role == "draft":
+        shapes = [(n, 1) for n in PROFILE_SESSIONS if n <= engine.limits.max_sessions]
+    elif cores is not None and len(cores.counts()) > 1:
+        shapes = [(1, w) for w in PROFILE_TOKENS]
+    else:
+        return
+    engine.step_profile = profile_steps(backend, shapes, cores)
 
 
 def _launch(server: grpc.Server, gate: Gate, service_name: str, busy=lambda: 0, background=()) -> Served:

@@ -28,11 +28,14 @@ With all three a session's logits are bit for bit the same alone, batched with o
 churn and after a re-prefill.
 
 Implements the backend interface of specdec.backend. Logits are computed only at the
-positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify)
-and only those rows are copied out of llama.cpp. An F32 model runs in float32 throughout (F32
+positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify),
+and returned as views of llama.cpp's output buffer, valid until the next forward (the
+interface's contract): a draft step's argmax reads its 49152 floats where llama.cpp wrote them,
+no row is copied. An F32 model runs in float32 throughout (F32
 KV cache, no flash attention: its logits are within ~1e-4 of the fp32 transformers target's);
 a quantised one with an F16 KV cache and flash attention (a one-session step 7 ms, 10.5 without).
-Threads: the service's (specdec.placement, its --threads).
+Threads: the service's (specdec.placement, its --threads), and per step what its requests
+allow (set_threads: llama_set_n_threads, no new threads: the OpenMP team of the next decode).
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ class LlamaCppBackend:
         self._free.sort()
         return Slot(self._free.pop(0))  # the lowest: a step's sessions stay consecutive streams
 
+    def set_threads(self, n: int) -> None:
+        self._llama.llama_set_n_threads(self._ctx.ctx, n, n)
+        torch.set_num_threads(n)  # the sampling transforms on its logits, on the same thread
+
     def release(self, cache: Slot) -> None:
         self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
         self._free.append(cache.index)
@@ -129,12 +136,13 @@ class LlamaCppBackend:
 
     def forward_batch(self, items: list[tuple[Slot, list[int], int]]) -> list[torch.Tensor]:
         """The new tokens of every session in llama_batches of up to BATCH_TOKENS tokens; the
-        logits of the last n_logits positions of each ([n_logits, vocab] float32)."""
+        logits of the last n_logits positions of each ([n_logits, vocab] float32; views, valid
+        until the next forward)."""
         order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # increasing streams
         out, group, size = [], [], 0
         for item in (items[i] for i in order):
             if group and size + len(item[1]) > BATCH_TOKENS:
-                out += self._decode(group)
+                out += [rows.clone() for rows in self._decode(group)]  # the next decode overwrites them
                 group, size = [], 0
             group.append(item)
             size += len(item[1])
@@ -167,9 +175,9 @@ class LlamaCppBackend:
         for slot, tokens, _ in items:
             slot.length += len(tokens)
         # llama.cpp stores the rows asked for contiguously in batch order: an item's rows follow
-        # its first one, so each item is one copy of exactly its rows.
+        # its first one, so each item is a view of exactly its rows.
         return [
-            torch.from_numpy(np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(n, self.vocab_size)).copy())
+            torch.from_numpy(np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(n, self.vocab_size)))
             for j, (_, _, n) in zip(first, items, strict=True)
         ]
 

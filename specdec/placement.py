@@ -1,23 +1,67 @@
-"""Where a model service computes on a CPU machine: the cores it may use and its thread count.
+"""Where a model service computes on a CPU machine: the cores it may use, its threads, and how two
+services on one machine share its cores.
 
-On one machine, a service pinned to its own cores stands in for a service on its own GPU: the
-draft and the target then work at the same time without taking each other's cores (the point
-of overlapped rounds). `apply` is called once, before the model loads; every backend sizes its
-thread pool from what it sets (torch's intra-op threads; llama.cpp's n_threads reads
-`threads()`). Cores are counted from the process's affinity, never os.cpu_count(), which
-ignores it.
+`apply` is called once, before the model loads: it pins the process to its cores (when told) and
+sets its threads; every backend sizes its thread pool from them (torch's intra-op threads;
+llama.cpp's n_threads reads `threads()`). Cores are counted from the process's affinity, never
+os.cpu_count(), which ignores it.
+
+Sharing. A draft and a target on one machine whose cores both may use (Describe's `machine` and
+`cpus`) share them in one of two ways, which the orchestrator chooses per round by measured cost
+(orchestrator.lookahead):
+- space-sharing: both compute at once (overlapped rounds), each with its share of the threads
+  (`split_threads`: the target three quarters, the draft the rest, at least one each), as a GPU
+  pair gives each service its device;
+- time-sharing: they take turns (sequential rounds), each forward on every core.
+A request names the threads its forwards may use (ProposeRequest.threads); `Cores` runs each
+step with them and takes the machine's core lock (`CORE_LOCK`), shared for a step on no more
+than the service's share, exclusive for a step on more: a forward on every core never runs
+beside the other service's, whatever the rounds of several generations, or two orchestrators,
+ask for (on 2 cores, a 2-thread forward of each at once ran 20-30x slower: OpenMP threads
+wait for each other at every operator). A service pinned to its own cores (`--cpus`) owns them:
+it takes no lock, and its threads are its own.
+
+An idle service must not hold the cores the other computes on. Both runtimes use libgomp
+(torch's intra-op threads and MKL's; llama.cpp's ggml, built with OpenMP), whose threads wait
+for the next parallel region spinning GOMP_SPINCOUNT times (300000 by default) before they
+sleep: after each llama.cpp decode its threads burnt ~7 ms of a core (torch's, measured, none).
+Taking turns on 2 cores with the llama.cpp F32 target (a 9-token verify, then 4 draft steps,
+each on 2 threads), the verify took 1.21x its cost alone, the round 74-80 ms; with
+GOMP_SPINCOUNT=10000 (~1 ms of spinning) 0.95-1.01x, 59-64 ms. OMP_WAIT_POLICY=PASSIVE (no spin
+at all) made every barrier inside a forward a sleep: the Q8_0 draft step 3.2x slower, the F32
+target's verify 2x. So a service process sets SERVICE_ENV before torch or llama.cpp loads (libgomp
+reads it then; cli.serving).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
-from collections.abc import Iterable
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+# The environment of a process that serves a model on a machine it may share with another
+# (read by libgomp when it loads, so set before torch or llama.cpp is imported).
+SERVICE_ENV = {"GOMP_SPINCOUNT": "10000"}
+CORE_LOCK = Path(tempfile.gettempdir()) / f"specdec-cores-{os.getuid()}.lock"
 
 
 def usable_cores() -> list[int]:
     """The cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
+
+
+def machine() -> str:
+    """This machine, as its services name it (Describe's machine): the kernel's boot id, shared
+    by the containers of one host (which share its cores), different on another host."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -59,15 +103,55 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def split_for_pair(cores: list[int]) -> tuple[list[int], list[int]] | None:
-    """Disjoint cores for a draft and a target on one machine: the target, the heavy model,
-    gets three quarters (at least one core each); None with a single core. Two services that
-    share cores slow each other down (llama.cpp's threads spin while they wait)."""
-    if len(cores) < 2:
-        return None
-    draft = max(1, len(cores) // 4)
-    return cores[:draft], cores[draft:]
+def split_threads(cores: int) -> tuple[int, int]:
+    """The threads of the draft and of the target computing at once on `cores` shared cores: the
+    target, the heavy model, three quarters, at least one each (one each on one core)."""
+    draft = max(1, cores // 4)
+    return draft, max(1, cores - draft)
 
 
-def format_cpus(cores: list[int]) -> str:
-    return ",".join(map(str, cores))
+class Cores:
+    """A model service's threads step by step (module docstring): `step(asked)` runs a batched
+    forward with the fewest threads its requests allow, under the machine's core lock unless the
+    service owns its cores. Used by the model worker's thread only."""
+
+    def __init__(self, role: str, threads: int, shared: bool, lock_path: Path = CORE_LOCK, cores: int = 0):
+        """`threads`: the most a step uses (the service's); `shared`: the machine's `cores` (0:
+        those this process may use) are the other service's too, so its steps take the lock."""
+        self.role = role
+        self.threads = threads
+        self.shared = shared
+        draft, target = split_threads(cores or len(usable_cores()))
+        self.share = min(threads, target if role == "target" else draft) if shared else threads
+        self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
+        self._set = None  # the backend's set_threads, given at the first step
+        self._current = threads
+
+    def counts(self) -> list[int]:
+        """The thread counts a request may get: its share and every core (one, if they agree)."""
+        return sorted({self.share, self.threads})
+
+    def of(self, asked: Iterable[int | None]) -> int:
+        """A step's threads: the fewest any of its requests allows (None: the service's own),
+        never more than the service's."""
+        return max(1, min([self.threads, *(a or self.threads for a in asked)]))
+
+    @contextlib.contextmanager
+    def step(self, threads: int, backend) -> Iterator[float]:
+        """Run a step on `threads` threads (the backend's set_threads, called when they change);
+        yields the seconds it waited for the core lock (0 when it takes none)."""
+        waited = 0.0
+        if self._lock is not None:
+            t0 = time.perf_counter()
+            fcntl.flock(self._lock, fcntl.LOCK_SH if threads <= self.share else fcntl.LOCK_EX)
+            waited = time.perf_counter() - t0
+        try:
+            if threads != self._current:
+                set_threads = getattr(backend, "set_threads", None)
+                if set_threads is not None:
+                    set_threads(threads)
+                self._current = threads
+            yield waited
+        finally:
+            if self._lock is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)

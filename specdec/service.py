@@ -191,7 +191,9 @@ class SessionServicer:
         sid = request.session_id
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
-        length = self.engine.open(sid, list(request.prompt_token_ids), context)
+        validation.threads(request)
+        threads = request.threads if request.HasField("threads") else None
+        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
@@ -233,7 +235,8 @@ class SessionServicer:
         return model_pb2.Empty()
 
     def Describe(self, request, context):
-        backend = self.engine.backend
+        engine = self.engine
+        backend = engine.backend
         return model_pb2.ModelInfo(
             model_name=backend.name,
             vocab_size=backend.vocab_size,
@@ -245,10 +248,14 @@ class SessionServicer:
             role=self.engine.role,
             open_sessions=self.engine.open_sessions,
             cpus=placement.usable_cores(),
-            threads=placement.threads(),
+            threads=engine.cores.threads if engine.cores is not None else placement.threads(),
+            machine=placement.machine(),
             kv_tokens=self.engine.kv.held,
             backend=getattr(backend, "kind", ""),
-            step_costs=[model_pb2.StepCost(sessions=n, seconds=s) for n, s in sorted(self.engine.step_profile.items())],
+            step_costs=[
+                model_pb2.StepCost(sessions=n, seconds=s, tokens=w, threads=t)
+                for (t, n, w), s in sorted(engine.step_profile.items())
+            ],
             static_forwards=static_forwards(getattr(backend, "built", None)),
             builds_after_ready=getattr(backend, "builds_after_ready", 0),
             tree_verify=self.engine.role == "target" and getattr(backend, "trees", False),

@@ -67,6 +67,12 @@ def uniforms(values: Sequence[float], count: int, field: str) -> None:
         raise InvalidArgument(f"{field}: {bad[0]} is outside [0, 1)")
 
 
+def threads(request) -> None:
+    """A request's threads, where it names them: at least one."""
+    if request.HasField("threads") and request.threads < 1:
+        raise InvalidArgument(f"threads must be >= 1 when set, got {request.threads}")
+
+
 def tree_nodes(n: int, field: str) -> None:
     if not 0 <= n <= MAX_TREE_NODES:
         raise InvalidArgument(f"{field} must be in 0..{MAX_TREE_NODES} (0: a chain), got {n}")
@@ -75,6 +81,7 @@ def tree_nodes(n: int, field: str) -> None:
 def propose_request(request, vocab_size: int) -> None:
     """DraftService.Propose, before the session is touched."""
     lookahead(request.k, "k")
+    threads(request)
     sampling(request.sampling)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.assumed_tokens, vocab_size, "assumed_tokens")
@@ -110,6 +117,7 @@ def tree(parents: Sequence[int], tokens: Sequence[int], field: str) -> set[int]:
 def score_request(request, vocab_size: int) -> None:
     """TargetService.Score, before the session is touched."""
     sampling(request.sampling)
+    threads(request)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
     if request.draft_parent_ids:

@@ -30,6 +30,9 @@ class Scores:
     row: np.ndarray | None  # sampling: [vocab] float32
     step_tokens: int = 0  # tokens of the batched forward that scored them, all sessions'
     step_sessions: int = 0  # sessions that batched forward ran
+    step_threads: int = 0  # the threads it ran with (0: the process's)
+    waited: float = 0.0  # seconds it waited for the machine's core lock
+    forward_seconds: float = 0.0  # seconds of the batched forward
     accepted_nodes: list[int] = field(default_factory=list)  # a tree, Leviathan: the accepted path
     final_token: int = 0  # ... and the round's last token
 
@@ -51,7 +54,7 @@ def score(
     assert params.greedy or coupled or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
-    step = forward.step_tokens, forward.step_sessions
+    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
         return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
     probs = probs_from_logits(logits, params)
@@ -99,7 +102,7 @@ def score_tree(
     (`walk`): the target walks the tree (rule.tree_walk) and returns the path and last token."""
     forward = engine.forward_tree(session, draft_ids, parents)
     logits = yield forward  # [n + 1, vocab]: after the committed tokens, then after each node
-    step = forward.step_tokens, forward.step_sessions
+    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
         return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
     probs = probs_from_logits(logits, params)

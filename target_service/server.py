@@ -51,14 +51,18 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 row_position=scores.row_position,
                 row=wire.encode_row(scores.row) if scores.row is not None else None,
                 length=len(session.tokens),
-                compute_seconds=time.perf_counter() - start,
+                # less its wait for the other service's step on shared cores: not its compute
+                compute_seconds=time.perf_counter() - start - scores.waited,
                 step_tokens=scores.step_tokens,
                 step_sessions=scores.step_sessions,
+                threads=scores.step_threads,
+                forward_seconds=scores.forward_seconds,
                 accepted_nodes=scores.accepted_nodes,
                 final_token=scores.final_token,
             )
 
-        return self.engine.call(ref.session_id, ref.expected_length, run, context)
+        threads = request.threads if request.HasField("threads") else None
+        return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
 
 
 def serve(
@@ -68,17 +72,28 @@ def serve(
     security: ServerSecurity | None = None,
     telemetry: Telemetry | None = None,
     limits: SessionLimits | None = None,
+    cores=None,
 ):
     """Start a target service on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("target")) adds spans
-    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens. The server
-    drains with server.drain() (specdec.lifecycle).
+    and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens; `cores`
+    (specdec.placement.Cores) sets each step's threads. The server drains with server.drain()
+    (specdec.lifecycle).
     """
 
     def add_servicer(engine, server):
         model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
 
     return serve_model(
-        backend, "target", SERVICE_NAME, add_servicer, host, port, limits=limits, telemetry=telemetry, security=security
+        backend,
+        "target",
+        SERVICE_NAME,
+        add_servicer,
+        host,
+        port,
+        limits=limits,
+        telemetry=telemetry,
+        security=security,
+        cores=cores,
     )

@@ -4,6 +4,7 @@ rows: llama-speculative's output parsed (a recorded sample), llamacpp-target on 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,17 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     for line in lines.values():
         assert {s["side"] for s in line["spans"]} == {"draft", "target"} and line["round_ends"]
     assert "tok/s" in out.stdout and "specdec" in out.stdout and "speedup over hf-static by prompt kind" in out.stdout
+    # Every row says its threads; the services share the machine's cores (nothing pinned), and the
+    # target alone (specdec-off) runs on all of them, as in-process generate (hf-target) does.
+    n = len(os.sched_getaffinity(0))
+    assert rows[("hf-target", "-", "-")]["threads"] == str(n) and rows[("hf-target-1core", "-", "-")]["threads"] == "1"
+    assert rows[("specdec-off", "-", "-")]["threads"] == f"{n:.1f}"
+    assert ("target_share" in costs) == (n > 1)
+    # Where a round's time goes: a line per specdec row
+    assert "where a round's time goes" in out.stdout
+    for key in (("specdec-off", "-", "-"), ("specdec-seq", "model", "4")):
+        time = rows[key]["time"]
+        assert time["round_ms"] >= time["target_wait_ms"] > 0 and 0 < time["busy_cores"] <= 1, key
 
 
 def test_round_overhead_on_tiny_models(tiny_models):

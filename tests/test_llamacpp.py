@@ -73,9 +73,10 @@ def test_distribution_through_the_loop(llama_draft):
 
 def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
     """A session's logits bit for bit the same alone, batched with other sessions' steps and
-    prompts, while others roll back and re-grow (their freed cells reused), and after its own
-    re-prefill in other blocks: the Leviathan rule reads the draft's probabilities, so a seed
-    reproduces its text under load only if they are the load's no matter."""
+    prompts, while others roll back and re-grow (their freed cells reused), after its own
+    re-prefill in other blocks, and on any number of threads: the Leviathan rule reads the
+    draft's probabilities, so a seed reproduces its text under load only if they are the
+    load's no matter."""
     _, backend = llama_draft
     rng = np.random.default_rng(0)
     prompt = [1, 4093, 198, 30, 500, 700, 900, 2000, 28, 10, 11]
@@ -97,7 +98,7 @@ def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
                         backend.crop(other, int(rng.integers(1, other.length)))
                         backend.forward(other, rng.integers(0, 5000, int(rng.integers(1, 6))).tolist(), 1)
                 items = [(c, [int(rng.integers(0, 5000))], 1) for c in others] + [(mine, [token], 1)]
-                out.append(backend.forward_batch(items)[-1][0])
+                out.append(backend.forward_batch(items)[-1][0].clone())  # a view until the next forward
             return torch.stack(out)
         finally:
             for cache in [mine, *others]:
@@ -106,3 +107,11 @@ def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
     alone = session_logits(0, False, 1)
     for neighbours, churn, blocks in [(7, False, 1), (7, True, 1), (3, True, 4), (0, False, 5)]:
         assert torch.equal(session_logits(neighbours, churn, blocks), alone), (neighbours, churn, blocks)
+    # nor on the threads of its steps: the orchestrator chooses them by the load (specdec.placement)
+    threads = torch.get_num_threads()
+    try:
+        for n in {1, 2, threads}:
+            backend.set_threads(n)
+            assert torch.equal(session_logits(3, True, 2), alone), n
+    finally:
+        backend.set_threads(threads)

@@ -13,7 +13,15 @@ import pytest
 
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import AdaptiveLookahead, PairCosts, RoundCosts, best_lookahead
+from orchestrator.lookahead import (
+    AdaptiveLookahead,
+    DraftCost,
+    PairCosts,
+    RoundCosts,
+    Sharing,
+    best_lookahead,
+    round_time,
+)
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -254,3 +262,63 @@ def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
     explored = [r for r in rest if r.proposed]
     assert counting.calls[:1] == ["open"] and explored  # an exploration opened it, then drafted
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+
+
+def shared_machine(second_thread: float) -> Sharing:
+    """A draft and a target on 2 cores: one thread each at once, or two each in turn, the second
+    thread making a forward `second_thread` times faster (the services' profiles)."""
+    draft = {
+        1: {1: 0.008, 2: 0.020, 4: 0.030},
+        2: {n: t / second_thread for n, t in {1: 0.008, 2: 0.020, 4: 0.030}.items()},
+    }
+    verify = {
+        1: {1: 0.040, 5: 0.065, 9: 0.080},
+        2: {w: t / second_thread for w, t in {1: 0.040, 5: 0.065, 9: 0.080}.items()},
+    }
+    return Sharing((1, 2), (1, 2), draft, verify)
+
+
+def measured(sharing: Sharing, rounds: int = 30) -> PairCosts:
+    """The pair's costs after overlapped rounds at k = 4 and 8, each service on its one thread,
+    every draft accepted; the steps measured as the profile says."""
+    costs = PairCosts(sharing.draft[2], sharing)
+    for i in range(rounds):
+        k = (4, 8)[i % 2]
+        step, verify = sharing.draft[1][1], sharing.verify[1][k + 1]
+        draft = DraftCost((k + 1) * step, k + 1, (k + 1) * step, steps=k + 1, step_tokens=k + 1, threads=1)
+        costs.update(k, k, draft, verify, k + 1, verify, target_threads=1)
+    return costs
+
+
+def test_the_kind_of_round_is_the_placement_its_price_chooses():
+    """On one machine an overlapped round puts both services to work at once on their shares of
+    the cores, a sequential one runs them in turn on every core (their works add up). Where a
+    second thread barely helps (torch's one-token decode here) overlapped rounds are cheaper;
+    where it nearly halves a forward (llama.cpp), rounds in turn on both cores are. A fixed k gets
+    that choice too, and its k stays; the verify line is kept at every core's threads, the steps
+    measured on one thread brought there by the target's profile."""
+    for second_thread, overlapped in ((1.05, True), (1.9, False)):
+        costs = measured(shared_machine(second_thread))
+        assert costs.verify.fit() == pytest.approx((0.050 / second_thread, 0.00375 / second_thread))  # 2 threads
+        assert costs.draft_step(1, threads=2) == pytest.approx(0.008 / second_thread)
+        for fixed in (True, False):
+            policy = AdaptiveLookahead(4, overlap=True, fixed=fixed, costs=costs)
+            k = policy.next_k()
+            assert policy.overlapping is overlapped, (second_thread, fixed)
+            assert k == 4 or not fixed
+        assert costs.threads(True) == (1, 1) and costs.threads(False) == (2, 2)
+    alone = PairCosts({1: 0.008})  # two machines (or pinned services): their own threads, whatever the round
+    assert alone.threads(True) == alone.threads(False) == (None, None)
+
+
+def test_rounds_in_turn_add_the_services_work():
+    """Sequential rounds on one machine's cores: under load the draft's and the target's work add
+    up (they take turns on the same cores), where a pair of devices does each beside the other."""
+    line = (0.050, 0.004)
+    apart = RoundCosts(0.010, line, load=8, sessions=8)
+    together = RoundCosts(0.010, line, load=8, sessions=8, shared=True)
+    k = 4
+    assert round_time(1.0, k, apart, False) == pytest.approx(max(k * 0.010 + apart.step(40), apart.step(40)))
+    assert round_time(1.0, k, together, False) == pytest.approx(k * 0.010 + together.step(40))
+    busy = RoundCosts(0.050, line, load=8, sessions=2, shared=True)  # four verify steps of two blocks
+    assert round_time(1.0, k, busy, False) == pytest.approx(4 * busy.step(10) + k * 0.050)

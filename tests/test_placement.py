@@ -3,17 +3,21 @@ from them, and says so in Describe (the service's own report, read over gRPC).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
 
-from specdec.placement import parse_cpus
+from specdec.engine import PROFILE_TOKENS
+from specdec.placement import Cores, parse_cpus, split_threads
 from specdec.service import CHANNEL_OPTIONS
-from specdec.v1 import model_pb2, model_pb2_grpc
-from tests.harness import cli_process
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import cli_process, long_request
 
 
 def test_parse_cpus():
@@ -50,3 +54,130 @@ def test_bad_placement_is_one_clear_line(tiny_models, flags, message):
     cmd = [sys.executable, "-m", "cli", "target-service", "--model", tiny_models["target"], "--port", "0", *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("specdec: error:") and message in out.stderr
+
+
+def test_split_threads():
+    assert split_threads(1) == (1, 1)
+    assert split_threads(2) == (1, 1)
+    assert split_threads(4) == (1, 3)
+    assert split_threads(8) == (2, 6)
+
+
+class ThreadsSeen:
+    """A backend stand-in for Cores.step: the thread counts it was set to, in order."""
+
+    def __init__(self):
+        self.set = []
+
+    def set_threads(self, n):
+        self.set.append(n)
+
+
+def test_a_step_on_every_core_runs_beside_no_other(tmp_path):
+    """The core lock: steps on a service's share of the cores run beside the other service's
+    (they do here, or the check below proves nothing), a step on more cores beside none. Each
+    Cores sets its backend's threads when they change, and only then."""
+    lock = tmp_path / "cores.lock"
+    spans: list[tuple[float, float, bool]] = []
+    guard = threading.Lock()
+    seen = {}
+
+    def service(role: str, plan: list[int]):
+        cores, backend = Cores(role, 2, shared=True, lock_path=lock, cores=2), ThreadsSeen()
+        seen[role] = backend
+        for threads in plan:
+            with cores.step(threads, backend):
+                start = time.perf_counter()
+                time.sleep(0.01)
+                with guard:
+                    spans.append((start, time.perf_counter(), threads > cores.share))
+
+    plans = {"draft": [1, 1, 2, 1, 2, 2, 1] * 4, "target": [1, 2, 1, 1, 2, 1, 2] * 4}
+    workers = [threading.Thread(target=service, args=item) for item in plans.items()]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+    def overlap(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    pairs = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1 :] if overlap(a, b)]
+    assert pairs, "no two steps ran at once: the lock was not tested"
+    assert all(not a[2] and not b[2] for a, b in pairs), "a step on every core ran beside another"
+    for role, plan in plans.items():  # set at each change of threads (the first step's 1: from 2)
+        changes = [t for i, t in enumerate(plan) if t != (plan[i - 1] if i else 2)]
+        assert seen[role].set == changes
+
+
+def test_a_step_runs_with_the_fewest_threads_its_requests_allow():
+    cores = Cores("target", 4, shared=False)
+    assert cores.of([None, None]) == 4
+    assert cores.of([None, 2, 3]) == 2
+    assert cores.of([]) == 4
+    assert cores.counts() == [4]  # it owns its cores: one count
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="sharing cores needs two")
+def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
+    """Unpinned on one machine, each service reports its machine and times its forwards at its
+    share of the cores and at every core; the orchestrator sees that they share the cores. A
+    request's threads are those its forwards run with (more than the service has: its own), a
+    request that names none gets every core; and a greedy generation, whichever placement each
+    round takes, is the target's own greedy output."""
+    from deploy import hosting
+    from orchestrator.server import connect
+
+    n = len(os.sched_getaffinity(0))
+    shares = dict(zip(("draft", "target"), split_threads(n), strict=True))
+    with contextlib.ExitStack() as stack:
+        addresses, infos = {}, {}
+        for role in ("draft", "target"):
+            args = [f"{role}-service", "--model", tiny_models[role]]
+            _, addresses[role] = stack.enter_context(
+                cli_process(*args, ready_file=tmp_path / f"{role}.ready", log=tmp_path / f"{role}.log")
+            )
+            stub_class = model_pb2_grpc.DraftServiceStub if role == "draft" else model_pb2_grpc.TargetServiceStub
+            stub = stub_class(grpc.insecure_channel(addresses[role], CHANNEL_OPTIONS))
+            infos[role] = (stub, stub.Describe(model_pb2.DescribeRequest()))
+        (draft, draft_info), (target, target_info) = infos["draft"], infos["target"]
+        assert draft_info.machine and draft_info.machine == target_info.machine
+        for role, (_, info) in infos.items():
+            assert {c.threads for c in info.step_costs} == {shares[role], n}, role
+        assert {c.tokens for c in target_info.step_costs} == set(PROFILE_TOKENS)
+        sharing = connect(addresses["draft"], addresses["target"]).costs.sharing
+        assert sharing is not None and sharing.threads(True) == (shares["draft"], shares["target"])
+        assert sharing.threads(False) == (n, n)
+
+        greedy = model_pb2.SamplingParams()
+        for stub in (draft, target):
+            stub.OpenSession(model_pb2.OpenSessionRequest(session_id="s", prompt_token_ids=[1, 10, 7], threads=1))
+        session = model_pb2.SessionRef(session_id="s", expected_length=3)
+        for asked, ran in ((1, 1), (n + 5, n), (None, n)):
+            threads = {} if asked is None else {"threads": asked}
+            proposal = draft.Propose(model_pb2.ProposeRequest(session=session, k=2, sampling=greedy, **threads))
+            assert proposal.threads == ran and proposal.steps == 2
+            scores = target.Score(
+                model_pb2.ScoreRequest(session=session, draft_token_ids=proposal.token_ids, sampling=greedy, **threads)
+            )
+            assert scores.threads == ran
+        bad = model_pb2.ProposeRequest(session=session, k=1, sampling=greedy, threads=0)
+        with pytest.raises(grpc.RpcError) as err:
+            draft.Propose(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"])
+        stack.callback(orchestrator.stop, None)
+        client = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}"))
+
+        def generate(**speculation):
+            request = long_request(48, speculation=orchestrator_pb2.SpeculationParams(**speculation))
+            return client.Generate(request, timeout=300)
+
+        alone = generate(disabled=True)
+        assert alone.stats.target_core_seconds == pytest.approx(n * alone.stats.target_forward_seconds)
+        for speculation in ({"lookahead": 4}, {"lookahead": 4, "overlap": False}, {"lookahead": 6, "adaptive": True}):
+            out = generate(**speculation)
+            assert list(out.token_ids) == list(alone.token_ids), speculation
+            s = out.stats
+            assert s.draft_core_seconds >= s.draft_forward_seconds > 0 and s.target_core_seconds > 0, speculation

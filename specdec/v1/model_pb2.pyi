@@ -27,12 +27,14 @@ class ProbRow(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids")
+    __slots__ = ("session_id", "prompt_token_ids", "threads")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    threads: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("length",)
@@ -49,7 +51,7 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "tree_nodes", "tree_acceptance")
+    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "tree_nodes", "tree_acceptance", "threads")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,7 @@ class ProposeRequest(_message.Message):
     NOISE_SEED_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -68,10 +71,11 @@ class ProposeRequest(_message.Message):
     noise_seed: int
     tree_nodes: int
     tree_acceptance: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
+    threads: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes")
+    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,8 @@ class ProposeResponse(_message.Message):
     PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
     NODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_NODES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     length: int
@@ -90,7 +96,9 @@ class ProposeResponse(_message.Message):
     parent_ids: _containers.RepeatedScalarFieldContainer[int]
     node_rows: _containers.RepeatedCompositeFieldContainer[ProbRow]
     row_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    threads: int
+    forward_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
     __slots__ = ("session", "position", "token_id")
@@ -103,7 +111,7 @@ class ProposalRowRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform")
+    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +123,7 @@ class ScoreRequest(_message.Message):
     DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROW_NODES_FIELD_NUMBER: _ClassVar[int]
     FINAL_UNIFORM_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -126,10 +135,11 @@ class ScoreRequest(_message.Message):
     draft_rows: _containers.RepeatedCompositeFieldContainer[ProbRow]
     draft_row_nodes: _containers.RepeatedScalarFieldContainer[int]
     final_uniform: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ...) -> None: ...
+    threads: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "accepted_nodes", "final_token")
+    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "accepted_nodes", "final_token", "threads", "forward_seconds")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROW_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +150,8 @@ class ScoreResponse(_message.Message):
     STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     FINAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_target_probs: _containers.RepeatedScalarFieldContainer[float]
     row_position: int
@@ -150,7 +162,9 @@ class ScoreResponse(_message.Message):
     step_sessions: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     final_token: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., final_token: _Optional[int] = ...) -> None: ...
+    threads: int
+    forward_seconds: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., final_token: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session", "token_ids")
@@ -195,7 +209,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "static_forwards", "builds_after_ready", "tree_verify")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "static_forwards", "builds_after_ready", "tree_verify")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +224,7 @@ class ModelInfo(_message.Message):
     THREADS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
     STATIC_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BUILDS_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
     TREE_VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -227,10 +242,11 @@ class ModelInfo(_message.Message):
     threads: int
     backend: str
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
+    machine: str
     static_forwards: StaticForwards
     builds_after_ready: int
     tree_verify: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ...) -> None: ...
 
 class StaticForwards(_message.Message):
     __slots__ = ("mode", "batches", "widths", "lengths", "built", "seconds", "slots", "capacity", "kv_bytes")
@@ -255,12 +271,16 @@ class StaticForwards(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., batches: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., built: _Optional[int] = ..., seconds: _Optional[float] = ..., slots: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class StepCost(_message.Message):
-    __slots__ = ("sessions", "seconds")
+    __slots__ = ("sessions", "seconds", "tokens", "threads")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     seconds: float
-    def __init__(self, sessions: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    tokens: int
+    threads: int
+    def __init__(self, sessions: _Optional[int] = ..., seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -78,7 +78,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat_template: _Optional[bool] = ..., sampling: _Optional[_Union[_model_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,10 @@ class GenerateStats(_message.Message):
     TARGET_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_CORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -113,7 +117,11 @@ class GenerateStats(_message.Message):
     target_compute_seconds: float
     wire_bytes: int
     drafted_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ...) -> None: ...
+    draft_core_seconds: float
+    target_core_seconds: float
+    draft_forward_seconds: float
+    target_forward_seconds: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
