@@ -98,9 +98,10 @@ and time-sharing made every step of the machine wait for the lock (2 and 4 clien
 sequential rounds on every core: 40-51 tok/s, where k = 4 on the shares gave 42-67), so there any
 round that drafts runs on the shares, and both kinds are priced there. Each is priced at its
 threads: the draft's step by its service's profile at those threads (scaled by what serving
-measures against the profile at the threads its steps ran with), the target's by the verify line,
-fitted over steps brought to every core's threads by the target's profile (Sharing.verify_ratio)
-and taken back to the round's threads the same way; a plain round runs the target on every core.
+measures against the profile at the threads its steps ran with), the target's the same way, by
+its profile of 1-65 tokens at those threads scaled by what its steps measured (target_step; the
+verify line, fitted over steps of a few sizes under load, priced a plain step of 16 on every
+core near a speculating one); a plain round runs the target on every core.
 A fixed k (not adaptive) is priced too where its text does not depend on the schedule (greedy,
 the invariant rule): such a request gets the cheaper kind of round each round (`fixed`).
 
@@ -119,6 +120,7 @@ cost falls towards nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -187,8 +189,11 @@ class RoundCosts:
     sessions: float = 1.0  # of them, those whose blocks share a verify step (measured)
     shared: bool = False  # the two services take turns on one machine's cores: their works add up
     scale: Callable[[float], float] | None = None  # the verify line at the round's threads: T(m) scale(m)
+    price: Callable[[float], float] | None = None  # the target's step at the round's threads (in place of both)
 
     def step(self, tokens: float) -> float:
+        if self.price is not None:
+            return self.price(tokens)
         t1, slope = self.verify
         line = t1 + slope * (tokens - 1)
         return line * self.scale(tokens) if self.scale is not None else line
@@ -327,6 +332,7 @@ class PairCosts:
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
         self.draft_scale = [0.0, 0.0]  # [sum, weight] of measured / profiled step, FIT_DECAY
+        self.target_scale = [0.0, 0.0]  # the same for the target's steps on shared cores (target_step)
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
         # the draft: seconds waited for it, of which its service computed, its steps, the tokens
@@ -381,6 +387,19 @@ class PairCosts:
             return None
         return lambda tokens: sharing.verify_ratio(threads, tokens)
 
+    def target_step(self, tokens: float, threads: int | None = None) -> float | None:
+        """Seconds of the target's batched step of `tokens` tokens on `threads` threads (None: every
+        core), where the services share the cores: the target's profile at those threads (its
+        forward of 1-65 tokens) scaled by what its quiet steps measured against the profile at
+        theirs, as the draft's step is priced; None elsewhere, or before a step is measured. Under
+        load the verify line is fitted over steps of a few sizes: its slope came out at 0-1.7 ms a
+        token, and it priced a plain step of 16 on every core near a speculating one on a share."""
+        sharing, (total, weight) = self.sharing, self.target_scale
+        curve = sharing.verify.get(threads or sharing.target_threads[1]) if sharing is not None else None
+        if not curve or not weight:
+            return None
+        return profiled(curve, tokens) * total / weight
+
     def draft_cost(self, sessions: int, threads: int | None = None) -> float:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
         that many (draft_step) per token, plus what a round waits for the draft beyond its
@@ -421,10 +440,15 @@ class PairCosts:
         return load * (total / weight if weight else 1.0)
 
     def wait(self, speculating: bool) -> float:
-        """Seconds a round waits on the target beyond its step's compute, speculating or not;
-        one mode not measured lately: the other's."""
+        """Seconds a round waits on the target beyond its step's compute, speculating or not.
+        Speculating rounds not measured lately: the others' (a wait measured at another load says
+        little). Rounds without speculation: their own as last measured, never yet: the others'.
+        Under load speculating rounds queue behind the steps of generations out of step with them
+        (16 clients on 2 shared cores: 50-100 ms), where rounds without speculation share one
+        step; priced with that queueing, a plain step of 16 looked 1.6x its measured cost, and
+        adaptive lookahead speculated at 0.65x speculation off."""
         total, weight = self.waits[speculating]
-        if weight < 0.5:
+        if weight < 0.5 if speculating else weight == 0:
             total, weight = self.waits[not speculating]
         return total / weight if weight else 0.0
 
@@ -515,6 +539,11 @@ class PairCosts:
                 ratio = draft.compute / draft.steps / profiled(curve, draft.step_tokens / draft.steps)
                 self.draft_scale = [f * self.draft_scale[0] + share * ratio, f * self.draft_scale[1] + share]
         self.usual_k = FIT_DECAY**share * self.usual_k + proposed
+        curve = self.sharing.verify.get(target_threads) if self.sharing is not None else None
+        if curve and quiet:
+            f = FIT_DECAY**share
+            ratio = target_compute / profiled(curve, step)
+            self.target_scale = [f * self.target_scale[0] + share * ratio, f * self.target_scale[1] + share]
         scale = self.verify_scale(target_threads or None)
         self.verify.add(step, target_compute / scale(step) if scale else target_compute, share)
 
@@ -579,8 +608,9 @@ class AdaptiveLookahead:
         alpha = self.alpha()
         if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
             return self.k_max
+        profiled_target = costs.target_step(1) is not None  # the target's step from its profile
         line = costs.verify_cost(self.k_max)
-        if line is None and self.fixed:  # every step of one size: its mean, and no slope
+        if line is None and (self.fixed or profiled_target):  # every step of one size: its mean, and no slope
             line = (costs.verify.mean(), 0.0)
         if line is None:  # every recent step fed the same number of tokens: try another k
             usual = round(costs.usual_k / costs.verify.w)
@@ -602,9 +632,11 @@ class AdaptiveLookahead:
                 costs.sessions(n),
                 shared=costs.sharing is not None and not overlapped and n == 1,
                 scale=costs.verify_scale(target_threads),
+                price=functools.partial(costs.target_step, threads=target_threads) if profiled_target else None,
             )
         # a round without speculation: a step of n one-token rounds, on every core
-        t0 = line[0] + line[1] * (n - 1) + wait_off
+        plain = costs.target_step(n) if profiled_target else line[0] + line[1] * (n - 1)
+        t0 = plain + wait_off
         if self.fixed:  # the cheaper kind of round at k_max
             k = self.k_max
             self.overlapping = self.overlap and round_time(alpha, k, rounds[True], True) <= round_time(

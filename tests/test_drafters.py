@@ -347,6 +347,25 @@ def test_adaptive_lookahead_prices_what_speculating_rounds_wait(queued):
         assert 2 <= policy._best_k() <= 3
 
 
+def test_a_plain_rounds_wait_is_its_own_not_the_speculating_rounds_queue():
+    """Under load speculating rounds queue behind the steps of generations out of step with them
+    (80 ms here), where rounds without speculation share one step and wait for little (3 ms). Once
+    every round speculates, a plain round's wait is still its own as last measured: priced with
+    the speculating rounds' queueing, a plain step of 16 on 2 shared cores looked 1.6x its cost
+    and adaptive lookahead speculated at 0.65x speculation off. Speculating rounds not measured
+    lately are priced by the others' wait, as before."""
+    policy = AdaptiveLookahead(k_max=4, load=lambda: 8)
+    for _ in range(16):
+        policy.update(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05)
+    for _ in range(200):  # 25 steps of all 8 generations
+        policy.update(4, 4, 0.02, 0.10 + 0.08, step_tokens=40, target_compute=0.10)
+    assert policy.costs.wait(True) == pytest.approx(0.08)
+    assert policy.costs.wait(False) == pytest.approx(0.003)
+    for _ in range(200):
+        policy.update(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05)
+    assert policy.costs.wait(True) == pytest.approx(0.003)  # not measured lately: the others'
+
+
 def test_adaptive_lookahead_prices_the_drafts_step_for_everyone_drafting():
     """The draft service reports the steps that ran a proposal and their tokens, all sessions'
     (ProposeResponse.steps, step_tokens), and the policy fits the draft's step cost over them.

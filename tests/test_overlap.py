@@ -20,6 +20,7 @@ from orchestrator.lookahead import (
     RoundCosts,
     Sharing,
     best_lookahead,
+    profiled,
     round_time,
 )
 from orchestrator.loop import LoopConfig, SpeculativeLoop
@@ -322,3 +323,33 @@ def test_rounds_in_turn_add_the_services_work():
     assert round_time(1.0, k, together, False) == pytest.approx(k * 0.010 + together.step(40))
     busy = RoundCosts(0.050, line, load=8, sessions=2, shared=True)  # four verify steps of two blocks
     assert round_time(1.0, k, busy, False) == pytest.approx(4 * busy.step(10) + k * 0.050)
+
+
+def test_under_load_the_targets_step_is_priced_by_its_profile():
+    """Under load the verify steps a pair measures are all of about one size (16 generations at
+    k = 4 on the shares: 80 tokens on one thread), which leaves the verify line no slope, and a
+    plain round's step (16 tokens on every core) was priced from it. Where the cores are shared
+    the target's step is its profile at the step's threads, scaled by what its steps measured
+    against the profile at theirs (as the draft's): here a plain round of 16 on both cores beats
+    every speculating round on the shares (the draft's batched step of 16 is dear), so the policy
+    at 16 generations speculates no more; at one generation it still does."""
+    verify = {
+        1: {1: 0.0404, 5: 0.0652, 9: 0.0776, 17: 0.0994, 33: 0.1447, 65: 0.2297},
+        2: {1: 0.0405, 5: 0.0546, 9: 0.0636, 17: 0.0722, 33: 0.0971, 65: 0.1439},
+    }
+    draft = {1: {1: 0.008, 2: 0.025, 4: 0.034, 8: 0.040, 16: 0.088}}
+    draft[2] = {n: t / 1.4 for n, t in draft[1].items()}
+    sharing = Sharing((1, 2), (1, 2), draft, verify)
+    costs = PairCosts(draft[2], sharing)
+    assert costs.target_step(16) is None  # no step measured yet
+    n, k = 16, 4
+    for _ in range(40):
+        step = 1.2 * profiled(verify[1], n * (k + 1))  # serving runs 1.2x its profile
+        d = DraftCost((k + 1) * 0.088, k + 1, (k + 1) * 0.088, steps=k + 1, step_tokens=(k + 1) * n, threads=1)
+        costs.update(k, k, d, step, n * (k + 1), step, sessions=n, step_sessions=n, target_threads=1)
+    assert costs.verify.fit() is None  # one size of step: no slope to price a plain step by
+    assert costs.target_step(16) == pytest.approx(1.2 * profiled(verify[2], 16))
+    assert costs.target_step(80, threads=1) == pytest.approx(1.2 * profiled(verify[1], 80))
+    loaded = AdaptiveLookahead(k, overlap=True, load=lambda: n, costs=costs)
+    assert loaded.next_k() == 0
+    assert AdaptiveLookahead(k, overlap=True, costs=costs).next_k() > 0  # alone a round is 1 session's
