@@ -140,6 +140,19 @@ class LoopStats:
     recoveries: int = 0  # sessions re-opened after a service lost them
     overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
 
+    def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
+        """What a Propose reports: its tokens, its compute, its forwards and their threads."""
+        self.drafted_tokens += len(proposal.token_ids)
+        self.draft_compute_seconds += proposal.compute_seconds
+        self.draft_forward_seconds += proposal.forward_seconds
+        self.draft_core_seconds += proposal.forward_seconds * proposal.threads
+
+    def add_scores(self, scores: model_pb2.ScoreResponse) -> None:
+        """What a Score reports: its compute, its forward and its threads."""
+        self.target_compute_seconds += scores.compute_seconds
+        self.target_forward_seconds += scores.forward_seconds
+        self.target_core_seconds += scores.forward_seconds * scores.threads
+
 
 @dataclass
 class Round:
@@ -465,10 +478,7 @@ class SpeculativeLoop:
                 ),
             )
         with self._stats_lock:
-            self.stats.draft_compute_seconds += proposal.compute_seconds
-            self.stats.draft_forward_seconds += proposal.forward_seconds
-            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
-            self.stats.drafted_tokens += len(proposal.token_ids)
+            self.stats.add_proposal(proposal)
         self.draft.length, self.draft.pending = proposal.length, []
         return _Proposal(
             list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k]), report=proposal
@@ -517,9 +527,7 @@ class SpeculativeLoop:
         except BaseException:
             _wait_quietly(continuation, self._timeout())
             raise
-        self.stats.target_compute_seconds += scores.compute_seconds
-        self.stats.target_forward_seconds += scores.forward_seconds
-        self.stats.target_core_seconds += scores.forward_seconds * scores.threads
+        self.stats.add_scores(scores)
         self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
         after = None
         if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
@@ -657,13 +665,8 @@ class SpeculativeLoop:
         with self._stats_lock:
             self.stats.draft_seconds += draft_time
             self.stats.target_seconds += target_time
-            self.stats.draft_compute_seconds += proposal.compute_seconds
-            self.stats.target_compute_seconds += scores.compute_seconds
-            self.stats.draft_forward_seconds += proposal.forward_seconds
-            self.stats.target_forward_seconds += scores.forward_seconds
-            self.stats.draft_core_seconds += proposal.forward_seconds * proposal.threads
-            self.stats.target_core_seconds += scores.forward_seconds * scores.threads
-            self.stats.drafted_tokens += len(tokens)
+            self.stats.add_proposal(proposal)
+            self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
 
