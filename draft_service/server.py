@@ -89,7 +89,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 response.token_ids[:], response.token_probs[:] = result
             return response
 
-        threads = request.threads if request.HasField("threads") else None
+        threads = validation.threads(request)
         return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
 
     def ProposalRow(self, request, context):

@@ -191,8 +191,7 @@ class SessionServicer:
         sid = request.session_id
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
-        validation.threads(request)
-        threads = request.threads if request.HasField("threads") else None
+        threads = validation.threads(request)
         length = self.engine.open(sid, list(request.prompt_token_ids), context, threads)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.

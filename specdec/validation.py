@@ -67,10 +67,13 @@ def uniforms(values: Sequence[float], count: int, field: str) -> None:
         raise InvalidArgument(f"{field}: {bad[0]} is outside [0, 1)")
 
 
-def threads(request) -> None:
-    """A request's threads, where it names them: at least one."""
-    if request.HasField("threads") and request.threads < 1:
+def threads(request) -> int | None:
+    """The threads a request names (at least one), or None where it names none."""
+    if not request.HasField("threads"):
+        return None
+    if request.threads < 1:
         raise InvalidArgument(f"threads must be >= 1 when set, got {request.threads}")
+    return request.threads
 
 
 def tree_nodes(n: int, field: str) -> None:

@@ -61,7 +61,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 final_token=scores.final_token,
             )
 
-        threads = request.threads if request.HasField("threads") else None
+        threads = validation.threads(request)
         return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
 
 
