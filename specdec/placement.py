@@ -124,7 +124,6 @@ class Cores:
         draft, target = split_threads(cores or len(usable_cores()))
         self.share = min(threads, target if role == "target" else draft) if shared else threads
         self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
-        self._set = None  # the backend's set_threads, given at the first step
         self._current = threads
 
     def counts(self) -> list[int]:
