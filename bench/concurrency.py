@@ -2,7 +2,8 @@
 
 For each concurrency c, c clients at once send greedy `Generate` calls over gRPC (the first
 --prompts prompts of bench/prompts.json, cycled; max(c, prompts) requests in all, c in
-flight), for speculation off, each fixed k and adaptive k, per drafter. Reported per cell:
+flight; with --duration, each client sends them back to back for that many seconds: a steady
+load), for speculation off, each fixed k and adaptive k, per drafter. Reported per cell:
 total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
 (median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
 in one process: transformers `generate` of one request at a time (with the process's threads,
@@ -36,6 +37,7 @@ class ConcurrencyConfig:
     adaptive: bool = True
     max_tokens: int = 48
     prompts: int = 4
+    duration: float | None = None  # seconds each client sends back to back (None: one wave)
     hf_baselines: bool = True
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
@@ -49,11 +51,24 @@ def nearest_rank(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def _cell(requests: list, c: int, generate) -> dict:
-    """Run `generate(ids)` over the requests, c at a time; tokens and latencies."""
+def _cell(requests: list, c: int, generate, duration: float | None = None) -> dict:
+    """Run `generate(ids)` over the requests, c at a time; with `duration`, each of c clients
+    cycles through them from its own offset until `duration` seconds have passed. Tokens and
+    latencies."""
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(c) as pool:
-        runs = list(pool.map(generate, requests))
+    if duration is None:
+        with ThreadPoolExecutor(c) as pool:
+            runs = list(pool.map(generate, requests))
+    else:
+
+        def client(i: int) -> list[dict]:
+            done = []
+            while time.perf_counter() - t0 < duration:
+                done.append(generate(requests[(i + c * len(done)) % len(requests)]))
+            return done
+
+        with ThreadPoolExecutor(c) as pool:
+            runs = [run for done in pool.map(client, range(c)) for run in done]
     wall = time.perf_counter() - t0
     latencies = [r["wall"] for r in runs]
     return {
@@ -130,7 +145,7 @@ def run(config: ConcurrencyConfig) -> dict:
                     return _specdec_generate(stub, ids, bench, 0.0, mode)
 
                 for c in config.concurrency:
-                    rows[name][str(c)] = _cell(requests(c), c, generate)
+                    rows[name][str(c)] = _cell(requests(c), c, generate, config.duration)
                     print(f"{name} c={c}: {rows[name][str(c)]['total_tokens_per_second']:.1f} tok/s", flush=True)
             stack.close()  # one pipeline at a time: they share the cores
     results = {"config": {k: str(v) for k, v in asdict(config).items()}, "rows": rows}

@@ -81,6 +81,13 @@ def add_bench_parser(sub) -> None:
         "instead, for speculation off, --ks and adaptive, per drafter",
     )
     b.add_argument("--prompts", type=int, default=4, help="with --concurrency: prompts cycled (default 4)")
+    b.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="with --concurrency: each client sends requests back to back for SECONDS (a steady load, where "
+        "adaptive lookahead has measured both regimes) instead of one wave of requests",
+    )
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
@@ -160,6 +167,7 @@ def bench(args) -> int:
             adaptive=config.adaptive,
             max_tokens=config.max_tokens,
             prompts=args.prompts,
+            duration=args.duration,
             hf_baselines=config.hf_baselines,
             target=config.target,
             draft=config.draft,

@@ -87,6 +87,27 @@ A round counts up to MISPRICED times its price, and each ratio decays with its o
 it stays while the load is elsewhere. Alone the price is the formula's, as measured (overlapped
 rounds within 2-5% of its bound).
 
+Measured. Calibrated, the price still missed under load on shared cores: at 8 clients quiet
+speculating rounds took 1.32x their price and plain ones 1.26x, so it promised 1.43-1.55x where
+speculation ran 0.87-0.98x speculation off (the model's error, ~25%, beyond the MARGIN). Nor do
+a generation's rounds tell it: timed from its last commit, speculating rounds committed 10-12
+tokens a second a generation and plain ones 7 where whole runs gave 9 and 12, because a round
+leaves out the prompts' prefills (a speculating generation opens its draft's session too, on the
+cores the target uses) and a plain round among speculating ones rides in their steps. What the
+pair commits a second says it. So under load the pair's rounds run in one regime, speculating or
+not, and the pair keeps each regime's rate per load class: the tokens every round committed over
+the time between the pair's commits (times the load: a generation's rate), over the last
+RATE_WINDOW seconds of the regime's latest run, counted once every generation has had a round in
+it (a switch's first step is the switch's) and not across IDLE seconds without a commit. The
+rates veto, they do not explore: where the price chooses plain rounds they run (speculation forced
+on 16 clients to measure it, every session opening its draft, cost more than the measurement
+could win: 0.5-0.7x speculation off); where it chooses speculation, speculation runs MEASURED
+seconds at that load, then plain rounds do, then the faster is taken, and the slower runs again
+for MEASURED seconds after REVISIT seconds, after twice as long each time it is found slower
+still (up to REVISIT_MAX): the two are compared after each revisit, not continuously (a prefill
+burst's dip in the regime in force, set against the other's older rate, switched it for nothing).
+Which k speculation takes stays the price's.
+
 Cores. Where the draft and the target share one machine's cores (PairCosts.sharing, from the
 services' Describe: specdec.placement), the two kinds of round are two placements: an overlapped
 round runs both services at once, each on its share of the threads (space-sharing), a
@@ -108,19 +129,20 @@ the invariant rule): such a request gets the cheaper kind of round each round (`
 Load. Every generation reports its rounds, so the windows count steps, not reports: a round of
 each of N generations weighs as one step (counted one by one, under load the line's window
 shrank to two steps and its intercept swung from 12 to 234 ms between rounds). Under load
-(N > 1) speculation is taken only when its best k promises 1 + MARGIN and dropped below
+(N > 1) the price takes speculation only when its best k promises 1 + MARGIN and drops it below
 1 - MARGIN: near the break-even the model's error decides, and each switch costs (sessions that
-speculate come back out of step with the others; a dropped continuation). k = 0 is a choice
-too: rounds at k = 0 keep the fit fresh, and after EXPLORE_EVERY steps off (rounds of the pair's
-generations, counted as above) one round explores k = 2, so acceptance and costs are measured
-again when the load falls. An exploration that finds speculation still does not pay doubles
-the wait before the next (up to EXPLORE_MAX steps): under a steady high load the explorations'
-cost falls towards nothing.
+speculate come back out of step with the others; a dropped continuation); and once both regimes
+have run at a load, their measured rates decide (see Measured). k = 0 is a choice too: rounds at
+k = 0 keep the fit fresh. Alone, after EXPLORE_EVERY steps off one round explores k = 2, so
+acceptance and costs are measured again; one that finds speculation still does not pay doubles
+the wait before the next (up to EXPLORE_MAX steps). Under load the regimes' revisits explore in
+their place (a lone exploration opened its generation's draft for one round).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -135,6 +157,11 @@ PRIOR_TRIALS = 2.0  # weight, in draft tokens tested, of the pair's acceptance i
 MISPRICED = 3.0  # a round's measured/priced ratio counted at most (see Calibration)
 CALIBRATED = 1.0  # steps (a round of each generation) a kind of round needs at a load before its ratio counts
 UNPROVEN = 0.5  # under load, the gain the formula must promise where speculation is not calibrated
+MEASURED = 4.0  # seconds a regime runs at a load for its rate to count (see Measured)
+REVISIT = 40.0  # seconds before the regime that measured slower runs again for MEASURED seconds
+REVISIT_MAX = 320.0  # the longest wait, after revisits that found it slower still (doubling)
+RATE_WINDOW = 10.0  # seconds of a regime's run its rate weighs (older ones decay by e each)
+IDLE = 1.0  # seconds without a commit on the pair that are a pause, not a measurement
 
 
 def load_class(load: int) -> int:
@@ -279,6 +306,18 @@ class DraftCost:
     threads: int = 0  # the threads its steps ran with (0: not reported)
 
 
+@dataclass
+class Revisits:
+    """At a load class where both regimes have run (see Measured): the faster, when the slower
+    runs again (`due`, on the clock of measured seconds), the wait that set it, and while the
+    slower runs, until when (None: the faster runs)."""
+
+    faster: bool
+    due: float
+    wait: float
+    until: float | None = None
+
+
 class CostLine:
     """A weighted least-squares line y = y1 + slope (x - 1) through (x, y) points, older points
     weighted down by FIT_DECAY per step: a cost per step over the tokens in the step."""
@@ -361,6 +400,16 @@ class PairCosts:
         # round is quiet when the count did not move between its generation's commits
         self.prefilling = 0
         self.prefill_events = 0
+        # under load, what the pair's rounds commit a second in each regime (see Measured): {class:
+        # {speculating: [tokens, seconds x generations, seconds measured in all]}}, the first two
+        # over the regime's latest run, decayed by RATE_WINDOW
+        self.rates: dict[int, dict[bool, list[float]]] = {}
+        self.regime: bool | None = None  # under load, whether the pair's rounds speculate
+        self.settled = 0.0  # steps since the regime last changed
+        self.measured = 0.0  # seconds measured under load, the clock of the revisits
+        self.last_commit: float | None = None  # when a round of the pair last committed
+        self.faster: dict[int, Revisits] = {}  # per load class: the faster regime and its revisits
+        self.settled_class = 0  # the load class of the last commit
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a step of one token and per extra token in the step;
@@ -489,6 +538,59 @@ class PairCosts:
         kept[0] = f * kept[0] + share * min(ratio, MISPRICED)
         kept[1] = f * kept[1] + share
 
+    def measure(self, load: int, tokens: int, at: float) -> None:
+        """A round of one of `load` generations committed `tokens` at `at` (seconds, the loop's
+        clock): the time since the pair's last commit counts for the regime in force, once every
+        generation has had a round in it and unless the pair was idle (see Measured)."""
+        cls = load_class(load)
+        if cls != self.settled_class:  # a step at a load before it counts there: the arrivals' prefills
+            self.settled, self.settled_class = 0.0, cls
+        seconds = max(0.0, at - self.last_commit) if self.last_commit is not None else IDLE
+        if load > 1 and self.regime is not None and self.settled >= 1 and seconds < IDLE:
+            kept = self.rates.setdefault(cls, {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]})
+            rate, f = kept[self.regime], math.exp(-seconds / RATE_WINDOW)
+            rate[0] = f * rate[0] + tokens
+            rate[1] = f * rate[1] + seconds * load
+            rate[2] += seconds
+            self.measured += seconds
+        self.last_commit = max(at, self.last_commit or at)  # rounds report from their own threads
+        self.settled += 1 / max(1, load)
+
+    def measured_choice(self, load: int, priced: bool) -> bool:
+        """Under load, whether the pair's rounds speculate (see Measured), given the price's
+        choice: plain rounds where it chooses them; where it chooses speculation, speculation
+        until measured MEASURED seconds at this load, then plain rounds until they are too; then
+        the faster, the slower revisited for MEASURED seconds after REVISIT, and after twice as
+        long each time a revisit finds it slower still."""
+        cls = load_class(load)
+        kinds = self.rates.get(cls)
+        on, off = (kinds[True][2], kinds[False][2]) if kinds else (0.0, 0.0)
+        if not priced or off < MEASURED <= on:
+            choice = False
+        elif on < MEASURED:
+            choice = True
+        else:
+            choice = self._revisits(cls, kinds)
+        if choice != self.regime:  # a regime's rate is its latest run's
+            self.regime, self.settled = choice, 0.0
+            if kinds:
+                kinds[choice][:2] = [0.0, 0.0]
+        return choice
+
+    def _revisits(self, cls: int, kinds: dict[bool, list[float]]) -> bool:
+        """The regime at a load class where both have run: the faster, the slower for MEASURED
+        seconds when its revisit is due (on the clock of measured seconds)."""
+        clock, decided = self.measured, self.faster.get(cls)
+        if decided is None or (decided.until is not None and clock >= decided.until):
+            if not (kinds[True][1] and kinds[False][1]):  # a run not measured yet: the one in force
+                return bool(self.regime)
+            faster = kinds[True][0] / kinds[True][1] > kinds[False][0] / kinds[False][1]
+            wait = min(2 * decided.wait, REVISIT_MAX) if decided and faster == decided.faster else REVISIT
+            decided = self.faster[cls] = Revisits(faster, clock + wait, wait)
+        elif decided.until is None and clock >= decided.due:
+            decided.until = clock + MEASURED
+        return decided.faster != (decided.until is not None)
+
     def update(
         self,
         proposed: int,
@@ -581,6 +683,8 @@ class AdaptiveLookahead:
             if k > 0:
                 costs.off_rounds, costs.explore_after = 0, EXPLORE_EVERY
                 return k
+            if self.load() > 1:  # under load the regimes' revisits explore (see Measured)
+                return 0
             costs.off_rounds += 1 / max(1, self.load())  # counted in steps: a round of each generation is one
             if costs.off_rounds < costs.explore_after:
                 return 0
@@ -610,7 +714,9 @@ class AdaptiveLookahead:
             return self.k_max
         profiled_target = costs.target_step(1) is not None  # the target's step from its profile
         line = costs.verify_cost(self.k_max)
-        if line is None and (self.fixed or profiled_target):  # every step of one size: its mean, and no slope
+        n = max(1, self.load())
+        # every step of one size: its mean, and no slope (under load the regimes' rates decide)
+        if line is None and (self.fixed or profiled_target or n > 1):
             line = (costs.verify.mean(), 0.0)
         if line is None:  # every recent step fed the same number of tokens: try another k
             usual = round(costs.usual_k / costs.verify.w)
@@ -618,7 +724,6 @@ class AdaptiveLookahead:
                 return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         wait_on, wait_off = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
-        n = max(1, self.load())
         # every generation drafting, as they all choose alike; each kind of round at its threads (see
         # Cores: under load, on the services' shares whatever the kind)
         rounds = {}
@@ -648,9 +753,10 @@ class AdaptiveLookahead:
             self.promised = speedup(alpha, k, rounds[self.overlapping], self.overlapping, t0)
             calibration = costs.calibration(n)
             if calibration is None:  # not measured at this load: the formula must promise more than its error
-                self.speculating = self.promised > 1 + UNPROVEN
+                priced = self.promised > 1 + UNPROVEN
             else:
-                self.speculating = speculates(self.promised * calibration, self.speculating)
+                priced = speculates(self.promised * calibration, self.speculating)
+            self.speculating = costs.measured_choice(n, priced and k > 0)  # see Measured
             k = k if self.speculating else 0
         # the chosen k's price; k = 0: drafts it did not choose (an exploration's, carried) are not calibrated
         self.priced = (round_time(alpha, k, rounds[self.overlapping], self.overlapping) if k else None, t0, n)
@@ -668,6 +774,8 @@ class AdaptiveLookahead:
         round_seconds: float | None = None,
         quiet: bool = True,
         target_threads: int = 0,
+        committed: int | None = None,
+        at: float | None = None,
     ) -> None:
         """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
         for the proposed tokens, the service's steps unknown), the seconds waited on the target,
@@ -676,7 +784,8 @@ class AdaptiveLookahead:
         proposed + 1, as when no other session shares the target), the sessions it ran, the seconds
         since its generation's last commit (None: not timed), and whether no prefill ran on the
         pair meanwhile (one that did waited behind it: neither its wait nor its time is counted;
-        see Calibration), and the threads the target's step ran with (0: not reported)."""
+        see Calibration), the threads the target's step ran with (0: not reported), and the tokens
+        it committed and when, on the loop's clock (None: not counted; see Measured)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
         if not isinstance(draft, DraftCost):
@@ -693,3 +802,5 @@ class AdaptiveLookahead:
                 price = plain_price if proposed == 0 else spec_price  # None: drafts it did not choose (carried)
                 if price:
                     self.costs.calibrate(load, proposed > 0, round_seconds / price)
+            if committed is not None and at is not None:
+                self.costs.measure(self.load(), committed, at)

@@ -436,7 +436,7 @@ class SpeculativeLoop:
                 if not tree:
                     return self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
                 step = self._tree_round(k, draws, start)
-                if self.policy is not None:  # the chains' calibration restarts after it (_since_commit)
+                if self.policy is not None:  # the chains' round times count from its commit
                     self.trees.choice.update(cfg.sampling.greedy, True, step.committed, time.perf_counter() - start)
                     self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
                 return step
@@ -604,9 +604,11 @@ class SpeculativeLoop:
                 scores.step_tokens or None,
                 scores.compute_seconds or None,  # a service that does not report it: all the wait
                 scores.step_sessions or None,
-                since := self._since_commit(),
-                since is not None,
+                (now := time.perf_counter()) - self._committed[0],
+                self.policy.costs.quiet(self._committed[1]),
                 scores.threads,
+                len(committed),
+                now,
             )
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start
@@ -669,13 +671,6 @@ class SpeculativeLoop:
             self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
-
-    def _since_commit(self) -> float | None:
-        """Seconds since the generation's last commit (or its target's open), if no prefill ran
-        on the pair meanwhile (the adaptive policy's calibration); None: one did."""
-        if not self.policy.costs.quiet(self._committed[1]):
-            return None
-        return time.perf_counter() - self._committed[0]
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config

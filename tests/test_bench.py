@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import costs, engines
+from bench import concurrency, costs, engines
 from bench.run import _chat_ids, alpha_from_tokens_per_round, theoretical_speedup
 
 DATA = Path(__file__).with_name("data")
@@ -80,6 +80,32 @@ def test_round_overhead_on_tiny_models(tiny_models):
     r = overhead.measure(tiny_models["target"], tiny_models["draft"], "cpu", 3, 2, 16, None, "float32")
     assert r["forwards"] > 0 and r["round"] > r["forwards"] and 0 < r["outside_share"] < 1
     assert 1 <= r["tokens_per_round"] <= 4
+
+
+def test_a_concurrency_cell_holds_c_clients_for_its_duration():
+    """One wave: each request once. With a duration: c clients, each sending the requests back to
+    back from its own offset until the time is up; never more than c in flight."""
+    import threading
+    import time
+
+    sent, lock, flight = [], threading.Lock(), [0, 0]
+
+    def generate(ids):
+        with lock:
+            sent.append(ids)
+            flight[0] += 1
+            flight[1] = max(flight[1], flight[0])
+        time.sleep(0.01)
+        with lock:
+            flight[0] -= 1
+        return {"tokens": 2, "wall": 0.01, "tokens_per_second": 200.0}
+
+    wave = concurrency._cell(["a", "b", "c", "d"], 2, generate)
+    assert sorted(sent) == ["a", "b", "c", "d"] and wave["requests"] == 4 and wave["tokens"] == 8
+    sent.clear()
+    steady = concurrency._cell(["a", "b", "c", "d"], 2, generate, duration=0.3)
+    assert steady["requests"] == len(sent) > 8 and flight[1] == 2 and set(sent) == {"a", "b", "c", "d"}
+    assert steady["total_tokens_per_second"] == pytest.approx(2 * len(sent) / 0.3, rel=0.25)
 
 
 def test_overlap_bound_is_the_busier_device():

@@ -10,7 +10,9 @@ from draft_service.ngram import lookup
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import (
     MARGIN,
+    MEASURED,
     MISPRICED,
+    REVISIT,
     UNPROVEN,
     AdaptiveLookahead,
     DraftCost,
@@ -197,6 +199,74 @@ def test_rounds_behind_a_prefill_are_not_calibrated():
     assert not costs.quiet(mark) and costs.quiet(costs.quiet_since())  # one ran in between
 
 
+def loaded(load: int, draft_ms: float, costs: PairCosts) -> AdaptiveLookahead:
+    """A policy at `load` after 60 rounds of k = 2 and 4 (no rates: committed not given): a draft
+    that batches nothing (`draft_ms` a session in its step), a target of 4 ms a token."""
+    policy = AdaptiveLookahead(k_max=8, overlap=True, load=lambda: load, costs=costs)
+    for i in range(60):
+        k = (2, 4)[i % 2]
+        step = draft_ms / 1000 * load
+        draft = DraftCost(step * k, k, step * k, steps=k, step_tokens=load * k)
+        target = 0.100 + 0.004 * (load * (k + 1) - 1)
+        policy.update(k, k - (i % 4 < 2), draft, target, load * (k + 1), target, step_sessions=load)
+    return policy
+
+
+def test_under_load_the_regime_that_commits_more_a_second_is_taken():
+    """Under load the pair measures what its rounds commit a second in each regime (speculating
+    or not) at each load class: the price's choice runs MEASURED seconds, then the other does,
+    then the faster is taken and the slower revisited MEASURED seconds in every REVISIT; a
+    regime's first step after a switch is not counted. A price that promises speculation where
+    it runs slower (as at 8 clients on 2 shared cores) stops deciding."""
+    costs = PairCosts()
+    eight = loaded(8, 4.0, costs)
+    assert eight._best_k() > 0 and eight.promised > 1 + UNPROVEN and costs.rates == {}
+    clock = [100.0]
+
+    def rounds(seconds: float, speculating: float, plain: float) -> dict[bool, float]:
+        """Rounds of 8 generations for `seconds` (one policy stands for them), each generation
+        committing `speculating` tokens a second while it speculates, `plain` while it does not;
+        the seconds spent in each regime."""
+        spent = {True: 0.0, False: 0.0}
+        end = clock[0] + seconds
+        while clock[0] < end:
+            k = eight.next_k()
+            took = (k / speculating if k else 1 / plain) / 8  # the pair commits 8 times as often as a generation
+            clock[0] += took
+            spent[k > 0] += took
+            if k:
+                draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
+                target = 0.1 + 0.004 * (8 * (k + 1) - 1)
+                eight.update(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock[0])
+            else:
+                eight.update(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock[0])
+        return spent
+
+    # the price's choice first, speculation: a step to settle, then MEASURED seconds; then plain
+    # rounds the same
+    first = rounds(MEASURED, speculating=10.0, plain=12.5)
+    assert first[False] == 0 and costs.rates[load_class(8)][True][2] < MEASURED
+    rounds(MEASURED + 1.0, speculating=10.0, plain=12.5)
+    assert costs.rates[load_class(8)][True][2] == pytest.approx(MEASURED, abs=0.15)
+    assert costs.rates[load_class(8)][False][2] > MEASURED  # then the faster: plain rounds
+    rate = {kind: kept[0] / kept[1] for kind, kept in costs.rates[load_class(8)].items()}
+    assert rate == {True: pytest.approx(10.0), False: pytest.approx(12.5)}
+    # the price still promises speculation, but plain rounds are faster: taken, speculation
+    # revisited for MEASURED seconds (and a step to settle) after REVISIT, then after twice as
+    # long (slower still); no lone explorations
+    assert eight.promised > 1 + UNPROVEN and eight._best_k() == 0
+    later = rounds(4 * REVISIT, speculating=10.0, plain=12.5)
+    assert 2 * MEASURED < later[True] < 2 * MEASURED + 2 and costs.faster[load_class(8)].wait == 4 * REVISIT
+    # the text moves: speculation now commits more a second, and is taken from its next revisit
+    rounds(4 * REVISIT, speculating=40.0, plain=12.5)
+    assert costs.faster[load_class(8)].faster and costs.faster[load_class(8)].wait == REVISIT
+    latest = rounds(REVISIT, speculating=40.0, plain=12.5)
+    assert 1 - 2 * MEASURED / REVISIT < latest[True] / REVISIT < 1
+    # other loads are measured apart: there the price decides until a regime is measured
+    assert load_class(16) not in costs.rates
+    assert costs.measured_choice(16, priced=False) is False and costs.measured_choice(16, priced=True) is True
+
+
 def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_load():
     """The price misses more of a speculating round's time at some loads than at others
     (measured over quiet rounds: 0.9-1.4 of it at 8 clients, 1.5-2.2 at 16). The pair keeps each
@@ -204,20 +274,8 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     the plain rounds' ratio over the speculating rounds'. Where speculation is not measured,
     the formula must promise 1 + UNPROVEN: at 16 it is not taken on a promise of 1.2x."""
     assert [load_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
-
-    def policy(load: int, draft_ms: float, costs: PairCosts) -> AdaptiveLookahead:
-        """A draft that batches nothing (`draft_ms` a session in its step), a target of 4 ms a token."""
-        policy = AdaptiveLookahead(k_max=8, overlap=True, load=lambda: load, costs=costs)
-        for i in range(60):
-            k = (2, 4)[i % 2]
-            step = draft_ms / 1000 * load
-            draft = DraftCost(step * k, k, step * k, steps=k, step_tokens=load * k)
-            target = 0.100 + 0.004 * (load * (k + 1) - 1)
-            policy.update(k, k - (i % 4 < 2), draft, target, load * (k + 1), target, step_sessions=load)
-        return policy
-
     costs = PairCosts()
-    eight = policy(8, 4.0, costs)
+    eight = loaded(8, 4.0, costs)
     assert costs.calibration(8) is None and eight._best_k() > 0 and eight.promised > 1 + UNPROVEN
     # quiet rounds at load 8 as the policy priced them: speculating ones took twice their price,
     # plain ones half of theirs
@@ -233,7 +291,7 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     assert costs.calibration(8) == pytest.approx(0.25, rel=0.01)
     assert eight.promised * 0.25 < 1 - MARGIN and eight._best_k() == 0
     # 16, not measured: the formula's 1.1-1.5x is not taken; measured cheaper than priced, it is
-    sixteen = policy(16, 6.0, PairCosts())
+    sixteen = loaded(16, 6.0, PairCosts())
     assert sixteen._best_k() == 0 and 1 + MARGIN < sixteen.promised < 1 + UNPROVEN
     sixteen.costs.calibrate(16, True, 0.5)  # one round of 16: not a step yet
     assert sixteen.costs.calibration(16) is None
