@@ -406,7 +406,6 @@ class PairCosts:
         self.rates: dict[int, dict[bool, list[float]]] = {}
         self.regime: bool | None = None  # under load, whether the pair's rounds speculate
         self.settled = 0.0  # steps since the regime last changed
-        self.measured = 0.0  # seconds measured under load, the clock of the revisits
         self.last_commit: float | None = None  # when a round of the pair last committed
         self.faster: dict[int, Revisits] = {}  # per load class: the faster regime and its revisits
         self.settled_class = 0  # the load class of the last commit
@@ -552,9 +551,14 @@ class PairCosts:
             rate[0] = f * rate[0] + tokens
             rate[1] = f * rate[1] + seconds * load
             rate[2] += seconds
-            self.measured += seconds
         self.last_commit = max(at, self.last_commit or at)  # rounds report from their own threads
         self.settled += 1 / max(1, load)
+
+    @property
+    def measured(self) -> float:
+        """Seconds measured under load, at every load class and in both regimes: the clock of the
+        revisits."""
+        return sum(kept[2] for kinds in self.rates.values() for kept in kinds.values())
 
     def measured_choice(self, load: int, priced: bool) -> bool:
         """Under load, whether the pair's rounds speculate (see Measured), given the price's
