@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -131,6 +132,8 @@ def bench(args) -> int:
     binary = args.llama_speculative
     if binary and not (binary.is_file() and os.access(binary, os.X_OK)):
         raise SystemExit(f"specdec bench: --llama-speculative {binary} is not an executable (make llama-tools)")
+    if args.duration is not None and not (args.concurrency and 0 < args.duration < math.inf):
+        raise SystemExit("specdec bench: --duration needs --concurrency and a number of seconds > 0")
 
     config = BenchConfig(
         target=options.model_spec(args, "target-"),

@@ -108,6 +108,13 @@ def test_a_concurrency_cell_holds_c_clients_for_its_duration():
     assert steady["total_tokens_per_second"] == pytest.approx(2 * len(sent) / 0.3, rel=0.25)
 
 
+@pytest.mark.parametrize("flags", [["--concurrency", "2", "--duration", "0"], ["--duration", "5"]])
+def test_a_duration_needs_clients_and_seconds(flags):
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", *flags], capture_output=True, text=True)
+    assert out.returncode == 1 and "--duration needs --concurrency and a number of seconds > 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_overlap_bound_is_the_busier_device():
     verify = {1: 0.050, 5: 0.090, 9: 0.110}  # seconds by tokens fed
     assert costs.verify_cost(verify, 3) == pytest.approx(0.070)  # interpolated
