@@ -26,7 +26,9 @@ def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") ->
         default=models.DEFAULT_ALIAS,
         help=f"hub id, local path, or '{models.DEFAULT_ALIAS}' (the embedded default; default); as a target, "
         f"{' or '.join(repr(a) for a in models.GROWN_ALIASES)}: the embedded model grown 4x / 8x, the same logits "
-        "at the cost of a larger model (built once; transformers only)",
+        "at the cost of a larger model; as a draft, "
+        f"{' or '.join(repr(a) for a in models.ROUNDED_ALIASES)}: its weights rounded to 4 / 3 bits, a weaker draft "
+        "where draft trees pay (each built once; transformers only)",
     )
     p.add_argument(f"--{prefix}device", default="cpu", help="torch device: cpu or cuda:N (default cpu)")
     p.add_argument(f"--{prefix}dtype", default=dtype, choices=models.DTYPES, help=f"weight dtype (default {dtype})")

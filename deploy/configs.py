@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from draft_service import METHODS as DRAFTERS
 from orchestrator import RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
-from specdec.models import ALIASES, DEFAULT_ALIAS, GROWN_ALIASES, ModelSpec
+from specdec.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec
 from specdec.validation import MAX_TREE_NODES
 
 ROLES = ("draft", "target")
@@ -52,9 +52,9 @@ class ModelServiceConfig:
             )
         if self.role == "target" and self.spec.model.endswith(".gguf"):
             object.__setattr__(self, "backend", "llamacpp")  # only llama.cpp runs a GGUF file
-        if self.backend == "llamacpp" and self.spec.model in GROWN_ALIASES:
+        if self.backend == "llamacpp" and self.spec.model in DERIVED_ALIASES:
             raise ValueError(
-                f"{self.spec.model!r} is the embedded model grown for transformers (specdec.grow); llama.cpp has no "
+                f"{self.spec.model!r} is built from the embedded model for transformers; llama.cpp has no "
                 f"GGUF of it: run it with backend torch, or llamacpp with '{DEFAULT_ALIAS}'"
             )
         if self.backend == "llamacpp" and self.spec.model not in ALIASES and not self.spec.model.endswith(".gguf"):

@@ -133,8 +133,8 @@ class LocalPipeline:
         target = ModelServiceConfig("target", cfg.target, backend=cfg.target_backend)  # checked before anything starts
         if models.ALIASES & {cfg.target.model, cfg.draft.model}:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
-        for grown in models.GROWN_ALIASES.keys() & {cfg.target.model, cfg.draft.model}:
-            models.resolve(grown)  # likewise (grown from the conversion)
+        for derived in models.DERIVED_ALIASES & {cfg.target.model, cfg.draft.model}:
+            models.resolve(derived)  # likewise (built from the conversion)
         if target.backend == "llamacpp" and cfg.target.model in models.ALIASES:
             models.f32_gguf_path()  # likewise
         if cfg.draft.model in models.ALIASES and cfg.drafter in ("auto", "llamacpp") and models.llamacpp_installed():

@@ -17,7 +17,7 @@ from specdec import rule
 from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.validation import TREE_BRANCHES, TREE_BUCKETS
+from specdec.validation import TREE_BRANCHES, TREE_BUCKETS, TREE_EXPAND
 
 
 def propose(
@@ -116,23 +116,28 @@ def propose_tree(
 ) -> Generator[Forward, torch.Tensor, TreeProposal]:
     """A draft tree of at most `nodes` tokens and `depth` levels after the committed tokens.
 
-    The draft drafts a spine, one step a depth as a chain (so any backend drafts trees: only the
-    target's verify attends a tree), and at each spine node draws TREE_BRANCHES children from
-    its row: the most probable tokens (greedy), draws without replacement with the caller's
-    uniforms (sampling), or the most probable under the position's noise (the invariant rule).
-    The first child continues the spine. The tree keeps the `nodes` children most likely to be
-    reached and accepted (EAGLE-2's dynamic tree, restricted to one expanded node a depth): a
-    child's chance is its parent's times the chance its earlier siblings are all rejected times
-    its own, taken from `acceptance` (ProposeRequest.tree_acceptance: measured by rank and draft
-    probability) or else its draft probability. A child's score is the least chance among it and
-    the siblings before it, so a parent outranks its children and a node's kept children are the
-    first ones drawn (the rule tries them in that order). The spine stops once no deeper node
-    could make the cut."""
+    EAGLE-2's dynamic tree. Each node drawn gets a chance of being reached and accepted: its
+    parent's, times the chance its earlier siblings are all rejected, times its own (from
+    `acceptance`, ProposeRequest.tree_acceptance: measured by rank and draft probability; else
+    its draft probability); a node's score is the least chance among it and the siblings before
+    it, so a parent outranks its children and a node's kept children are the first ones drawn
+    (the rule tries them in that order). A depth at a time, the TREE_EXPAND best-scoring nodes of
+    the last depth that could still make the cut run as one forward (the draft's own tree
+    attention, engine.extend_tree), and each draws TREE_BRANCHES children from its row: its most
+    probable tokens (greedy), draws without replacement with the caller's uniforms (sampling,
+    TREE_BRANCHES for each of TREE_EXPAND slots a depth), or the most probable under the
+    position's noise (the invariant rule). It stops once no deeper node could make the cut, and
+    keeps the `nodes` best. A backend that attends chains only (llama.cpp), or a session without
+    room for the expanded nodes, expands one node a depth, its best: a spine with runners-up."""
     coupled = noise_seed is not None and not params.greedy
-    spine: list[int] = []
-    rows: list[torch.Tensor] = []  # the spine's rows: rows[d] the row at depth d (rows[0] the root's)
-    candidates: list[tuple[float, int, int, int, float]] = []  # (score, depth, rank, token, prob)
-    reach = 1.0  # the chance the spine so far is accepted
+    floor = len(session.tokens)
+    logits = yield engine.forward(session, [], 1)  # the root's row: after the committed tokens
+    branch = getattr(engine.backend, "trees", False) and engine.fits(session, floor + depth * TREE_EXPAND)
+    expand = TREE_EXPAND if branch else 1
+    drawn: list[_Drawn] = []  # every child drawn: parents before children, siblings in draw order
+    rows: dict[int, torch.Tensor] = {}  # an expanded node (an index into drawn; -1: the root) -> its row
+    cached: dict[int, int] = {-1: -1}  # an expanded node -> its index in the draft's cached tree
+    frontier = [-1]
 
     def chance(rank: int, prob: float) -> float:  # of a child being accepted once tried
         if not acceptance:
@@ -140,33 +145,69 @@ def propose_tree(
         return acceptance[min(rank, TREE_BRANCHES - 1) * TREE_BUCKETS + min(int(prob * TREE_BUCKETS), TREE_BUCKETS - 1)]
 
     for d in range(depth):
-        logits = (yield engine.forward(session, spine, 1))[0]
-        probs = torch.softmax(logits.float(), dim=-1) if params.greedy else probs_from_logits(logits[None], params)[0]
-        if params.greedy:
-            top = torch.topk(probs, min(TREE_BRANCHES, probs.shape[-1]))
-            drawn = [t for t, p in zip(top.indices.tolist(), top.values.tolist(), strict=True) if p > 0]
-        elif coupled:
-            drawn = rule.coupled_ranking(probs, noise_seed, len(session.tokens) + d, TREE_BRANCHES)
-        else:
-            drawn = rule.draw_without_replacement(
-                probs.cpu().numpy(), uniforms[d * TREE_BRANCHES : (d + 1) * TREE_BRANCHES]
-            )
-        rows.append(probs)
-        least, missed = 1.0, 1.0  # the least chance so far; the chance the earlier siblings all failed
-        for rank, (token, p) in enumerate(zip(drawn, probs[drawn].tolist(), strict=True)):
-            least = min(least, reach * missed * chance(rank, p))
-            missed *= 1.0 - chance(rank, p)
-            candidates.append((least, d, rank, token, p))
-        reach *= chance(0, candidates[-len(drawn)][4])
-        spine.append(drawn[0])
-        best = sorted(c[0] for c in candidates)[-nodes:]
-        if len(best) == nodes and best[0] >= reach:  # every deeper node scores reach at most
+        level = len(drawn)
+        for slot, (node, row) in enumerate(zip(frontier, logits, strict=True)):
+            probs = torch.softmax(row.float(), dim=-1) if params.greedy else probs_from_logits(row[None], params)[0]
+            if params.greedy:
+                top = torch.topk(probs, min(TREE_BRANCHES, probs.shape[-1]))
+                tokens = [t for t, p in zip(top.indices.tolist(), top.values.tolist(), strict=True) if p > 0]
+            elif coupled:
+                tokens = rule.coupled_ranking(probs, noise_seed, floor + d, TREE_BRANCHES)
+            else:
+                at = (d * TREE_EXPAND + slot) * TREE_BRANCHES
+                tokens = rule.draw_without_replacement(probs.cpu().numpy(), uniforms[at : at + TREE_BRANCHES])
+            rows[node] = probs
+            reach = 1.0 if node < 0 else drawn[node].score  # its score: so no child outscores it
+            own = probs[tokens].tolist()
+            # Under the Leviathan rule whether a child is tried must not depend on which token it
+            # is (else the walk's law is not the target's): its chance is read at the row's
+            # rank-th probability, not its own. Greedy draws those; the invariant rule's law holds
+            # whatever the shape.
+            valued = own if params.greedy or coupled else torch.topk(probs, len(tokens)).values.tolist()
+            least, missed = 1.0, 1.0  # the least score so far; the chance the earlier siblings all failed
+            for rank, (token, p, v) in enumerate(zip(tokens, own, valued, strict=True)):
+                least = min(least, reach * missed * chance(rank, v))
+                missed *= 1.0 - chance(rank, v)
+                drawn.append(_Drawn(least, d, token, p, node))
+        scores = sorted(n.score for n in drawn)
+        cut = scores[-nodes] if len(scores) >= nodes else 0.0  # a deeper node must score above it
+        frontier = sorted((i for i in range(level, len(drawn)) if drawn[i].score > cut), key=lambda i: -drawn[i].score)
+        frontier = sorted(frontier[:expand])  # parents before children
+        if d + 1 == depth or not frontier:
             break
-    kept = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:nodes]
-    kept.sort(key=lambda c: (c[1], c[2]))  # by depth, then draw order: parents before children
-    index = {(d, rank): i for i, (_, d, rank, _, _) in enumerate(kept)}
-    parents = [-1 if d == 0 else index[(d - 1, 0)] for _, d, _, _, _ in kept]
-    proposal = TreeProposal([c[3] for c in kept], parents, [c[4] for c in kept])
+        if branch:
+            for i in frontier:
+                cached[i] = len(cached) - 1
+            logits = yield engine.extend_tree(
+                session, [drawn[i].token for i in frontier], [cached[drawn[i].parent] for i in frontier]
+            )
+        else:
+            [node] = frontier
+            logits = yield engine.forward(session, _path(drawn, node), 1)
+    kept = sorted(sorted(range(len(drawn)), key=lambda i: (-drawn[i].score, drawn[i].depth, i))[:nodes])
+    index = {-1: -1} | {n: i for i, n in enumerate(kept)}
+    parents = [index[drawn[n].parent] for n in kept]
+    proposal = TreeProposal([drawn[n].token for n in kept], parents, [drawn[n].prob for n in kept])
     if not params.greedy and not coupled:  # the rows the target's rule reads (ScoreRequest.draft_rows)
-        proposal.rows = {parent: rows[0 if parent < 0 else kept[parent][1] + 1] for parent in set(parents)}
+        proposal.rows = {index[drawn[n].parent]: rows[drawn[n].parent] for n in kept}
     return proposal
+
+
+@dataclass
+class _Drawn:
+    """A child drawn for a draft tree (propose_tree)."""
+
+    score: float  # the least chance of being reached and accepted among it and its earlier siblings
+    depth: int
+    token: int
+    prob: float  # its draft probability in its parent's row
+    parent: int  # an index into the drawn children; -1: the root
+
+
+def _path(drawn: list[_Drawn], node: int) -> list[int]:
+    """The tokens from the root to `node`, it included."""
+    tokens = []
+    while node >= 0:
+        tokens.append(drawn[node].token)
+        node = drawn[node].parent
+    return tokens[::-1]

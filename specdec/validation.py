@@ -18,7 +18,8 @@ from specdec.errors import InvalidArgument
 MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
 DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
 MAX_TREE_NODES = 64  # tokens of a draft tree
-TREE_BRANCHES = 4  # children a draft tree's spine node may have (draws a depth, in sampling mode)
+TREE_BRANCHES = 4  # children an expanded node of a draft tree may have (draws a node, in sampling mode)
+TREE_EXPAND = 4  # nodes of a draft tree expanded a depth at most
 TREE_BUCKETS = 5  # draft-probability buckets of ProposeRequest.tree_acceptance
 
 
@@ -95,8 +96,8 @@ def propose_request(request, vocab_size: int) -> None:
         probabilities(request.tree_acceptance, TREE_BRANCHES * TREE_BUCKETS, "tree_acceptance")
     if request.sampling.temperature > 0:
         # The invariant rule draws nothing: its noise comes from noise_seed. A tree draws its
-        # children: TREE_BRANCHES a depth.
-        count = request.k * (TREE_BRANCHES if request.tree_nodes else 1)
+        # children: TREE_BRANCHES for each of TREE_EXPAND nodes a depth.
+        count = request.k * (TREE_BRANCHES * TREE_EXPAND if request.tree_nodes else 1)
         uniforms(request.uniforms, 0 if request.HasField("noise_seed") else count, "uniforms")
 
 

@@ -171,8 +171,8 @@ def test_the_aliases_shapes_land_near_their_factors():
     assert grow.GROWTH[8].shape(SMOLLM2) == grow.Shape(90, 6144)
 
 
-def test_grown_aliases_are_transformers_only_and_the_default_keeps_its_drafter():
-    for alias in models.GROWN_ALIASES:
+def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter():
+    for alias in models.DERIVED_ALIASES:
         spec = models.ModelSpec(alias)
         assert ModelServiceConfig("target", spec).backend == "torch"
         with pytest.raises(ValueError, match="llama.cpp has no GGUF of it"):

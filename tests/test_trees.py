@@ -24,6 +24,8 @@ from orchestrator.trees import EXPLORE_ROUNDS, REVISIT, PairTrees, TreeChoice
 from specdec import rule
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
+from specdec.graphs import Buckets, GraphBackend
+from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -38,8 +40,18 @@ from tests.test_seeds import SUPPORT, TokenizedMarkov, pair, run_all
 SAMPLING = SamplingParams(temperature=0.7, top_k=8, top_p=0.95)
 
 
-def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models):
-    backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
+def eager_or_static(path: str, static: bool) -> HFBackend:
+    """The eager backend, or the static one (specdec.graphs: its forwards eager on a CPU, captured on CUDA)."""
+    if not static:
+        return HFBackend(ModelSpec(path, "cpu", "float32"))
+    backend = GraphBackend(ModelSpec(path, "cpu", "float32"), Buckets(batches=(1, 2), widths=(4, 8), lengths=(32,)))
+    backend.prepare(SessionLimits(max_sessions=2, max_kv_tokens=2 * 64))
+    return backend
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
+    backend = eager_or_static(tiny_models["target"], static)
     prefix = [1, 10, 7, 14, 14]
     tokens, parents = [20, 21, 22, 23, 24, 25], [-1, -1, 0, 0, 2, 1]
     engine = SessionEngine(backend, "target")
@@ -83,6 +95,29 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models):
         return logits
 
     torch.testing.assert_close(run(commit_then_step), run(plain), atol=1e-4, rtol=1e-4)
+    assert engine.open_sessions == 0 and engine.kv.held == 0
+    if static:  # every forward ran static (a tree's mask and rotary positions as the graphs' inputs)
+        assert sum(backend.built.hits.values()) > 0 and backend.builds_after_ready == 0
+
+    # A draft grows the same tree a depth at a time (engine.extend_tree): each node's logits are its path's.
+    def grown(session):
+        yield engine.forward(session, [], 1)
+        logits = yield engine.extend_tree(session, tokens[:2], parents[:2])
+        logits2 = yield engine.extend_tree(session, tokens[2:4] + tokens[5:], [0, 0, 1])
+        logits3 = yield engine.extend_tree(session, tokens[4:5], [2])
+        return torch.cat([logits, logits2[:2], logits3, logits2[2:]])
+
+    for node, row in enumerate(run(grown)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tokens[at])
+            at = parents[at]
+
+        def chain(session, path=path):
+            logits = yield engine.forward(session, path, 1)
+            return logits
+
+        torch.testing.assert_close(row, run(chain)[0], atol=1e-4, rtol=1e-4)
     assert engine.open_sessions == 0 and engine.kv.held == 0
 
 
