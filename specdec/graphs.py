@@ -17,8 +17,12 @@ vLLM and gpt-fast do:
   that a step fills with one host-to-device copy, and writes the last hidden states of every
   column; the step gathers the columns it wants and applies the output layer eagerly (vocab-
   sized logits of every padded column would cost more than the launches they save);
-- every row attends over `[:length]` of its slot with a mask (keys up to its own position): a
-  slice of the static block keeps its address. Why KV-length buckets and not one graph over the
+- every row attends over `[:length]` of its slot with a mask: the committed keys before its
+  window's start, and within a window of TREE_WINDOW positions after it the keys its `seen` row
+  allows (window_mask). A chain sees the window's columns up to its own; a draft tree's node (the
+  target's verify, the draft's extend_tree) sees its ancestors, at its depth's rotary position,
+  so one graph serves both; a tree past the window runs eager. A slice of the static block keeps
+  its address. Why KV-length buckets and not one graph over the
   whole capacity: each row reads its slot's keys and values for every position attended (the
   gather and the attention), so a 100-token session in a 1024-position slot would read 10x what
   it holds at every step; with lengths 256, 512, ... it reads at most 2x, for |lengths| times the
