@@ -3,7 +3,9 @@
 For each concurrency c, c clients at once send greedy `Generate` calls over gRPC (the first
 --prompts prompts of bench/prompts.json, cycled; max(c, prompts) requests in all, c in
 flight; with --duration, each client sends them back to back for that many seconds: a steady
-load), for speculation off, each fixed k and adaptive k, per drafter. Reported per cell:
+load), for speculation off, each fixed k and adaptive k (and with --trees, adaptive k with draft
+trees of each node budget: each round a tree or a chain, whichever measured faster), per drafter.
+Reported per cell:
 total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
 (median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
 in one process: transformers `generate` of one request at a time (with the process's threads,
@@ -35,6 +37,7 @@ class ConcurrencyConfig:
     drafters: tuple[str, ...] = ("llamacpp",)
     ks: tuple[int, ...] = (4,)
     adaptive: bool = True
+    trees: tuple[int, ...] = ()  # node budgets: adaptive rows with draft trees beside the chains-only one
     max_tokens: int = 48
     prompts: int = 4
     duration: float | None = None  # seconds each client sends back to back (None: one wave)
@@ -120,7 +123,9 @@ def run(config: ConcurrencyConfig) -> dict:
         rows["hf-generate padded batch"] = {
             str(c): _hf_batch(model, tokenizer, requests(c)[:c], config.max_tokens) for c in config.concurrency
         }
-    modes = ["-"] + [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
+    modes = [("-", 0)] + [(str(k), 0) for k in config.ks]
+    if config.adaptive:
+        modes += [("adaptive", 0)] + [("adaptive", n) for n in config.trees]
     with ExitStack() as stack:
         for i, drafter in enumerate(config.drafters):
             # Admit every client at once: the orchestrator's default (8 generating) would queue the rest.
@@ -136,13 +141,14 @@ def run(config: ConcurrencyConfig) -> dict:
             )
             pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
-            for mode in modes if i == 0 else modes[1:]:
+            for mode, nodes in modes if i == 0 else modes[1:]:
                 name = "specdec-off" if mode == "-" else f"specdec {drafter} k={mode}"
-                _specdec_generate(stub, prompt_ids[0], bench, 0.0, mode)  # warm-up
+                name += f" tree {nodes}" if nodes else ""
+                _specdec_generate(stub, prompt_ids[0], bench, 0.0, mode, tree_nodes=nodes)  # warm-up
                 rows[name] = {}
 
-                def generate(ids, stub=stub, mode=mode):
-                    return _specdec_generate(stub, ids, bench, 0.0, mode)
+                def generate(ids, stub=stub, mode=mode, nodes=nodes):
+                    return _specdec_generate(stub, ids, bench, 0.0, mode, tree_nodes=nodes)
 
                 for c in config.concurrency:
                     rows[name][str(c)] = _cell(requests(c), c, generate, config.duration)

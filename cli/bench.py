@@ -42,7 +42,8 @@ def add_bench_parser(sub) -> None:
         default="",
         metavar="NODES",
         help="comma list of draft trees' node budgets: specdec-tree rows (k = depth/nodes), one a fixed k, beside the "
-        "chains (default: none)",
+        "chains; with --concurrency, adaptive rows with trees of each budget beside the chains-only one "
+        "(default: none)",
     )
     b.add_argument("--temperatures", default="0,0.7", help="comma list (default 0,0.7)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
@@ -168,6 +169,7 @@ def bench(args) -> int:
             drafters=config.drafters,
             ks=config.ks,
             adaptive=config.adaptive,
+            trees=config.trees,
             max_tokens=config.max_tokens,
             prompts=args.prompts,
             duration=args.duration,

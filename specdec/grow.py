@@ -41,7 +41,6 @@ alias cache; models.resolve calls ensure_grown. It knows nothing of sessions, RP
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
 import sys
@@ -166,11 +165,7 @@ def ensure_grown(alias: str) -> Path:
     if (target / INDEX).exists():
         return target
     base = models.ensure_default_converted()  # before the lock: it takes the same one
-    with open(target.parent / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / INDEX).exists():
-            return target
-        build(base, target, GROWTH[factor], models.DEFAULT_ALIAS, factor)
+    models.built_once(target / INDEX, lambda: build(base, target, GROWTH[factor], models.DEFAULT_ALIAS, factor))
     return target
 
 

@@ -71,21 +71,23 @@ def resolve(model: str) -> str:
 
 
 def ensure_default_converted() -> Path:
-    """Convert the embedded GGUF to an fp32 safetensors directory once; return its path.
-
-    Safe when several processes start at once: a file lock serialises them, and the
-    directory appears atomically (written elsewhere, then renamed).
-    """
+    """Convert the embedded GGUF to an fp32 safetensors directory once; return its path."""
     target = cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "model.safetensors").exists():
-            return target
-        _convert_gguf(target)
+    built_once(target / "model.safetensors", lambda: _convert_gguf(target))
     return target
+
+
+def built_once(done: Path, build) -> None:
+    """Run build() unless `done` exists, a file of the cache it makes. Safe when several processes
+    start at once: the cache's file lock serialises them (the next finds it built), and build
+    writes elsewhere, then renames into place."""
+    if done.exists():
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            build()
 
 
 def gguf_path() -> Path:
@@ -124,14 +126,7 @@ def requantized_gguf_path(kind: str) -> Path:
     (what `llama-quantize --allow-requantize IN OUT KIND` does), once; its path. Cached, locked
     and renamed into place as ensure_default_converted is."""
     target = cache_dir() / GGUF_FILE.replace(".Q4_1.", f".{kind}.")
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        _requantize(gguf_path(), target, kind)
+    built_once(target, lambda: _requantize(gguf_path(), target, kind))
     return target
 
 

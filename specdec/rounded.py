@@ -21,7 +21,6 @@ $SPECDEC_CACHE/SmolLM2-135M-Instruct-int{bits} (a transformers checkpoint; its c
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
 import sys
@@ -64,10 +63,7 @@ def ensure_rounded(alias: str) -> Path:
     if (target / WEIGHTS).exists():
         return target
     base = models.ensure_default_converted()  # before the lock: it takes the same one
-    with open(target.parent / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / WEIGHTS).exists():
-            build(base, target, bits)
+    models.built_once(target / WEIGHTS, lambda: build(base, target, bits))
     return target
 
 

@@ -169,3 +169,27 @@ def test_llamacpp_target_greedy_equals_transformers():
     assert run["token_ids"] == expected[0, len(ids) :].tolist()
     sampled = [target.generate(ids, 12, 0.7, seed=1)["token_ids"] for _ in range(2)]
     assert len(sampled[0]) == 12 and sampled[0] == sampled[1]  # seeded, from a fresh state each time
+
+
+def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, tmp_path):
+    """--concurrency with --trees: adaptive rows with draft trees beside the chains-only one."""
+    from specdec.models import ModelSpec
+
+    config = concurrency.ConcurrencyConfig(
+        concurrency=(1, 2),
+        drafters=("model",),
+        ks=(2,),
+        trees=(4,),
+        max_tokens=8,
+        prompts=1,  # the chat prompt (the second, a passage, exceeds the tiny models' context)
+        hf_baselines=False,
+        target=ModelSpec(tiny_models["target"], "cpu", "float32"),
+        draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+        out=tmp_path,
+    )
+    rows = concurrency.run(config)["rows"]
+    adaptive = {"specdec model k=adaptive", "specdec model k=adaptive tree 4"}
+    assert set(rows) == {"specdec-off", "specdec model k=2", *adaptive}
+    for name, cells in rows.items():
+        assert set(cells) == {"1", "2"} and all(cell["total_tokens_per_second"] > 0 for cell in cells.values()), name
+    assert "k=adaptive tree 4" in concurrency.format_table(json.loads((tmp_path / "concurrency.json").read_text()))

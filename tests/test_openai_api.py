@@ -236,7 +236,7 @@ def test_temperature_2_is_the_http_limit_and_grpc_keeps_its_own_range(stack, cli
     assert err.value.param == "temperature" and "[0, 2]" in err.value.body["message"]
     request = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=4)
     request.sampling.temperature = 2.5
-    assert p.orchestrator.Generate(request).stats.generated_tokens > 0
+    assert p.orchestrator.Generate(request).finish_reason in ("length", "stop")  # not refused (a first EOS may end it)
 
 
 def test_max_tokens_beyond_the_context_names_max_tokens_and_says_what_fits(client):
