@@ -67,18 +67,21 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
         logits = yield engine.forward_tree(session, tokens, parents)
         return logits
 
-    got = run(tree)  # [7, vocab]: after the prefix, then after each node
-    for node in range(-1, len(tokens)):
+    def path_logits(node: int) -> torch.Tensor:  # after the node's path (-1: the prefix) fed as a chain
         path, at = [], node
         while at >= 0:
             path.insert(0, tokens[at])
             at = parents[at]
 
-        def chain(session, path=path):
+        def chain(session):
             logits = yield engine.forward(session, path, 1)
             return logits
 
-        torch.testing.assert_close(got[node + 1], run(chain)[0], atol=1e-4, rtol=1e-4)
+        return run(chain)[0]
+
+    got = run(tree)  # [7, vocab]: after the prefix, then after each node
+    for node in range(-1, len(tokens)):
+        torch.testing.assert_close(got[node + 1], path_logits(node), atol=1e-4, rtol=1e-4)
 
     # A commit keeps the accepted path (root -> 1 -> 5), compacted: the next step's logits are as if
     # the path had been fed as a chain.
@@ -108,16 +111,7 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
         return torch.cat([logits, logits2[:2], logits3, logits2[2:]])
 
     for node, row in enumerate(run(grown)):
-        path, at = [], node
-        while at >= 0:
-            path.insert(0, tokens[at])
-            at = parents[at]
-
-        def chain(session, path=path):
-            logits = yield engine.forward(session, path, 1)
-            return logits
-
-        torch.testing.assert_close(row, run(chain)[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(row, path_logits(node), atol=1e-4, rtol=1e-4)
     assert engine.open_sessions == 0 and engine.kv.held == 0
 
 
