@@ -53,7 +53,7 @@ from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
-from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_BRANCHES, TREE_EXPAND
+from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_DRAWS
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -202,11 +202,11 @@ class _Draws:
 
     @classmethod
     def draw_tree(cls, rng: np.random.Generator, lookahead: int, nodes: int, greedy: bool) -> _Draws:
-        """A tree round's: its children's draws (TREE_BRANCHES for each of TREE_EXPAND nodes a depth),
+        """A tree round's: its children's draws (TREE_DRAWS a depth: TREE_BRANCHES for each expanded node),
         a test a node, the last token."""
         if greedy:
             return cls([], [], [], 0.0)
-        drawn = lookahead * TREE_BRANCHES * TREE_EXPAND
+        drawn = lookahead * TREE_DRAWS
         u = rng.random(drawn + nodes + 1).tolist()
         return cls(u[:drawn], u[drawn:-1], [], u[-1])
 
@@ -629,7 +629,7 @@ class SpeculativeLoop:
                 append_tokens=self.draft.pending,
                 k=depth,
                 sampling=self._sampling,
-                uniforms=draws.draft[: depth * TREE_BRANCHES * TREE_EXPAND],
+                uniforms=draws.draft[: depth * TREE_DRAWS],
                 noise_seed=cfg.noise_seed,
                 tree_nodes=cfg.tree_nodes,
                 tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),

@@ -20,6 +20,7 @@ DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
 MAX_TREE_NODES = 64  # tokens of a draft tree
 TREE_BRANCHES = 4  # children an expanded node of a draft tree may have (draws a node, in sampling mode)
 TREE_EXPAND = 4  # nodes of a draft tree expanded a depth at most
+TREE_DRAWS = TREE_BRANCHES * TREE_EXPAND  # a draft tree's uniforms a depth (sampling mode)
 TREE_BUCKETS = 5  # draft-probability buckets of ProposeRequest.tree_acceptance
 
 
@@ -97,7 +98,7 @@ def propose_request(request, vocab_size: int) -> None:
     if request.sampling.temperature > 0:
         # The invariant rule draws nothing: its noise comes from noise_seed. A tree draws its
         # children: TREE_BRANCHES for each of TREE_EXPAND nodes a depth.
-        count = request.k * (TREE_BRANCHES * TREE_EXPAND if request.tree_nodes else 1)
+        count = request.k * (TREE_DRAWS if request.tree_nodes else 1)
         uniforms(request.uniforms, 0 if request.HasField("noise_seed") else count, "uniforms")
 
 
