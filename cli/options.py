@@ -95,10 +95,10 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DRAFTERS,
         help="auto: llamacpp for the embedded default draft when llama-cpp-python is installed (its GGUF "
-        "requantised to Q8_0: the draft that pays on a CPU), else model (default); model: a transformers draft "
-        "model; ngram: model-free prompt lookup over the session's tokens (the draft model only gives the "
-        "tokenizer); llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; the default alias runs the "
-        "embedded GGUF requantised to Q8_0)",
+        "requantised to Q8_0: the draft that pays on a CPU) and for a .gguf draft, else model (default); "
+        "model: a transformers draft model; ngram: model-free prompt lookup over the session's tokens (the "
+        "draft model only gives the tokenizer); llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; "
+        "the default alias runs the embedded GGUF requantised to Q8_0)",
     )
 
 

@@ -6,7 +6,7 @@
   (specdec.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - auto (the default): llamacpp for the embedded default (its GGUF, requantised to Q8_0, drafts
   several times faster than the bf16 copy on a CPU, which is what makes speculation pay there),
-  model for anything else or without llama-cpp-python.
+  llamacpp for a .gguf path, model for anything else or without llama-cpp-python.
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def make(method: str, spec, compile: bool | None = None):
 
 
 def auto(spec) -> str:
-    """The drafter `auto` stands for, given the draft model."""
+    """The drafter `auto` stands for, given the draft model: a GGUF file is llama.cpp's to run
+    (without llama-cpp-python, its error says what to install)."""
+    if str(spec.model).endswith(".gguf"):
+        return "llamacpp"
     if spec.model in models.ALIASES and models.llamacpp_installed():
         return "llamacpp"
     return "model"

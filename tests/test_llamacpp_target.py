@@ -54,10 +54,14 @@ NEAR_TIE = 1e-3  # logit gap within which rounding (shape, library) may flip gre
 
 
 def test_backend_selection():
-    """Config: a .gguf target implies llamacpp; llamacpp wants a GGUF or the alias; the CLI
-    fails with one line before a model loads."""
+    """Config: a .gguf target implies llamacpp, and a .gguf draft the llamacpp drafter (it was
+    loaded as a transformers config: "not a valid JSON file"); llamacpp wants a GGUF or the alias;
+    the CLI fails with one line before a model loads."""
+    from draft_service import drafters
+
     assert ModelServiceConfig("target").backend == "torch"
     assert ModelServiceConfig("target", models.ModelSpec("/m/x.gguf")).backend == "llamacpp"
+    assert drafters.auto(models.ModelSpec("/m/x.Q4_1.gguf")) == "llamacpp"
     assert ModelServiceConfig("target", backend="llamacpp").spec.model == models.DEFAULT_ALIAS
     for bad in (
         dict(role="target", spec=models.ModelSpec("org/model"), backend="llamacpp"),
