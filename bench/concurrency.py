@@ -70,14 +70,16 @@ def _cell(requests: list, c: int, generate, duration: float | None = None) -> di
             done.append(generate(requests[(i + c * len(done)) % len(requests)]))
         return done
 
-    if c == 1:
-        runs = [generate(ids) for ids in requests] if duration is None else client(0)
-    elif duration is None:
+    def each(fn, items) -> list:  # fn over items, c at a time; one client on this thread
+        if c == 1:
+            return [fn(item) for item in items]
         with ThreadPoolExecutor(c) as pool:
-            runs = list(pool.map(generate, requests))
+            return list(pool.map(fn, items))
+
+    if duration is None:
+        runs = each(generate, requests)
     else:
-        with ThreadPoolExecutor(c) as pool:
-            runs = [run for done in pool.map(client, range(c)) for run in done]
+        runs = [run for done in each(client, range(c)) for run in done]
     wall = time.perf_counter() - t0
     latencies = [r["wall"] for r in runs]
     return {

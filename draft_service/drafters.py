@@ -53,8 +53,6 @@ def make(method: str, spec, compile: bool | None = None):
 def auto(spec) -> str:
     """The drafter `auto` stands for, given the draft model: a GGUF file is llama.cpp's to run
     (without llama-cpp-python, its error says what to install)."""
-    if str(spec.model).endswith(".gguf"):
-        return "llamacpp"
-    if spec.model in models.ALIASES and models.llamacpp_installed():
+    if spec.model.endswith(".gguf") or (spec.model in models.ALIASES and models.llamacpp_installed()):
         return "llamacpp"
     return "model"
