@@ -115,6 +115,9 @@ def make_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
             *SERVER_KEEPALIVE,
+            # gRPC's default SO_REUSEPORT let a second server bind a port in use (clients then
+            # reached either at random), and a port picked for 0 could be one in use already.
+            ("grpc.so_reuseport", 0),
         ],
     )
     bound = bind(server, host, port, security)

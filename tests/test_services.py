@@ -201,3 +201,17 @@ def test_the_draft_reports_its_batched_step_and_the_orchestrator_prices_by_it(st
     assert not target.Describe(model_pb2.DescribeRequest()).step_costs
     pair = connect(*addresses)
     assert pair.costs.draft_profile == {c.sessions: c.seconds for c in info.step_costs}
+
+
+def test_a_port_in_use_is_refused():
+    """A second server on a port in use fails to start: under gRPC's default SO_REUSEPORT it bound
+    too, and clients reached either at random."""
+    from specdec.service import make_server
+
+    first, port = make_server("127.0.0.1", 0)
+    first.start()
+    try:
+        with pytest.raises(RuntimeError, match="bind"):
+            make_server("127.0.0.1", port)
+    finally:
+        first.stop(None)
