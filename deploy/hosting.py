@@ -92,6 +92,7 @@ class Orchestrator:
     def stop(self, grace: float | None = None):
         if self.http is not None:
             self.http.stop()
+        self.pair.close()
         return self.server.stop(grace)
 
 

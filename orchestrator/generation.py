@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.availability import Availability
 from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.trees import PairTrees
@@ -51,6 +52,17 @@ class ModelPair:
     tree_verify: bool = False  # the target verifies draft trees (ModelInfo.tree_verify)
     # What the generations on the pair learn of its draft trees (orchestrator.trees).
     trees: PairTrees = field(default_factory=PairTrees, compare=False)
+    # The draft's and the target's availability (orchestrator.availability): a lost draft leaves
+    # the pair serving target-only, a lost target fails new requests at once.
+    health: tuple[Availability, Availability] = field(
+        default_factory=lambda: (Availability("draft"), Availability("target")), compare=False
+    )
+    draft_timeout: float | None = None  # seconds a draft call may take (RecoveryConfig.draft_timeout)
+
+    def close(self) -> None:
+        """Stop probing lost services (the orchestrator stops)."""
+        for health in self.health:
+            health.close()
 
 
 @dataclass
@@ -192,7 +204,17 @@ def generate(
     config = loop_config(pair, request, len(ids), defaults)
     stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
-    loop = SpeculativeLoop(pair.draft, pair.target, ids, config, timeout=timeout, costs=pair.costs, trees=pair.trees)
+    loop = SpeculativeLoop(
+        pair.draft,
+        pair.target,
+        ids,
+        config,
+        timeout=timeout,
+        costs=pair.costs,
+        trees=pair.trees,
+        health=pair.health,
+        draft_timeout=pair.draft_timeout,
+    )
     tok = pair.tokenizer
     emitted = 0  # characters of text already sent
     text = ""
@@ -296,4 +318,5 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         target_core_seconds=s.target_core_seconds,
         draft_forward_seconds=s.draft_forward_seconds,
         target_forward_seconds=s.target_forward_seconds,
+        rounds_without_draft=s.rounds_without_draft,
     )

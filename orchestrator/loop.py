@@ -27,9 +27,17 @@ handles stop strings, and may stop consuming at any round; the sessions are clos
 `draft` and `target` are anything with the stubs' methods (gRPC stubs, or in-process
 adapters in tests).
 
-A stub may raise SessionLost when its service lost the session (it died or restarted):
-the loop has it re-open the session at the committed prefix and re-runs the round from the
-same committed state with the same random draws (orchestrator.recovery provides such stubs).
+A stub may raise SessionLost when its service lost the session (it died or restarted). The
+two sides are not alike (orchestrator.availability). The target's: the loop has it re-open the
+session at the committed prefix and re-runs the round from the same committed state with the same
+random draws (orchestrator.recovery provides such stubs), waiting for it up to the deadline. The
+draft's: the round goes on without it (a plain round, exact), the draft counts as lost when it did
+not answer (or answered past `draft_timeout`), and rounds go without speculation until it answers
+again; then its session re-opens at the committed prefix, in the background, and speculation
+resumes. The one wait for a draft: under the Leviathan rule, a round that rejected a draft needs
+the draft's row there for the residual, and a draft lost between its proposal and that row is
+waited for (up to the deadline) and the round re-run, since no other choice of the round's last
+token keeps the law exact.
 """
 
 from __future__ import annotations
@@ -44,9 +52,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from orchestrator import RULES
+from orchestrator.availability import Availability
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
@@ -59,6 +69,9 @@ from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_DRAWS
 MAX_REOPENS_PER_ROUND = 8
 # Seconds a CloseSession may take; a service also reaps what it opened for a caller who left.
 CLOSE_TIMEOUT = 2.0
+# A draft answering one of these refuses the generation (full, or its context too short for it):
+# the generation goes on without drafts.
+DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class _Running:
@@ -83,12 +96,15 @@ class SessionLost(Unavailable):
     """A side's service lost the session: it went away, or came back with empty caches.
 
     Raised by stubs that can recover; they also have `reopen(session_id, token_ids, timeout)`,
-    which waits for the service and opens the session again holding `token_ids`.
+    which waits for the service and opens the session again holding `token_ids`. `gone`: the
+    service did not answer (UNAVAILABLE, or past its budget); else it answered without the
+    session (NOT_FOUND: it restarted, or reaped it).
     """
 
-    def __init__(self, stub, message: str):
+    def __init__(self, stub, message: str, gone: bool = True):
         super().__init__(message)
         self.stub = stub
+        self.gone = gone
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class LoopStats:
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
     recoveries: int = 0  # sessions re-opened after a service lost them
+    rounds_without_draft: int = 0  # rounds that wanted drafts and went without them: the draft was lost
     overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
 
     def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
@@ -230,11 +247,12 @@ class _Side:
     """The orchestrator's view of one service's session."""
 
     stub: object
+    session_id: str
     length: int = 0  # committed length the service has applied
     pending: list[int] = field(default_factory=list)  # committed here, not yet sent
 
-    def ref(self, session_id: str) -> model_pb2.SessionRef:
-        return model_pb2.SessionRef(session_id=session_id, expected_length=self.length)
+    def ref(self) -> model_pb2.SessionRef:
+        return model_pb2.SessionRef(session_id=self.session_id, expected_length=self.length)
 
 
 class SpeculativeLoop:
@@ -247,10 +265,15 @@ class SpeculativeLoop:
         timeout=None,
         costs: PairCosts | None = None,
         trees: PairTrees | None = None,
+        health: tuple[Availability, Availability] | None = None,
+        draft_timeout: float | None = None,
     ):
         """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
         the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
-        `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise."""
+        `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise.
+        `health`: the draft's and the target's availability, shared by the pair's generations
+        (orchestrator.availability); None: this generation's own, up. `draft_timeout`: seconds a draft
+        call may take before the round goes on without it (None: the deadline)."""
         self.trees = trees or PairTrees()
         # Under the Leviathan rule a tree's shape decides which uniform meets which token, so it
         # learns from this generation's rounds alone (a seed then replays it); greedy and
@@ -262,8 +285,8 @@ class SpeculativeLoop:
         self.stats = LoopStats()
         # The caller's deadline bounds the whole generation; each RPC gets what is left of it.
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.draft = _Side(draft) if config.speculate else None
-        self.target = _Side(target)
+        self.draft = _Side(draft, self.session_id) if config.speculate else None
+        self.target = _Side(target, self.session_id)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
         # A tree round is sequential (a continuation assumes one path accepted, a tree has many);
@@ -286,6 +309,12 @@ class SpeculativeLoop:
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
+        self.draft_health, self.target_health = health or (Availability("draft"), Availability("target"))
+        self.draft_timeout = draft_timeout
+        self._draft_lost = False  # this generation's draft session is gone: re-opened once the draft is up
+        self._without_draft = False  # from a loss until the re-opened session is ready
+        self._draft_incarnation = 0  # the draft's sessions after losses take ids of their own
+        self._draft_refused = False  # the draft refused this generation: no re-open
 
     @property
     def _overlapping(self) -> bool:
@@ -299,16 +328,21 @@ class SpeculativeLoop:
     def rounds(self) -> Iterator[Round]:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
         cfg = self.config
+        if not self.target_health.up:  # a new request fails at once while the target is down
+            raise Unavailable(f"the target service is unavailable: {self.target_health.state().reason}; retry later")
         RUNNING.add(1)
         try:
             # Both prefills at once, each on its own service: the first round waits for the
             # slower one, not for their sum. An adaptive generation opens its draft's session
             # only once its policy speculates (_draft_ready): under a load where speculation
-            # does not pay, the draft prefills nothing.
-            if self.draft is not None and (not cfg.adaptive or self.policy.would_speculate()):
+            # does not pay, the draft prefills nothing. A draft that is down: target-only rounds
+            # until it is back.
+            if self.draft is not None and not self.draft_health.up:
+                self._lose_draft()
+            elif self.draft is not None and (not cfg.adaptive or self.policy.would_speculate()):
                 self._open_draft()
             try:  # beside the draft's prefill, on its share of the cores
-                self._open(self.target, self.prompt, concurrent=self._draft_opening is not None)
+                self._open(self.target, self.prompt, concurrent=self._draft_opening is not None, new=True)
             except BaseException:
                 _wait_quietly(self._draft_opening, self._timeout())
                 raise
@@ -327,14 +361,15 @@ class SpeculativeLoop:
             opening, self._draft_opening = self._draft_opening, None
             if opening is not None:  # the draft's open still runs: closed once it is done
                 opening.add_done_callback(lambda _: self._close(self.draft))
-            elif self._draft_opened:
+            elif self._draft_opened and self.draft_health.up:
                 self._close(self.draft)
+            elif self._draft_opened:  # a draft that may not answer: not waited for
+                _CONTINUATIONS.submit(self._close, self.draft)
             self._close(self.target)
 
     def _close(self, side: _Side) -> None:
         try:  # its own timeout: the request's deadline may have passed
-            request = model_pb2.CloseSessionRequest(session_id=self.session_id)
-            side.stub.CloseSession(request, timeout=CLOSE_TIMEOUT)
+            side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=side.session_id), timeout=CLOSE_TIMEOUT)
         except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
             pass
 
@@ -346,17 +381,25 @@ class SpeculativeLoop:
         draft, target = self.costs.threads(overlapped)
         return draft if side is self.draft else target
 
-    def _open(self, side: _Side, tokens: list[int], concurrent: bool = True) -> None:
+    def _open(self, side: _Side, tokens: list[int], concurrent: bool = True, new: bool = False) -> None:
+        """Open the side's session holding `tokens`. `new`: a new request's target, which fails at
+        once (UNAVAILABLE) if the target does not answer; else a lost service is waited for."""
         with self._prefilling():
             try:
                 side.stub.OpenSession(
                     model_pb2.OpenSessionRequest(
-                        session_id=self.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
+                        session_id=side.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
                     ),
                     timeout=self._timeout(),
                 )
-            except SessionLost:  # the service is down or restarting: wait for it
-                side.stub.reopen(self.session_id, tokens, timeout=self._timeout())
+            except SessionLost as lost:
+                if side is self.draft:  # rounds go without it (_draft_ready)
+                    raise
+                if new and lost.gone:  # a new request fails at once
+                    self.target_health.lost(str(lost))
+                    raise Unavailable(f"the target service is unavailable: {lost}; retry later") from lost
+                side.stub.reopen(side.session_id, tokens, timeout=self._timeout())  # wait for it
+                self.target_health.found()
         side.length = len(tokens)
 
     @contextlib.contextmanager
@@ -380,14 +423,24 @@ class SpeculativeLoop:
         self._draft_opening = _CONTINUATIONS.submit(contextvars.copy_context().run, self._open, self.draft, tokens)
 
     def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
-        """Whether the draft's session is open; its open's error goes up here. An adaptive
-        generation opens it when its policy first wants drafts (`wanted`) and does not wait for
-        it: under load the draft prefills many prompts (the Q8_0 draft on one core: ~0.2 s each),
-        so its rounds go without speculation until it is open (k = 0; the tokens they commit
-        reach the draft with its first Propose)."""
+        """Whether the draft's session is open; its open's error goes up here, but a lost draft's,
+        which rounds go without. An adaptive generation opens it when its policy first wants drafts
+        (`wanted`) and does not wait for it: under load the draft prefills many prompts (the Q8_0
+        draft on one core: ~0.2 s each), so its rounds go without speculation until it is open
+        (k = 0; the tokens they commit reach the draft with its first Propose). After a loss it
+        re-opens, likewise without waiting, once the draft answers again."""
+        if self._draft_lost:
+            if self._draft_refused or not self.draft_health.up:
+                return False
+            self._draft_lost = False  # the draft is back: re-open, and speculate once it is open
+            self._open_draft()
+            return False
         if not self._draft_opened:
             if wanted > 0:
                 self._open_draft()
+            return False
+        if not self.draft_health.up:  # lost meanwhile (another generation saw it): do not call it
+            self._lose_draft()
             return False
         opening = self._draft_opening
         if opening is None:
@@ -395,14 +448,71 @@ class SpeculativeLoop:
         if not wait and not opening.done():
             return False
         self._draft_opening = None
-        opening.result(timeout=self._timeout())
+        try:
+            opening.result(timeout=self._timeout())
+        except (SessionLost, grpc.RpcError) as err:
+            if not self._draft_failed(err):
+                raise
+            return False
+        self._without_draft = False
         return True
 
+    def _draft_failed(self, err: BaseException) -> bool:
+        """Whether `err`, from a draft call, is the draft's loss (then handled: rounds go without
+        it) rather than an error to raise. A draft that refuses this generation (its sessions or KV
+        budget full, its context shorter than the target's) is gone for the rest of it."""
+        lost = self._as_lost(err)
+        if lost is None and isinstance(err, grpc.RpcError) and err.code() in DRAFT_REFUSALS:
+            self._draft_refused = True
+            lost = SessionLost(self.draft.stub, err.details(), gone=False)
+        if lost is not None:
+            self._lose_draft(lost)
+        return lost is not None
+
+    def _as_lost(self, err: BaseException) -> SessionLost | None:
+        """A draft call's error as the draft's loss: the service gone or restarted (SessionLost), or
+        past its budget (a deadline that was not the request's); None for any other error."""
+        if isinstance(err, SessionLost):
+            return err
+        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            left = self._timeout()
+            if left is None or left > 0:  # not the request's own deadline
+                return SessionLost(self.draft.stub, f"the draft service did not answer within {self.draft_timeout} s")
+        return None
+
+    def _lose_draft(self, lost: SessionLost | None = None) -> None:
+        """This generation's draft session is gone: rounds go without drafts, and it re-opens
+        once the draft answers (at once when the service answered without the session)."""
+        if lost is not None and lost.gone:
+            self.draft_health.lost(str(lost))
+        self._draft_lost = self._without_draft = True
+        if self._carried is not None:
+            self._carried.lost = True  # a continuation's rows went with it (a re-run proposes it again)
+        # The service may still hold the session (a connection lost, an answer late): closed in the
+        # background, and the next one has an id of its own, which a late close cannot reach.
+        old, opening, self._draft_opening = _Side(self.draft.stub, self.draft.session_id), self._draft_opening, None
+        if self._draft_opened:
+            if opening is not None:
+                opening.add_done_callback(lambda _: _CONTINUATIONS.submit(self._close, old))
+            else:
+                _CONTINUATIONS.submit(self._close, old)
+        self._draft_opened = False
+        self._draft_incarnation += 1
+        self.draft.session_id = f"{self.session_id}.{self._draft_incarnation}"
+
+    def _draft_call(self, method, request):
+        """A draft RPC within the draft's budget (`draft_timeout`): (response, seconds)."""
+        return self._call(method, request, self.draft_timeout)
+
     # -- one round -------------------------------------------------------------------------
-    def _call(self, method, request):
-        """One RPC with what is left of the deadline: (response, seconds), bytes counted."""
+    def _call(self, method, request, budget: float | None = None):
+        """One RPC with what is left of the deadline (and at most `budget` seconds): (response,
+        seconds), bytes counted."""
+        timeout = self._timeout()
+        if budget is not None:
+            timeout = budget if timeout is None else min(timeout, budget)
         t0 = time.perf_counter()
-        response = method(request, timeout=self._timeout())
+        response = method(request, timeout=timeout)
         with self._stats_lock:  # a continuation calls from another thread
             self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
         return response, time.perf_counter() - t0
@@ -434,29 +544,41 @@ class SpeculativeLoop:
             draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
         for reopens in itertools.count():
             try:
-                if not tree:
-                    return self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
-                step = self._tree_round(k, draws, start)
-                if self.policy is not None:  # the chains' round times count from its commit
-                    self.trees.choice.update(cfg.sampling.greedy, True, step.committed, time.perf_counter() - start)
-                    self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
-                return step
+                if tree:
+                    step = self._tree_round(k, draws, start)
+                else:
+                    step = self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
+                break
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
                     raise
-                self._reopen(lost.stub)
+                self._reopen(lost)
+        if tree and self.policy is not None:  # the chains' round times count from its commit
+            self.trees.choice.update(cfg.sampling.greedy, True, step.committed, time.perf_counter() - start)
+            self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
+        if self._without_draft:
+            self.stats.rounds_without_draft += 1
+        return step
 
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
-    def _reopen(self, stub) -> None:
-        """Re-open the session on the side whose service lost it, holding the committed prefix."""
-        side = self.draft if self.draft is not None and stub is self.draft.stub else self.target
+    def _reopen(self, lost: SessionLost) -> None:
+        """Wait for the service that lost the session (up to the deadline) and re-open it there,
+        holding the committed prefix: the target's, or the draft's when a round needs its row."""
+        draft = self.draft is not None and lost.stub is self.draft.stub
+        side, health = (self.draft, self.draft_health) if draft else (self.target, self.target_health)
+        if lost.gone:
+            health.lost(str(lost))
         committed = self.prompt + self.generated
-        side.stub.reopen(self.session_id, committed, timeout=self._timeout())
+        side.stub.reopen(side.session_id, committed, timeout=self._timeout())
+        health.found()
         side.length, side.pending = len(committed), []
-        if side is self.draft and self._carried is not None:
-            self._carried.lost = True  # its rows went with the service: propose it again
+        if draft:
+            self._draft_lost = self._without_draft = False
+            self._draft_opened, self._draft_opening = True, None
+            if self._carried is not None:
+                self._carried.lost = True  # its rows went with the service: propose it again
         self.stats.recoveries += 1
 
     def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[_Proposal, float]:
@@ -465,10 +587,10 @@ class SpeculativeLoop:
         without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
         the round's verify (a continuation)."""
         with self._prefilling(len(self.draft.pending) > self.config.lookahead + 2):
-            proposal, seconds = self._call(
+            proposal, seconds = self._draft_call(
                 self.draft.stub.Propose,
                 model_pb2.ProposeRequest(
-                    session=self.draft.ref(self.session_id),
+                    session=self.draft.ref(),
                     append_tokens=self.draft.pending,
                     k=k,
                     sampling=self._sampling,
@@ -496,15 +618,22 @@ class SpeculativeLoop:
             drafts = carried
             self.stats.overlapped_rounds += 1
         elif k > 0:
-            drafts, fresh = self._propose(k, carried.uniforms if carried is not None else draws.draft)
-            draft_time, drafted = fresh, k
+            asked = time.perf_counter()
+            try:
+                drafts, fresh = self._propose(k, carried.uniforms if carried is not None else draws.draft)
+                draft_time, drafted = fresh, k
+            except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
+                if not self._draft_failed(err):
+                    raise
+                draft_time = time.perf_counter() - asked
         # A model-free drafter may propose fewer than k (none when it finds no match).
         k = len(drafts.tokens)
         accept_u = draws.accept[:k]
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
-        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if self.overlap and self._overlapping else 0
+        overlapping = self.overlap and self._overlapping and not self._draft_lost
+        k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if overlapping else 0
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
@@ -515,7 +644,7 @@ class SpeculativeLoop:
             scores, target_time = self._call(
                 self.target.stub.Score,
                 model_pb2.ScoreRequest(
-                    session=self.target.ref(self.session_id),
+                    session=self.target.ref(),
                     append_tokens=self.target.pending,
                     draft_token_ids=drafts.tokens,
                     sampling=self._sampling,
@@ -531,9 +660,13 @@ class SpeculativeLoop:
         self.stats.add_scores(scores)
         self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
         after = None
-        if continuation is not None:  # its error (SessionLost: the draft service went away) goes up
+        if continuation is not None:  # a lost draft's: the round goes on without it
             waited = time.perf_counter()
-            after, continued = continuation.result(timeout=self._timeout())
+            try:
+                after, continued = continuation.result(timeout=self._timeout())
+            except (SessionLost, grpc.RpcError) as err:
+                if not self._draft_failed(err):
+                    raise
             draft_time += time.perf_counter() - waited  # only the part the Score did not hide
 
         # 3. The rule. All drafts accepted and a continuation: its first token is tested at the
@@ -568,16 +701,21 @@ class SpeculativeLoop:
 
                 def draft_row():  # on a rejection: the draft's row at that position, for the residual
                     nonlocal draft_time
-                    row, row_time = self._call(
-                        self.draft.stub.ProposalRow,
-                        # Positions count from the draft's committed length; commits it has not
-                        # been sent yet (carried drafts, no continuation this round) come first.
-                        model_pb2.ProposalRowRequest(
-                            session=self.draft.ref(self.session_id),
-                            position=len(self.draft.pending) + accepted,
-                            token_id=(drafts.tokens + after.tokens[:1] if after else drafts.tokens)[accepted],
-                        ),
-                    )
+                    if self._draft_lost:  # with the lost draft: wait for it and re-run (module doc)
+                        raise SessionLost(self.draft.stub, "the draft's row at a rejection went with it", gone=False)
+                    try:
+                        row, row_time = self._draft_call(
+                            self.draft.stub.ProposalRow,
+                            # Positions count from the draft's committed length; commits it has not
+                            # been sent yet (carried drafts, no continuation this round) come first.
+                            model_pb2.ProposalRowRequest(
+                                session=self.draft.ref(),
+                                position=len(self.draft.pending) + accepted,
+                                token_id=(drafts.tokens + after.tokens[:1] if after else drafts.tokens)[accepted],
+                            ),
+                        )
+                    except grpc.RpcError as err:  # past its budget: waited for, as if lost
+                        raise self._as_lost(err) or err from err
                     draft_time += row_time
                     return wire.decode_row(row)
 
@@ -622,27 +760,21 @@ class SpeculativeLoop:
         `depth`, the target verifies it in one forward; greedy and the invariant rule walk it
         here (rule.tree_greedy_path), the Leviathan rule on the target (rule.tree_walk)."""
         cfg = self.config
-        proposal, draft_time = self._call(
-            self.draft.stub.Propose,
-            model_pb2.ProposeRequest(
-                session=self.draft.ref(self.session_id),
-                append_tokens=self.draft.pending,
-                k=depth,
-                sampling=self._sampling,
-                uniforms=draws.draft[: depth * TREE_DRAWS],
-                noise_seed=cfg.noise_seed,
-                tree_nodes=cfg.tree_nodes,
-                tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
-                threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
-            ),
-        )
+        asked = time.perf_counter()
+        try:
+            proposal, draft_time = self._draft_call(self.draft.stub.Propose, self._tree_request(depth, draws))
+        except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
+            if not self._draft_failed(err):
+                raise
+            self.stats.draft_seconds += time.perf_counter() - asked
+            return self._speculate(0, 0, draws, start)
         self.draft.length, self.draft.pending = proposal.length, []
         tokens, parents = list(proposal.token_ids), list(proposal.parent_ids)
         if not tokens:  # a model-free drafter found nothing: a plain target step
             self.stats.draft_seconds += draft_time
             return self._speculate(0, 0, draws, start)
         request = model_pb2.ScoreRequest(
-            session=self.target.ref(self.session_id),
+            session=self.target.ref(),
             append_tokens=self.target.pending,
             draft_token_ids=tokens,
             draft_parent_ids=parents,
@@ -672,6 +804,20 @@ class SpeculativeLoop:
             self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
         return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
+
+    def _tree_request(self, depth: int, draws: _Draws) -> model_pb2.ProposeRequest:
+        cfg = self.config
+        return model_pb2.ProposeRequest(
+            session=self.draft.ref(),
+            append_tokens=self.draft.pending,
+            k=depth,
+            sampling=self._sampling,
+            uniforms=draws.draft[: depth * TREE_DRAWS],
+            noise_seed=cfg.noise_seed,
+            tree_nodes=cfg.tree_nodes,
+            tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
+            threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
+        )
 
     def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
         cfg = self.config
@@ -712,12 +858,17 @@ class SpeculativeLoop:
 
     def flush(self) -> None:
         """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
-        drafting = self._draft_ready(wait=True)  # False: no draft, or its session never opened
+        drafting = self._draft_ready(wait=True)  # False: no draft, its session never opened, or lost
         for side in (self.draft if drafting else None, self.target):
             if side is not None and side.pending:
-                side.stub.Append(
-                    model_pb2.AppendRequest(session=side.ref(self.session_id), token_ids=side.pending),
-                    timeout=self._timeout(),
-                )
+                try:
+                    side.stub.Append(
+                        model_pb2.AppendRequest(session=side.ref(), token_ids=side.pending),
+                        timeout=self._timeout(),
+                    )
+                except (SessionLost, grpc.RpcError) as err:
+                    if side is self.target or not self._draft_failed(err):
+                        raise
+                    continue
                 side.length += len(side.pending)
                 side.pending = []

@@ -58,7 +58,11 @@ class ResilientStub:
         name: str,
         config: RecoveryConfig | None = None,
         wait_seconds: float = 60.0,
+        optional: bool = False,
     ):
+        """Connects at once, waiting up to `wait_seconds`; `optional`: a service that does not
+        answer by then is left unconnected (its calls raise SessionLost until a probe or a re-open
+        connects it) instead of raising ConnectionError."""
         self.name = name
         self.config = config or RecoveryConfig()
         self.reopens = 0  # sessions re-opened after a loss, for status and tests
@@ -66,23 +70,38 @@ class ResilientStub:
         self._resolve = address if callable(address) else (lambda _timeout: address)
         self._channel_factory = channel_factory
         self._lock = threading.Lock()
-        self.address = ""
+        self.address = address if isinstance(address, str) else ""
         self._stub = None
-        self._connect(wait_seconds, wait_seconds)
+        try:
+            self._connect(wait_seconds, wait_seconds)
+        except ConnectionError:
+            if not optional:
+                raise
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
             raise AttributeError(method)
 
         def call(request, **kwargs):
+            stub = self._stub
+            if stub is None:
+                raise SessionLost(self, f"{self.name} service at {self.address}: not connected yet")
             try:
-                return getattr(self._stub, method)(request, **kwargs)
+                return getattr(stub, method)(request, **kwargs)
             except grpc.RpcError as err:
                 if err.code() in LOST:
-                    raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}") from err
+                    gone = err.code() == grpc.StatusCode.UNAVAILABLE
+                    raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}", gone) from err
                 raise
 
         return call
+
+    def probe(self, timeout: float) -> model_pb2.ModelInfo:
+        """What the service describes itself as, on a live connection (a fresh one where the current
+        one does not answer); raises when it does not answer within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        stub = self._live_stub(deadline)
+        return stub.Describe(model_pb2.DescribeRequest(), timeout=max(_left(deadline), 0.1))
 
     def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None) -> None:
         """Wait for the service, then open `session_id` afresh holding `token_ids`."""
@@ -128,12 +147,13 @@ class ResilientStub:
         if not self._lock.acquire(timeout=_left(deadline)):
             raise ConnectionError(f"timed out waiting to reconnect to the {self.name} service")
         try:
-            try:
-                probe = min(self.config.probe_seconds, _left(deadline))
-                self._stub.Describe(model_pb2.DescribeRequest(), timeout=probe)
-                return self._stub
-            except grpc.RpcError:
-                pass
+            if self._stub is not None:
+                try:
+                    probe = min(self.config.probe_seconds, _left(deadline))
+                    self._stub.Describe(model_pb2.DescribeRequest(), timeout=probe)
+                    return self._stub
+                except grpc.RpcError:
+                    pass
             # Resolving may block until the service is back (a Ray actor restarting); then a fresh
             # channel, since an old one to a dead address sits in reconnect backoff for seconds.
             self._connect(_left(deadline), min(self.config.connect_seconds, _left(deadline)))

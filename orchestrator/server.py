@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import grpc
 
+from orchestrator.availability import Availability
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate, load_tokenizer
 from orchestrator.lookahead import PairCosts, Sharing
+from orchestrator.loop import RUNNING, SessionLost
 from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
@@ -18,6 +20,7 @@ from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
+DRAFT_START_WAIT = 10.0  # seconds the orchestrator's start waits for its draft before serving without it
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers RESOURCE_EXHAUSTED
 
 
@@ -37,6 +40,10 @@ def connect(
     certificate and the bearer token for both channels; `telemetry` instruments them. An
     address is HOST:PORT, or a function returning the service's current one (a service that
     moves when it restarts); the stubs find a restarted service again (orchestrator.recovery).
+
+    The target must answer within `wait_seconds`. The draft is an accelerator: one that does not
+    answer within DRAFT_START_WAIT seconds (or `wait_seconds`, if shorter) leaves the pair serving
+    target-only, degraded, until the draft answers and is checked (orchestrator.availability).
     """
     security = security or ClientSecurity()
     telemetry = telemetry or disabled()
@@ -47,17 +54,28 @@ def connect(
 
     target = ResilientStub(model_pb2_grpc.TargetServiceStub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
-    draft = None
+    target_health = Availability("target", lambda: target.address, target.probe, recovery)
+    draft, draft_health = None, Availability("draft")
     max_context = target_info.max_context
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
-        draft = ResilientStub(model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait_seconds)
-        draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
-        check_pair(draft_info, target_info)
-        max_context = min(max_context, draft_info.max_context)
-        curves = _curves(draft_info.step_costs, "sessions")
-        profile = curves[max(curves)] if curves else {}  # at its own threads
-        sharing = shared_cores(draft_info, target_info)
+        wait = min(wait_seconds, DRAFT_START_WAIT)
+        draft = ResilientStub(
+            model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait, optional=True
+        )
+        draft_health = Availability(
+            "draft", lambda: draft.address, draft.probe, recovery, check=lambda info: pair_mismatch(info, target_info)
+        )
+        try:
+            draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait)
+        except (SessionLost, grpc.RpcError) as err:
+            draft_health.lost(f"not answering at start ({_reason(err)})")
+        else:
+            check_pair(draft_info, target_info)
+            max_context = min(max_context, draft_info.max_context)
+            curves = _curves(draft_info.step_costs, "sessions")
+            profile = curves[max(curves)] if curves else {}  # at its own threads
+            sharing = shared_cores(draft_info, target_info)
     tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     return ModelPair(
         draft=draft,
@@ -69,7 +87,13 @@ def connect(
         model_name=target_info.model_name,
         costs=PairCosts(profile, sharing),
         tree_verify=target_info.tree_verify,
+        health=(draft_health, target_health),
+        draft_timeout=recovery.draft_timeout,
     )
+
+
+def _reason(err: Exception) -> str:
+    return err.details() if isinstance(err, grpc.RpcError) else str(err)
 
 
 def shared_cores(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> Sharing | None:
@@ -96,13 +120,21 @@ def _curves(costs, size: str) -> dict[int, dict[int, float]]:
 
 
 def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
+    mismatch = pair_mismatch(draft, target)
+    if mismatch:
+        raise FailedPrecondition(mismatch)
+
+
+def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> str:
+    """Why the two cannot speculate together; "" when they can."""
     if draft.vocab_size != target.vocab_size or draft.tokenizer_digest != target.tokenizer_digest:
-        raise FailedPrecondition(
+        return (
             f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, tokenizer "
             f"{draft.tokenizer_digest[:12]}) and target model {target.model_name!r} (vocab "
             f"{target.vocab_size}, tokenizer {target.tokenizer_digest[:12]}) do not share a "
             "vocabulary; speculative decoding needs the same tokenizer on both sides"
         )
+    return ""
 
 
 def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:
@@ -146,6 +178,38 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def GenerateStream(self, request, context):
         for chunk in self._chunks(request, context):
             yield _chunk_proto(chunk)
+
+    def Describe(self, request, context):
+        return describe(self.pair)
+
+
+def describe(pair: ModelPair) -> orchestrator_pb2.OrchestratorInfo:
+    """The pair's status: each service's availability, and what it means for requests."""
+    draft_health, target_health = pair.health
+
+    def status(role: str, stub, health) -> orchestrator_pb2.ServiceStatus:
+        state = health.state()
+        return orchestrator_pb2.ServiceStatus(
+            role=role,
+            address=getattr(stub, "address", ""),
+            available=state.up,
+            reason=state.reason,
+            seconds=state.seconds,
+            losses=state.losses,
+        )
+
+    info = orchestrator_pb2.OrchestratorInfo(
+        model_name=pair.model_name, target=status("target", pair.target, target_health), running=RUNNING.count()
+    )
+    if pair.draft is not None:
+        info.draft.CopyFrom(status("draft", pair.draft, draft_health))
+    if not target_health.up:
+        info.status = "unavailable: target unavailable"
+    elif pair.draft is not None and not draft_health.up:
+        info.status = "degraded: draft unavailable"
+    else:
+        info.status = "ok"
+    return info
 
 
 def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:

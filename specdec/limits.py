@@ -54,9 +54,10 @@ DRAIN_TIMEOUT = 20.0  # seconds a draining server waits for in-flight work (CLI 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """How long and how often the orchestrator tries to reach a lost model service again."""
+    """How long and how often the orchestrator tries to reach a lost model service again, and how
+    long it gives the draft (an accelerator: past that, a round goes without it)."""
 
-    wait_seconds: float = 180.0  # longest wait for a lost service when the request sets no deadline
+    wait_seconds: float = 180.0  # longest wait for a lost target when the request sets no deadline
     first_backoff: float = 0.05  # seconds between the first attempts; doubles each time
     max_backoff: float = 0.5
     probe_seconds: float = 0.5  # a liveness probe (Describe) on the current channel; failing it costs a new one
@@ -64,6 +65,14 @@ class RecoveryConfig:
     # Of a request's deadline, what is left (at most a tenth) for the UNAVAILABLE to reach the
     # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
     answer_margin: float = 1.0
+    # Seconds a draft call (Propose, ProposalRow) may take before the round goes on without it and
+    # the draft counts as lost (a host gone without a reset answers nothing; under load a Propose
+    # waits behind prefill steps of ~1.6 s, so not much less).
+    draft_timeout: float = 5.0
+    probe_backoff: float = 1.0  # longest pause between two probes of a lost service
+
+    def __post_init__(self):
+        _at_least(self, wait_seconds=0, first_backoff=0, max_backoff=0, draft_timeout=0.001, probe_backoff=0.001)
 
 
 class KVBudget:

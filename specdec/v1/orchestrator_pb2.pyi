@@ -78,7 +78,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat_template: _Optional[bool] = ..., sampling: _Optional[_Union[_model_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds", "rounds_without_draft")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class GenerateStats(_message.Message):
     TARGET_CORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -121,7 +122,8 @@ class GenerateStats(_message.Message):
     target_core_seconds: float
     draft_forward_seconds: float
     target_forward_seconds: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ...) -> None: ...
+    rounds_without_draft: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
@@ -168,3 +170,33 @@ class GenerateChunk(_message.Message):
     spans: _containers.RepeatedCompositeFieldContainer[TextSpan]
     rounds: RoundCounts
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TextSpan, _Mapping]]] = ..., rounds: _Optional[_Union[RoundCounts, _Mapping]] = ...) -> None: ...
+
+class ServiceStatus(_message.Message):
+    __slots__ = ("role", "address", "available", "reason", "seconds", "losses")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    available: bool
+    reason: str
+    seconds: float
+    losses: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., losses: _Optional[int] = ...) -> None: ...
+
+class OrchestratorInfo(_message.Message):
+    __slots__ = ("status", "model_name", "draft", "target", "running")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    model_name: str
+    draft: ServiceStatus
+    target: ServiceStatus
+    running: int
+    def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from specdec.v1 import model_pb2 as specdec_dot_v1_dot_model__pb2
 from specdec.v1 import orchestrator_pb2 as specdec_dot_v1_dot_orchestrator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class OrchestratorStub:
                 request_serializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/specdec.v1.Orchestrator/Describe',
+                request_serializer=specdec_dot_v1_dot_model__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -65,6 +71,13 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The orchestrator's status: its model services' availability (what GET /health reports).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=specdec_dot_v1_dot_model__pb2.DescribeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Orchestrator:
             '/specdec.v1.Orchestrator/GenerateStream',
             specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Orchestrator/Describe',
+            specdec_dot_v1_dot_model__pb2.DescribeRequest.SerializeToString,
+            specdec_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.FromString,
             options,
             channel_credentials,
             insecure,
