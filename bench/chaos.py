@@ -8,8 +8,12 @@ once, each with its own requests (greedy and seeded sampling, different prompts 
 then send them again, each client going round its requests until the killer is done, while
 the killer, after each victim serves again, waits a random delay and kills it (the victims
 and delays come from `seed`: the schedule is reproducible, the moments it meets in a
-generation are not). Checks, each a line of the report:
-- every request completed, in both phases (errors are counted by status code);
+generation are not). While the target is down (restarting) a new request is refused at once
+with UNAVAILABLE (orchestrator.availability); a client sends it again after a pause, as any
+client of a service that restarts would (REFUSED_RETRY_SECONDS), and the report counts the
+refusals. Checks, each a line of the report:
+- every request completed, in both phases (errors, a stream broken after its first chunk among
+  them, are counted by status code);
 - each stream is whole: its chunks' tokens, reassembled, are the reference's, each exactly
   once and in order (a shorter one lost tokens, a longer one repeated some), with the same
   text and finish reason, and one final chunk, the last;
@@ -19,7 +23,12 @@ generation are not). Checks, each a line of the report:
   closes in flight), and each service's resident memory (VmRSS of /proc/PID/status) is at
   most `rss_slack_mb` above its level after the reference phase.
 Sampling is reproducible under faults by design: the orchestrator draws all randomness from
-the request's seed and re-runs an interrupted round with the same draws.
+the request's seed and re-runs a round the target lost with the same draws. A lost draft is not
+waited for: its generations go on with target-only rounds (orchestrator.availability). Greedy text
+and the invariant rule's seeded text are the target's own and do not change; under the Leviathan
+rule a seeded generation that ran rounds without its draft (GenerateStats.rounds_without_draft)
+met other draws there, and is another sample of the same law: such a stream must be whole, not
+equal (the report counts them).
 
 This module owns the requests, the killer, the checks and the report; the stack is
 deploy.local's, recovery is orchestrator.recovery's. It imports no torch: it is a client.
@@ -40,6 +49,7 @@ import grpc
 
 from bench.loadtest import percentile
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
+from specdec.security import ClientSecurity, channel
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 PROMPTS = (
@@ -53,6 +63,7 @@ PROMPTS = (
     "Why is the sky blue?",
 )
 VICTIMS = ("draft", "target")
+REFUSED_RETRY_SECONDS = 0.25  # a client's pause before sending a refused request again
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,8 @@ class Outcome:
     finish_reason: str = ""
     error: str | None = None  # status code name
     malformed: str | None = None  # a stream whose final chunk is missing, repeated or not last
+    rounds_without_draft: int = 0  # the final chunk's stats: rounds its lost draft did not take part in
+    refusals: int = 0  # times it was refused at once (UNAVAILABLE, no chunk) and sent again
 
     def same_as(self, reference: Outcome) -> str | None:
         """None if this stream gave the reference's result, else what differs."""
@@ -137,21 +150,31 @@ class Outcome:
 
 
 def stream_once(stub, request, stream: int, index: int, timeout: float) -> Outcome:
-    start = time.monotonic()
-    ids, text, finals, late, finish = [], [], 0, False, ""
-    try:
-        for chunk in stub.GenerateStream(request, timeout=timeout):
-            late = late or finals > 0
-            ids += chunk.token_ids
-            text.append(chunk.text)
-            finals += bool(chunk.finish_reason)
-            finish = chunk.finish_reason or ""
-    except grpc.RpcError as err:
-        return Outcome(stream, index, time.monotonic() - start, error=err.code().name)
+    """One request's stream; refused at once (the target down), it is sent again until `timeout`."""
+    start, refusals = time.monotonic(), 0
+    while True:
+        ids, text, finals, late, finish, without = [], [], 0, False, "", 0
+        try:
+            for chunk in stub.GenerateStream(request, timeout=max(0.1, start + timeout - time.monotonic())):
+                late = late or finals > 0
+                ids += chunk.token_ids
+                text.append(chunk.text)
+                finals += bool(chunk.finish_reason)
+                finish = chunk.finish_reason or ""
+                without = chunk.stats.rounds_without_draft if chunk.finish_reason else without
+        except grpc.RpcError as err:
+            refused = err.code() == grpc.StatusCode.UNAVAILABLE and not ids and not finals
+            if refused and time.monotonic() + REFUSED_RETRY_SECONDS < start + timeout:
+                refusals += 1
+                time.sleep(REFUSED_RETRY_SECONDS)
+                continue
+            return Outcome(stream, index, time.monotonic() - start, error=err.code().name, refusals=refusals)
+        break
     malformed = None
     if finals != 1 or late:
         malformed = f"{finals} final chunks" + (", then more chunks" if late else "")
-    return Outcome(stream, index, time.monotonic() - start, tuple(ids), "".join(text), finish, None, malformed)
+    seconds = time.monotonic() - start
+    return Outcome(stream, index, seconds, tuple(ids), "".join(text), finish, None, malformed, without, refusals)
 
 
 def run_phase(address: str, requests, timeout: float, keep_going=lambda: False) -> tuple[list[Outcome], float]:
@@ -230,8 +253,8 @@ def service_rss(pipeline: LocalPipeline) -> dict[str, float]:
 def open_sessions(pipeline: LocalPipeline) -> dict[str, int]:
     stubs = {"draft": model_pb2_grpc.DraftServiceStub, "target": model_pb2_grpc.TargetServiceStub}
     counts = {}
-    for name, stub_class in stubs.items():
-        stub = stub_class(grpc.insecure_channel(pipeline.addresses[name]))
+    for name, stub_class in stubs.items():  # with the services' own token (deploy.local)
+        stub = stub_class(channel(pipeline.addresses[name], ClientSecurity(token=pipeline.service_token)))
         counts[name] = stub.Describe(model_pb2.DescribeRequest(), timeout=30).open_sessions
     return counts
 
@@ -264,8 +287,8 @@ def run(config: ChaosConfig, log=print) -> dict:
         reopened = (pipeline.workdir / "orchestrator.log").read_text(errors="replace").count("re-opened at length")
         restarts, failure = dict(pipeline.restarts), pipeline.failure
     return report(
-        config, reference, reference_wall, faulted, faulted_wall, killer.kills, restarts, reopened, failure,
-        sessions, (rss_cold, rss_start, rss_end),
+        config, requests, reference, reference_wall, faulted, faulted_wall, killer.kills, restarts, reopened,
+        failure, sessions, (rss_cold, rss_start, rss_end),
     )  # fmt: skip
 
 
@@ -275,17 +298,24 @@ def phase_figures(outcomes: list[Outcome], wall: float) -> dict:
         "requests": len(outcomes),
         "completed": len(latencies),
         "errors_by_code": dict(sorted(Counter(o.error for o in outcomes if o.error).items())),
+        "refusals": sum(o.refusals for o in outcomes),
         "wall_seconds": wall,
         "latency_p50_seconds": percentile(latencies, 50),
         "latency_p99_seconds": percentile(latencies, 99),
     }
 
 
-def report(config, reference, reference_wall, faulted, faulted_wall, kills, restarts, reopened, failure, sessions, rss):
+def report(
+    config, requests, reference, reference_wall, faulted, faulted_wall, kills, restarts, reopened, failure, sessions,
+    rss,
+):  # fmt: skip
     by_request = {(o.stream, o.index): o for o in reference}
-    mismatches = []
+    mismatches, resampled = [], 0
     for o in faulted:
         if o.error is None and (problem := o.same_as(by_request[o.stream, o.index])):
+            if o.malformed is None and resampled_by_a_lost_draft(config, requests[o.stream][o.index], o):
+                resampled += 1  # another sample of the law (module doc)
+                continue
             mismatches.append(f"stream {o.stream} request {o.index}: {problem}")
     rss_cold, rss_start, rss_end = rss
     killed = Counter(victim for _, victim, _ in kills)
@@ -313,6 +343,8 @@ def report(config, reference, reference_wall, faulted, faulted_wall, kills, rest
         "kill_times_seconds": [round(t, 3) for t, _, _ in kills],
         "restarts_by_service": restarts,
         "sessions_reopened": reopened,
+        "rounds_without_draft": sum(o.rounds_without_draft for o in faulted),
+        "streams_resampled_by_a_lost_draft": resampled,
         "mismatches": (malformed_reference + mismatches)[:20],
         "supervisor_failure": failure,
         "open_sessions_after": sessions,
@@ -325,7 +357,8 @@ def text(result: dict) -> str:
         errors = ", ".join(f"{code} {n}" for code, n in d["errors_by_code"].items()) or "none"
         return (
             f"  {name}: {d['requests']} requests, {d['completed']} completed in {d['wall_seconds']:.1f} s, "
-            f"errors: {errors}; latency p50 {_s(d['latency_p50_seconds'])}, p99 {_s(d['latency_p99_seconds'])}"
+            f"errors: {errors}, refused and sent again: {d['refusals']}; latency p50 "
+            f"{_s(d['latency_p50_seconds'])}, p99 {_s(d['latency_p99_seconds'])}"
         )
 
     rss = result["rss_mb"]
@@ -336,7 +369,9 @@ def text(result: dict) -> str:
         phase("under faults  ", result["faults"]),
         f"  kills {result['kills']} ({_counts(result['kills_by_service'])}), services restarted "
         f"{sum(result['restarts_by_service'].values())} ({_counts(result['restarts_by_service'])}), "
-        f"sessions re-opened {result['sessions_reopened']}",
+        f"sessions re-opened {result['sessions_reopened']}, rounds without the draft "
+        f"{result['rounds_without_draft']} (Leviathan samples they changed: "
+        f"{result['streams_resampled_by_a_lost_draft']})",
         f"  sessions after: {_counts(result['open_sessions_after'])}; resident MB after the reference -> "
         f"after the faults: {memory}",
     ]
@@ -346,6 +381,14 @@ def text(result: dict) -> str:
         lines.append(f"       {result['supervisor_failure']}")
     lines.append("chaos: " + ("PASS" if result["ok"] else "FAIL"))
     return "\n".join(lines)
+
+
+def resampled_by_a_lost_draft(config: ChaosConfig, request, outcome: Outcome) -> bool:
+    """Whether a stream may differ from its reference: a Leviathan sample (a seed, temperature > 0)
+    whose generation ran rounds without its lost draft, and still ended as a generation ends."""
+    sampled = request.sampling.temperature > 0 and config.pipeline.rule == "leviathan"
+    ended = outcome.finish_reason == "stop" or len(outcome.token_ids) == request.max_new_tokens
+    return sampled and outcome.rounds_without_draft > 0 and ended and len(outcome.token_ids) <= request.max_new_tokens
 
 
 def _s(value: float | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 from pathlib import Path
 
 from deploy.configs import BACKENDS
@@ -307,6 +308,11 @@ def client_security(
     )
 
 
-def service_client_security(args, server: security.ServerSecurity) -> security.ClientSecurity:
-    """How the orchestrator reaches the model services: the --service-* flags, and by default its own token."""
-    return client_security(args, "service-", security.SERVICE_TOKEN_ENV, server.token)
+def service_client_security(
+    args, server: security.ServerSecurity, starts_services: bool = False
+) -> security.ClientSecurity:
+    """How the orchestrator reaches the model services: the --service-* flags. By default its own
+    token; where the services are started with it (`starts_services`: ray up), a token made for
+    them alone, so that a client's token opens nothing on them (least privilege)."""
+    default = secrets.token_urlsafe(32) if starts_services else server.token
+    return client_security(args, "service-", security.SERVICE_TOKEN_ENV, default)

@@ -166,7 +166,7 @@ def cmd_up(args) -> int:
         max_restarts=args.max_restarts,
         start_timeout=args.timeout,
         server_security=server_security,
-        service_security=options.service_client_security(args, server_security),
+        service_security=options.service_client_security(args, server_security, starts_services=True),
         loopback=not args.address,  # a local cluster is this machine
     )
     log = _log(args)

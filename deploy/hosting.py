@@ -26,7 +26,7 @@ from orchestrator.server import serve as serve_orchestrator
 from specdec import models, placement
 from specdec.graphs import hf_backend
 from specdec.lifecycle import Served
-from specdec.security import ClientSecurity, ServerSecurity, channel
+from specdec.security import ClientSecurity, ServerSecurity
 from specdec.telemetry import Telemetry
 from target_service.server import serve as serve_target
 
@@ -132,14 +132,9 @@ def start_orchestrator(
     if config.http_port is not None:
         loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         own = ClientSecurity(root_ca=security.cert_chain, token=security.token)
-        # The services join GET /health where their addresses are fixed (not a moving Ray actor's).
-        fixed = {"draft": draft, "target": target}
-        services = {
-            name: channel(a, service_security or ClientSecurity()) for name, a in fixed.items() if isinstance(a, str)
-        }
         try:
             orchestrator.http = serve_http(
-                f"{loopback}:{bound}", host, config.http_port, own, security, telemetry, pair.model_name, services
+                f"{loopback}:{bound}", host, config.http_port, own, security, telemetry, pair.model_name
             )
         except BaseException:
             server.stop(None)

@@ -10,8 +10,10 @@ The draft and target bind loopback only; the orchestrator binds `host` and alone
 clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target may both
 use every core unless told otherwise (--draft-cpus, --target-cpus pin them): the orchestrator
 chooses, round by round, whether they compute at once on their shares of the cores or in turn
-on all of them (specdec.placement). An auth token reaches every child through
-its environment (never argv, which other users can read), and every service then requires it.
+on all of them (specdec.placement). Tokens reach the children through their environment (never
+argv, which other users can read). Least privilege: the clients' token (`auth_token`) opens the
+orchestrator only; the model services require a token of their own, made here for this pipeline
+(`service_token`), which only the orchestrator is given: a client's token opens no session on them.
 
 Supervision: a monitor thread watches the children. A model service that fails (a non-zero
 exit or a signal: a crash, SIGKILL, the OOM killer) is started again on the port it first
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -127,6 +130,7 @@ class LocalPipeline:
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self.service_token = secrets.token_urlsafe(32)  # the model services' (module doc)
 
     def start(self) -> LocalPipeline:
         cfg = self.config
@@ -197,14 +201,23 @@ class LocalPipeline:
         self.log(f"specdec: starting {name} service")
         with open(self.workdir / f"{name}.log", "ab") as logfile:  # appended: a restart keeps the crash's log
             self.procs[name] = subprocess.Popen(
-                [*self._commands[name], "--port", str(port)], stdout=logfile, stderr=subprocess.STDOUT, env=self._env()
+                [*self._commands[name], "--port", str(port)],
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                env=self._env(name),
             )
 
     def _ready(self, name: str) -> Path:
         return self.workdir / f"{name}.ready"
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, name: str) -> dict[str, str]:
+        """The child's environment: the services' token to the model services (which require it)
+        and to the orchestrator (which sends it to them), the clients' token to the orchestrator."""
         env = {k: v for k, v in os.environ.items() if k not in (security.TOKEN_ENV, security.SERVICE_TOKEN_ENV)}
+        if name != "orchestrator":
+            env[security.TOKEN_ENV] = self.service_token
+            return env
+        env[security.SERVICE_TOKEN_ENV] = self.service_token
         if self.config.auth_token:
             env[security.TOKEN_ENV] = self.config.auth_token
         return env

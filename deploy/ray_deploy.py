@@ -16,7 +16,10 @@ and `down` and `status` find them again:
 The actors bind their node's address, so their links cross the cluster's network: they need
 TLS (`server_security` with a certificate; the orchestrator checks the services with
 `service_security`) or plaintext explicitly allowed (`allow_insecure` on both), as anywhere
-else (specdec.security). A cluster that is this one machine may bind loopback instead.
+else (specdec.security). A cluster that is this one machine may bind loopback instead. The model
+services require the token the orchestrator sends them (`service_security.token`), not the
+clients' (`server_security.token`): `specdec ray up` makes one for them, so a client's token opens
+no session on a model service.
 These settings, keys and token included, reach the actors as constructor arguments, which
 Ray's GCS keeps: run Ray with its token authentication on.
 
@@ -25,6 +28,7 @@ This module expects a connected driver (`connect`); it reads no argv or environm
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -140,6 +144,8 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     if _find_actor(actor_name(name, "orchestrator")) or _find_pg(name):
         raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
     t0 = time.perf_counter()
+    # The services' TLS is the deployment's; their token the one the orchestrator sends them.
+    services_security = dataclasses.replace(config.server_security, token=config.service_security.token)
     try:
         bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
         strategy = PLACEMENTS[config.placement]
@@ -166,7 +172,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                     num_gpus=res.gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
                 )
-                .remote(service, config.server_security, config.loopback)
+                .remote(service, services_security, config.loopback)
             )
         for role, where in _started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")

@@ -182,6 +182,7 @@ class Round:
     # Tokens the rule committed, before stop handling: the accepted drafts and the recovered or
     # bonus token (none when a continuation's first token took the bonus position).
     committed: int = 0
+    without_draft: bool = False  # it would have drafted, but the draft was lost (LoopStats.rounds_without_draft)
 
 
 @dataclass
@@ -558,6 +559,7 @@ class SpeculativeLoop:
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         if self._without_draft:
             self.stats.rounds_without_draft += 1
+            step.without_draft = True
         return step
 
     def _wanted_k(self) -> int:

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,7 @@ import orchestrator
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec import security
 from specdec.telemetry import Telemetry, disabled
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 STATIC = Path(__file__).parent / "static"
 PAGE_FILES = ("playground.html", "playground.js")  # the playground, served as they are
@@ -346,11 +346,11 @@ class Completion:
 class Gateway:
     """The routes, over a channel to the orchestrator's gRPC API."""
 
-    def __init__(self, channel: grpc.Channel, model: str, telemetry: Telemetry, health: Mapping[str, grpc.Channel]):
+    def __init__(self, channel: grpc.Channel, model: str, telemetry: Telemetry):
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         self.model = model
         self.telemetry = telemetry
-        self.health_stubs = {name: health_pb2_grpc.HealthStub(ch) for name, ch in health.items()}
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
 
     async def chat(self, request: Request):
         return await self._complete(request, "chat")
@@ -407,20 +407,27 @@ class Gateway:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request):
-        """200 when the orchestrator and both services report SERVING, else 503; each one's status."""
+        """The orchestrator's health and its services' availability as it sees them (its Describe):
+        200 "ok"; 200 "degraded" while the draft is lost (served target-only, exactly); 503
+        "unavailable" while the target is lost or the orchestrator drains."""
+        body = await anyio.to_thread.run_sync(self._health)
+        return JSONResponse(body, 503 if body["status"] == "unavailable" else 200)
 
-        def check(stub) -> str:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as err:
-                return err.code().name
-
-        statuses = {}
-        for name, stub in self.health_stubs.items():
-            statuses[name] = await anyio.to_thread.run_sync(check, stub)
-        ok = all(s == "SERVING" for s in statuses.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "services": statuses}, 200 if ok else 503)
+    def _health(self) -> dict:
+        try:
+            reply = self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
+            own = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            info = self.stub.Describe(model_pb2.DescribeRequest(), timeout=HEALTH_TIMEOUT)
+        except grpc.RpcError as err:
+            return {"status": "unavailable", "reason": f"orchestrator: {err.code().name}", "services": {}}
+        services = {"orchestrator": own}
+        for service in (info.draft, info.target) if info.HasField("draft") else (info.target,):
+            services[service.role] = "SERVING" if service.available else "UNAVAILABLE"
+        status, _, reason = info.status.partition(": ")
+        if own != "SERVING":
+            status, reason = "unavailable", f"orchestrator {own}"
+        body = {"status": status, "services": services}
+        return {**body, "reason": reason} if reason else body
 
     async def page(self, request: Request):
         name = request.path_params.get("name", "playground.html")
@@ -511,17 +518,10 @@ class BearerAuth:
         await error.response()(scope, receive, send)
 
 
-def app(
-    channel: grpc.Channel,
-    model: str,
-    token: str | None = None,
-    telemetry: Telemetry | None = None,
-    health: Mapping[str, grpc.Channel] | None = None,
-):
-    """The ASGI app over `channel` (to the orchestrator's gRPC API, carrying the token); `health`
-    names the channels whose gRPC health GET /health reports (the orchestrator's and the services')."""
+def app(channel: grpc.Channel, model: str, token: str | None = None, telemetry: Telemetry | None = None):
+    """The ASGI app over `channel` (to the orchestrator's gRPC API, carrying the token)."""
     telemetry = telemetry or disabled()
-    gateway = Gateway(channel, model, telemetry, health or {"orchestrator": channel})
+    gateway = Gateway(channel, model, telemetry)
     routes = [
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
@@ -560,18 +560,16 @@ def serve_http(
     server_security: security.ServerSecurity,
     telemetry: Telemetry | None = None,
     model: str = "specdec",
-    services: Mapping[str, grpc.Channel] | None = None,
 ) -> HTTPServer:
     """Serve the HTTP API on host:port (0: a free port) in a thread, for the orchestrator at
     `grpc_address` (reached with `client_security`: its TLS and token). `server_security` gives
     the HTTP port its TLS certificate and the token clients must send; plaintext only on loopback
-    unless it allows otherwise. `services` (name -> channel) join the orchestrator in GET /health."""
+    unless it allows otherwise."""
     security.check_bind(host, server_security, "HTTP")
     if server_security.client_ca is not None:
         raise security.SecurityError("the HTTP port does not do mutual TLS: HTTP clients authenticate with the token")
     channel = security.channel(grpc_address, client_security)
-    health = {"orchestrator": channel, **(services or {})}
-    asgi = app(channel, model, server_security.token, telemetry, health)
+    asgi = app(channel, model, server_security.token, telemetry)
     config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off")
     with tempfile.TemporaryDirectory() as tmp:  # uvicorn reads PEM files; ServerSecurity holds bytes
         if server_security.tls:

@@ -243,6 +243,8 @@ def serve(
     """
     telemetry = telemetry or disabled()
     admission = admission or AdmissionLimits()
+    draft_health, target_health = pair.health
+    telemetry.watch_services({"target": target_health, **({"draft": draft_health} if pair.draft else {})})
     return lifecycle.start(
         lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
             OrchestratorServicer(pair, telemetry, defaults), server

@@ -281,6 +281,24 @@ class Telemetry:
         )
 
     # -- orchestrator --------------------------------------------------------------------
+    def watch_services(self, health: dict) -> None:
+        """A gauge of each model service's availability as the orchestrator sees it: 1 up, 0 lost
+        (`health`: role -> orchestrator.availability.Availability)."""
+        if not self.enabled:
+            return
+        from opentelemetry.metrics import Observation
+
+        self._meter.create_observable_gauge(
+            "specdec.service.available",
+            callbacks=[
+                lambda _options: [
+                    Observation(int(h.up), {**self._attrs, "specdec.service": role}) for role, h in health.items()
+                ]
+            ],
+            unit="1",
+            description="1 while the orchestrator reaches the model service, 0 while it is lost (draft: target-only)",
+        )
+
     def rounds(self, loop) -> Iterator:
         """loop.rounds(), with a span and the metrics of each round."""
         return self._observed_rounds(loop) if self.enabled else loop.rounds()
@@ -308,6 +326,8 @@ class Telemetry:
                 m.accepted_length.record(step.committed)  # accepted drafts + the recovered or bonus token
                 m.draft_tokens.add(step.proposed)
                 m.accepted_tokens.add(step.accepted)
+                if step.without_draft:
+                    m.rounds_without_draft.add(1)
                 if step.proposed:
                     m.draft_duration.record(stats.draft_seconds - draft0)
                 m.verify_duration.record(stats.target_seconds - target0)
@@ -432,6 +452,9 @@ class _Instruments:
         self.draft_tokens = meter.create_counter("specdec.draft.tokens", "{token}", "Draft tokens proposed")
         self.accepted_tokens = meter.create_counter("specdec.accepted.tokens", "{token}", "Draft tokens accepted")
         self.generated_tokens = meter.create_counter("specdec.generated.tokens", "{token}", "Tokens generated")
+        self.rounds_without_draft = meter.create_counter(
+            "specdec.rounds.without_draft", "{round}", "Rounds that went without drafts because the draft was lost"
+        )
         # Orchestrator, per request.
         self.request_duration = hist(
             "specdec.request.duration", "s", "Wall time of a request, prefill included", REQUEST_SECONDS_BUCKETS

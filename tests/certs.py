@@ -1,5 +1,6 @@
-"""Certificates made in the test run: a CA, a server certificate for localhost / 127.0.0.1 and a
-client certificate it signed, and a second, unrelated CA with its own pair (the wrong ones)."""
+"""Certificates made in the test run: a CA, a server certificate for localhost / 127.0.0.1 (and
+any other addresses a test's hosts have) and a client certificate it signed, and a second,
+unrelated CA with its own pair (the wrong ones)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> Path:
     return path
 
 
-def make_pki(folder: Path, label: str) -> Pki:
+def make_pki(folder: Path, label: str, ips: tuple[str, ...] = ()) -> Pki:
+    """A CA, and a server certificate for localhost, 127.0.0.1 and `ips`, and a client one."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = f"specdec test CA {label}"
@@ -84,7 +86,8 @@ def make_pki(folder: Path, label: str) -> Pki:
         ],
     )  # fmt: skip
     paths = {"ca": _write(folder / "ca.pem", ca)}
-    localhost = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(LOOPBACK)])
+    addresses = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    localhost = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(LOOPBACK), *addresses])
     for role, usage, extra in (
         ("server", ExtendedKeyUsageOID.SERVER_AUTH, [(localhost, False)]),
         ("client", ExtendedKeyUsageOID.CLIENT_AUTH, []),

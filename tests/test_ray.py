@@ -7,7 +7,8 @@ tiny random models in real service actors.
   allowed explicitly); plaintext on the cluster network is refused unless allowed;
 - fault tolerance: killing the target actor, and separately the draft actor, between two
   rounds of a greedy generation (a random round, 5 trials each) gives exactly the tokens of
-  an uninterrupted run, and the actor did restart (new pid, one more restart in Ray's table);
+  an uninterrupted run (the target waited for, the draft not: rounds went on without it), and
+  the actor did restart (new pid, one more restart in Ray's table);
 - a stream through the orchestrator actor, whose target is killed mid-generation, delivers
   each token once, in order.
 """
@@ -37,6 +38,7 @@ from specdec.sampling import SamplingParams
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
+from tests.harness import wait_until
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 INSECURE = ClientSecurity(allow_insecure=True)  # plaintext to the node's address, allowed
@@ -213,20 +215,26 @@ def driver_pair(packed):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_killed_service_actor_mid_generation(packed, driver_pair, reference, role, trial):
     config = LoopConfig(sampling=SamplingParams(), max_new_tokens=NEW_TOKENS, lookahead=3)
-    uninterrupted = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config)
+    health = driver_pair.health
+    assert health[0].wait(up=True, timeout=60)  # a draft killed by the previous case is back
+    uninterrupted = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config, health=health)
     rounds = list(uninterrupted.rounds())
     # A round after which the killed service is called again (the last rounds may not draft).
     candidates = [i for i in range(len(rounds) - 1) if role == "target" or rounds[i + 1].proposed > 0]
     kill_after = random.Random(f"{role}-{trial}").choice(candidates)
-    loop = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config)
+    loop = SpeculativeLoop(driver_pair.draft, driver_pair.target, PROMPT, config, health=health)
     before = None
     for i, _ in enumerate(loop.rounds()):
         if i == kill_after:
             before = kill(packed.name, role)
-    after = by_role(packed.name)[role]
     assert loop.generated == uninterrupted.generated == reference, f"killed after round {kill_after}"
-    assert loop.stats.recoveries == 1
-    assert after.restarts == before.restarts + 1 and after.pid != before.pid and after.state == "ALIVE"
+    if role == "target":  # waited for, and the round re-run
+        assert loop.stats.recoveries >= 1
+    else:  # not waited for: the rounds went on without it, exactly
+        assert loop.stats.rounds_without_draft >= 1
+    assert wait_until(lambda: by_role(packed.name)[role].state == "ALIVE", 60)  # Ray restarts it
+    after = by_role(packed.name)[role]
+    assert after.restarts >= before.restarts + 1 and after.pid != before.pid
     assert after.node_id == before.node_id  # back in its placement group bundle
 
 
@@ -251,4 +259,4 @@ def test_stream_survives_a_target_kill_mid_generation(packed):
     chunks += list(stream)
     assert [t for c in chunks for t in c.token_ids] == expected  # each token once, in order
     assert chunks[-1].finish_reason == "length" and len(expected) == 400
-    assert ray.get(host.reopens.remote()) == {"draft": reopens["draft"], "target": reopens["target"] + 1}
+    assert ray.get(host.reopens.remote())["target"] > reopens["target"]  # the target's session was re-opened

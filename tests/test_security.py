@@ -352,12 +352,16 @@ def test_cli_services_client_and_loadtest_with_mtls_and_token(tiny_models, pki, 
             assert out.returncode == 1 and out.stderr.startswith("specdec: error: UNAUTHENTICATED: ")
             assert "Traceback" not in out.stderr and WRONG_TOKEN not in out.stderr and TOKEN not in out.stderr
 
-        # the model services are on loopback and require the token as well
+        # the model services are on loopback and require a token of their own: the clients' opens nothing
         assert p.addresses["draft"].startswith("127.0.0.1:") and p.addresses["target"].startswith("127.0.0.1:")
-        with security.channel(p.addresses["target"], ClientSecurity()) as ch:
-            assert call(ch, SERVICES["target"].methods_by_name["Describe"]) == Code.UNAUTHENTICATED
-        with security.channel(p.addresses["target"], ClientSecurity(token=TOKEN)) as ch:
-            assert call(ch, SERVICES["target"].methods_by_name["Describe"]) == Code.OK
+        assert p.service_token and p.service_token != TOKEN
+        for role in ("draft", "target"):
+            for token in (None, TOKEN):
+                with security.channel(p.addresses[role], ClientSecurity(token=token)) as ch:
+                    for method in ("OpenSession", "Describe"):
+                        assert call(ch, SERVICES[role].methods_by_name[method]) == Code.UNAUTHENTICATED
+            with security.channel(p.addresses[role], ClientSecurity(token=p.service_token)) as ch:
+                assert call(ch, SERVICES[role].methods_by_name["Describe"]) == Code.OK
 
         load = ["loadtest", *tls, "--max-tokens", "8", "--json"]
         out = run_cli(*load, "--requests", "6", "--concurrency", "3", env_token=TOKEN)

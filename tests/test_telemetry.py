@@ -182,6 +182,8 @@ def test_prometheus_metrics_agree_with_the_response(observed):
     assert metric(orch, "specdec_verify_duration_seconds_sum") == approx(s.target_seconds)
     assert metric(orch, "specdec_verify_duration_seconds_count") == s.rounds
     assert metric(orch, "specdec_requests_active") == 0
+    assert metric(orch, "specdec_service_available", specdec_service="draft") == 1
+    assert metric(orch, "specdec_service_available", specdec_service="target") == 1
 
     # Each Score: the target's own time plus the wire time fit in what the orchestrator waited.
     assert metric(target, "specdec_rpc_server_duration_seconds_count", rpc_method="Score") == s.rounds
