@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in three sentences.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 
-.PHONY: setup demo test lint protos clean llama-tools
+.PHONY: setup demo test lint protos clean llama-tools two-hosts
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ llama-tools: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The default pair split across two network namespaces (root): TLS, mTLS, separate tokens, a draft
+# killed and found again (scripts/two_hosts.py; tests/test_two_hosts.py runs it with tiny models).
+two-hosts: setup
+	$(BIN)/python scripts/two_hosts.py
 
 # ruff, then the layers (pyproject.toml [tool.importlinter]): a wrong import fails here and in CI.
 lint: setup

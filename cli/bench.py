@@ -84,6 +84,14 @@ def add_bench_parser(sub) -> None:
     )
     b.add_argument("--prompts", type=int, default=4, help="with --concurrency: prompts cycled (default 4)")
     b.add_argument(
+        "--rtt-ms",
+        default="",
+        metavar="LIST",
+        help="comma list of round-trip times in ms (e.g. 0,1,5,20): the network benchmark (bench/network.py) "
+        "instead: the services on a core each, a delaying relay between the orchestrator and the target, the "
+        "target alone and the split (sequential, overlapped: --overlap, per --ks; adaptive) across it, greedy",
+    )
+    b.add_argument(
         "--duration",
         type=float,
         metavar="SECONDS",
@@ -161,6 +169,28 @@ def bench(args) -> int:
     )
     if args.quick:
         config = replace(config, ks=(2, 4), temperatures=(0.0,), max_tokens=32, max_prompts=2, repeats=1)
+    if args.rtt_ms:
+        from bench import network  # as bench.run: torch and the models
+
+        nc = network.NetworkConfig(
+            rtts_ms=floats(args.rtt_ms),
+            ks=config.ks,
+            adaptive=config.adaptive,
+            overlap=config.overlap,
+            drafter=config.drafters[0] if len(config.drafters) == 1 else "auto",
+            max_tokens=config.max_tokens,
+            repeats=config.repeats,
+            prompt_kinds=config.prompt_kinds,
+            max_prompts=config.max_prompts,
+            target=config.target,
+            draft=config.draft,
+            target_backend=config.target_backend,
+            draft_placement=config.draft_placement,
+            target_placement=config.target_placement,
+            out=config.out,
+        )
+        print(network.format_table(network.run(nc)))
+        return 0
     if args.concurrency:
         from bench import concurrency  # as bench.run: torch and the models
 

@@ -144,6 +144,7 @@ def _response_json(response) -> dict:
             "mean_accepted_length": s.mean_accepted_length,
             "tokens_per_second": s.tokens_per_second,
             "wall_seconds": s.wall_seconds,
+            "rounds_without_draft": s.rounds_without_draft,
         },
     }
 
@@ -152,6 +153,39 @@ def _print_stats(s, finish: str) -> None:
     print(
         f"[{s.generated_tokens} tokens in {s.wall_seconds:.2f} s = {s.tokens_per_second:.1f} tok/s | "
         f"{s.rounds} rounds, acceptance {s.acceptance_rate:.1%} of {s.draft_tokens} drafts, "
-        f"{s.mean_accepted_length:.2f} tokens/round | finish: {finish}]",
+        f"{s.mean_accepted_length:.2f} tokens/round{_without_draft(s)} | finish: {finish}]",
         file=sys.stderr,
     )
+
+
+def _without_draft(s) -> str:
+    return f", {s.rounds_without_draft} rounds without the lost draft" if s.rounds_without_draft else ""
+
+
+def add_status_parser(sub) -> None:
+    s = sub.add_parser(
+        "status",
+        help="a running orchestrator's status: ok, degraded (draft lost) or unavailable (target lost)",
+        description="Ask a running orchestrator how it reaches its model services (its Describe): ok; degraded: "
+        "the draft is lost and requests are served target-only, exactly; unavailable: the target is lost and new "
+        "requests fail until it is back. Exits 0 while it serves (ok, degraded), 1 otherwise.",
+    )
+    s.add_argument("--address", required=True, help="HOST:PORT of a running orchestrator")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add_client_security_flags(s)
+
+
+def status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(args.address, options.client_security(args)))
+    info = stub.Describe(model_pb2.DescribeRequest(), timeout=10)
+    if args.json:
+        print(json.dumps(MessageToDict(info, always_print_fields_with_no_presence=True)))
+    else:
+        print(f"{info.status} (model {info.model_name}, {info.running} running)")
+        for service in (info.target, info.draft) if info.HasField("draft") else (info.target,):
+            state = "available" if service.available else f"unavailable: {service.reason}"
+            since = f"for {service.seconds:.1f} s, lost {service.losses} times"
+            print(f"  {service.role:6} {service.address}  {state} ({since})")
+    return 1 if info.status.startswith("unavailable") else 0

@@ -20,6 +20,7 @@ examples:
   specdec generate "Hi" --json --max-tokens 32         # one JSON object with text and stats
   specdec serve --port 50051                           # the three services, until Ctrl-C
   specdec generate "Hi" --address 127.0.0.1:50051      # use a running orchestrator
+  specdec status --address 127.0.0.1:50051             # ok, degraded (draft lost) or unavailable (target lost)
   specdec target-service --host 0.0.0.0 --port 50061 --tls-cert b.pem --tls-key b.key   # one service per host
   specdec draft-service --host 0.0.0.0 --port 50062 --tls-cert a.pem --tls-key a.key
   specdec orchestrator --port 50051 --draft-address hostA:50062 --target-address hostB:50061 --service-tls-ca ca.pem
@@ -33,7 +34,7 @@ TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS)
 --allow-insecure.
 """
 
-COMMANDS = {"generate": generate.run, **serving.COMMANDS, **bench.COMMANDS, "ray": ray.run}
+COMMANDS = {"generate": generate.run, "status": generate.status, **serving.COMMANDS, **bench.COMMANDS, "ray": ray.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    generate.add_status_parser(sub)
     serving.add_serve_parser(sub)
     serving.add_service_parsers(sub)
     bench.add_bench_parser(sub)

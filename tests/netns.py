@@ -4,15 +4,18 @@
 range, N from the process id), runs commands in either (`ip netns exec`, which execs them: the
 process is the command's, a signal reaches it), and removes the namespaces, their links and
 every process started in them at exit. It needs root and iproute2; `unavailable()` says why they
-cannot be made here, for a test's skip. Nothing here is specdec's: the tests and
-scripts/two_hosts.py put the services on these hosts.
+cannot be made here, for a test's skip. `serve` starts a specdec server on a host and waits for
+its ready file; tests/test_two_hosts.py and scripts/two_hosts.py put the services on these hosts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 SUBNET = "10.231"
@@ -74,6 +77,20 @@ class TwoHosts:
             out.close()
         self.procs.append(proc)
         return proc
+
+    def serve(self, host: str, command: str, args: list, folder: Path, **kwargs) -> str:
+        """`python -m cli COMMAND ARGS` on `host`, bound to its address (`--host`, `--port 0`, a ready
+        file in `folder`, its log there too); its HOST:PORT once it serves (AssertionError if it
+        does not within 300 s)."""
+        ready, log = folder / f"{command}.ready", folder / f"{command}.log"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "cli", command, "--host", self.ips[host], "--port", "0", "--ready-file"]
+        proc = self.popen(host, [*argv, str(ready), *map(str, args)], log=log, **kwargs)
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists() and proc.poll() is None, f"{command} did not start:\n{log.read_text()}"
+        return json.loads(ready.read_text())["address"]
 
     def run(self, host: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         """Run `argv` on `host` to its end; its output captured as text."""

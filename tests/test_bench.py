@@ -209,3 +209,19 @@ def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, t
     for name, cells in rows.items():
         assert set(cells) == {"1", "2"} and all(cell["total_tokens_per_second"] > 0 for cell in cells.values()), name
     assert "k=adaptive tree 4" in concurrency.format_table(json.loads((tmp_path / "concurrency.json").read_text()))
+
+
+def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
+    """`--rtt-ms`: the services on a core each, a delaying relay before the target, each row at each RTT."""
+    cmd = [sys.executable, "-m", "cli", "bench", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "12", "--kinds"]
+    cmd += ["chat", "--drafters", "model", "--out", str(tmp_path), "--target-model", tiny_models["target"]]
+    cmd += ["--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "network.json").read_text())
+    assert set(results["rtts"]) == {"0.0", "10.0"} and results["baseline"]["tokens_per_second"] > 0
+    for cells in results["rtts"].values():
+        assert set(cells) == {"alone", "overlap k=2", "seq k=2", "adaptive"}
+        assert all(cell["tokens_per_second"] > 0 for cell in cells.values())
+        assert cells["seq k=2"]["acceptance_rate"] > 0
+    assert "alone, no link" in out.stdout and "overlap k=2" in out.stdout
