@@ -12,6 +12,15 @@ Invariant: nothing is drawn here; the services compute each position's noise fro
 and a draft is accepted iff it equals the target's token, as in greedy decoding: a seed then
 gives the target's own sample, whatever the lookahead, drafter, overlap or schedule.
 
+First token. The first round is a plain round of the target, right after its prefill on every
+core: a request's first token waits for the target's prefill alone, as with the target alone,
+never for the draft's. The draft's session opens after it where the services share one machine's
+cores (its prefill on its share, beside the target's next rounds), at once where they do not (on
+its own host or device, beside the target's prefill). Rounds go without drafts until it is open
+(exact: a round with no draft is a plain round), then speculate, in the same generation. One
+exception keeps a seed's promise: a Leviathan sample at a fixed k waits, at its second round, for
+the draft's session, so that its text does not depend on when the draft was ready.
+
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
 specdec.placement), every request names the threads its forwards may use: the services' shares
 while both compute for this generation at once (an overlapped round's continuation beside its
@@ -69,6 +78,8 @@ from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_DRAWS
 MAX_REOPENS_PER_ROUND = 8
 # Seconds a CloseSession may take; a service also reaps what it opened for a caller who left.
 CLOSE_TIMEOUT = 2.0
+# Seconds a new request gives a target that did not answer to answer again before it fails.
+FAIL_FAST = 1.0
 # A draft answering one of these refuses the generation (full, or its context too short for it):
 # the generation goes on without drafts.
 DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
@@ -316,6 +327,7 @@ class SpeculativeLoop:
         self._without_draft = False  # from a loss until the re-opened session is ready
         self._draft_incarnation = 0  # the draft's sessions after losses take ids of their own
         self._draft_refused = False  # the draft refused this generation: no re-open
+        self._draft_was_lost = False  # ... and once lost, its rounds no longer wait for it (see First token)
 
     @property
     def _overlapping(self) -> bool:
@@ -328,27 +340,21 @@ class SpeculativeLoop:
     # -- lifecycle -------------------------------------------------------------------------
     def rounds(self) -> Iterator[Round]:
         """Open both sessions, yield each round's commit, close the sessions however it ends."""
-        cfg = self.config
         if not self.target_health.up:  # a new request fails at once while the target is down
             raise Unavailable(f"the target service is unavailable: {self.target_health.state().reason}; retry later")
         RUNNING.add(1)
         try:
-            # Both prefills at once, each on its own service: the first round waits for the
-            # slower one, not for their sum. An adaptive generation opens its draft's session
-            # only once its policy speculates (_draft_ready): under a load where speculation
-            # does not pay, the draft prefills nothing. A draft that is down: target-only rounds
-            # until it is back.
+            # The first token is the target's alone (see First token). A draft that is down:
+            # target-only rounds until it is back.
             if self.draft is not None and not self.draft_health.up:
                 self._lose_draft()
-            elif self.draft is not None and (not cfg.adaptive or self.policy.would_speculate()):
-                self._open_draft()
-            try:  # beside the draft's prefill, on its share of the cores
-                self._open(self.target, self.prompt, concurrent=self._draft_opening is not None, new=True)
+            elif self.draft is not None and self.costs.sharing is None and self._drafts_wanted():
+                self._open_draft()  # on its own host or device: both prefills at once
+            try:
+                self._open(self.target, self.prompt, concurrent=False, new=True)
             except BaseException:
                 _wait_quietly(self._draft_opening, self._timeout())
                 raise
-            if not cfg.adaptive and self.draft is not None:
-                self._draft_ready(wait=True)
             if self.policy:
                 self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
             while True:
@@ -384,23 +390,27 @@ class SpeculativeLoop:
 
     def _open(self, side: _Side, tokens: list[int], concurrent: bool = True, new: bool = False) -> None:
         """Open the side's session holding `tokens`. `new`: a new request's target, which fails at
-        once (UNAVAILABLE) if the target does not answer; else a lost service is waited for."""
+        once (UNAVAILABLE) if the target does not answer within FAIL_FAST seconds; else a lost
+        service is waited for."""
+        request = model_pb2.OpenSessionRequest(
+            session_id=side.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
+        )
         with self._prefilling():
             try:
-                side.stub.OpenSession(
-                    model_pb2.OpenSessionRequest(
-                        session_id=side.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
-                    ),
-                    timeout=self._timeout(),
-                )
+                side.stub.OpenSession(request, timeout=self._timeout())
             except SessionLost as lost:
                 if side is self.draft:  # rounds go without it (_draft_ready)
                     raise
-                if new and lost.gone:  # a new request fails at once
-                    self.target_health.lost(str(lost))
-                    raise Unavailable(f"the target service is unavailable: {lost}; retry later") from lost
-                side.stub.reopen(side.session_id, tokens, timeout=self._timeout())  # wait for it
-                self.target_health.found()
+                if not (new and lost.gone):
+                    side.stub.reopen(side.session_id, tokens, timeout=self._timeout())  # wait for it
+                    self.target_health.found()
+                else:  # a connection gone stale, a service moved (a Ray actor): found again at once, or failed
+                    try:
+                        side.stub.probe(FAIL_FAST)
+                    except Exception as err:  # noqa: BLE001 - whatever keeps it from answering
+                        self.target_health.lost(str(lost))
+                        raise Unavailable(f"the target service is unavailable: {lost}; retry later") from err
+                    side.stub.OpenSession(request, timeout=self._timeout())
         side.length = len(tokens)
 
     @contextlib.contextmanager
@@ -416,12 +426,27 @@ class SpeculativeLoop:
             if counted:
                 self.policy.costs.prefill(started=False)
 
-    def _open_draft(self) -> None:
+    def _open_draft(self, concurrent: bool = True) -> None:
         """Send the draft's OpenSession (on the continuation pool) holding the tokens committed so
-        far; those committed from now on reach it with its first Propose."""
+        far; those committed from now on reach it with its first Propose. `concurrent`: the target
+        decodes meanwhile (else the rounds wait for it: it may take every core)."""
         tokens, self.draft.pending = self.prompt + self.generated, []
         self._draft_opened = True
-        self._draft_opening = _CONTINUATIONS.submit(contextvars.copy_context().run, self._open, self.draft, tokens)
+        self._draft_opening = _CONTINUATIONS.submit(
+            contextvars.copy_context().run, self._open, self.draft, tokens, concurrent
+        )
+
+    def _drafts_wanted(self) -> bool:
+        """Whether to open the draft's session now: at once, or under adaptive lookahead once the
+        policy speculates (under a load where speculation does not pay, the draft prefills nothing)."""
+        return not self.config.adaptive or self.policy.would_speculate()
+
+    @property
+    def _waits_for_draft(self) -> bool:
+        """Whether rounds wait for the draft's session to open rather than go without it: a
+        Leviathan sample at a fixed k, whose text would otherwise depend on when the draft is
+        ready (see First token)."""
+        return not self.config.adaptive and not self.config.coupled and not self._draft_was_lost
 
     def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
         """Whether the draft's session is open; its open's error goes up here, but a lost draft's,
@@ -437,9 +462,9 @@ class SpeculativeLoop:
             self._open_draft()
             return False
         if not self._draft_opened:
-            if wanted > 0:
-                self._open_draft()
-            return False
+            if wanted <= 0:
+                return False
+            self._open_draft(concurrent=not wait)
         if not self.draft_health.up:  # lost meanwhile (another generation saw it): do not call it
             self._lose_draft()
             return False
@@ -486,7 +511,7 @@ class SpeculativeLoop:
         once the draft answers (at once when the service answered without the session)."""
         if lost is not None and lost.gone:
             self.draft_health.lost(str(lost))
-        self._draft_lost = self._without_draft = True
+        self._draft_lost = self._without_draft = self._draft_was_lost = True
         if self._carried is not None:
             self._carried.lost = True  # a continuation's rows went with it (a re-run proposes it again)
         # The service may still hold the session (a connection lost, an answer late): closed in the
@@ -525,7 +550,8 @@ class SpeculativeLoop:
         # Leave room for the recovered/bonus token: proposing `remaining` drafts would waste
         # the bonus position, and with one token left plain target decoding is cheapest.
         wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
-        ready = self.draft is not None and self._draft_ready(wanted)
+        # The first round is the target's alone (see First token).
+        ready = self.draft is not None and bool(self.generated) and self._draft_ready(wanted, self._waits_for_draft)
         wanted = wanted if ready else 0
         self._round_speculates = wanted > 0  # under load, its requests run beside others' (see Threads)
         if not ready:
@@ -642,6 +668,7 @@ class SpeculativeLoop:
             continuation = _CONTINUATIONS.submit(
                 ctx.run, self._propose, k_next + 1, draws.continuation, drafts.tokens, concurrent=True
             )
+        beside = continuation is not None or self._draft_opening is not None  # a continuation, the draft's prefill
         try:
             scores, target_time = self._call(
                 self.target.stub.Score,
@@ -653,7 +680,7 @@ class SpeculativeLoop:
                     draft_token_probs=drafts.probs,
                     accept_uniforms=accept_u,
                     noise_seed=cfg.noise_seed,
-                    threads=self._threads(self.target, concurrent=continuation is not None),
+                    threads=self._threads(self.target, concurrent=beside),
                 ),
             )
         except BaseException:

@@ -147,7 +147,7 @@ def test_cli_generate_json_starts_three_processes(tiny_models):
     assert len(result["token_ids"]) == 24 and result["finish_reason"] == "length"
     assert set(result["stats"]) == {
         "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
-        "mean_accepted_length", "tokens_per_second", "wall_seconds",
+        "mean_accepted_length", "tokens_per_second", "wall_seconds", "rounds_without_draft",
     }  # fmt: skip
     assert result["stats"]["draft_tokens"] > 0
 
