@@ -3,10 +3,11 @@ it the overlapped rounds hide.
 
 Two one-core hosts on this machine: the draft service pinned to one core and the target service
 to another (deploy.local's processes, --draft-cpus / --target-cpus; by default the first and last
-cores), the orchestrator in this process beside the draft, as the README's two-host layout puts it.
-For each round-trip time, a delaying relay (bench.relay: these kernels have no netem) stands
-between the orchestrator and the target, and an orchestrator is connected through it. Rows, each
-run on the same prompts (greedy, client wall time, prefill included):
+cores), the orchestrator in this process beside one of them: by default the draft (`remote`
+"target", as the README's two-host layout puts it), or the target (`remote` "draft"). For each
+round-trip time, a delaying relay (bench.relay: these kernels have no netem) stands between the
+orchestrator and the remote service, and an orchestrator is connected through it. Rows, each run
+on the same prompts (greedy, client wall time, prefill included):
 - alone, no link: the target alone with the orchestrator beside it (RTT 0): the user's baseline;
 - alone: the target alone across the link;
 - seq k, overlap k: the split across the link, sequential and overlapped rounds, per fixed k;
@@ -37,6 +38,7 @@ from specdec.security import ClientSecurity
 @dataclass(frozen=True)
 class NetworkConfig:
     rtts_ms: tuple[float, ...] = (0.0, 1.0, 5.0, 20.0)
+    remote: str = "target"  # the service across the link from the orchestrator: "target" or "draft"
     ks: tuple[int, ...] = (4, 8)
     adaptive: bool = True
     overlap: tuple[bool, ...] = (True, False)
@@ -51,6 +53,10 @@ class NetworkConfig:
     draft_placement: Placement = field(default_factory=Placement)  # default: the first core
     target_placement: Placement = field(default_factory=Placement)  # default: the last core
     out: Path = Path("bench-results")
+
+    def __post_init__(self):
+        if self.remote not in ("target", "draft"):
+            raise ValueError(f"the remote service is the target or the draft, not {self.remote!r}")
 
 
 def one_core_hosts(config: NetworkConfig) -> tuple[Placement, Placement]:
@@ -88,20 +94,26 @@ def run(config: NetworkConfig, log=print) -> dict:
     with LocalPipeline(pipeline_config, log=log) as pipeline:  # its own orchestrator is not used
         services = ClientSecurity(token=pipeline.service_token)
         draft, target = pipeline.addresses["draft"], pipeline.addresses["target"]
-        tokenizer = None
+
+        def connected(draft_address: str, target_address: str):
+            settings = OrchestratorConfig()
+            return hosting.start_orchestrator(draft_address, target_address, settings, service_security=services)
+
+        direct = connected(draft, target)  # no link: the baseline
+        try:
+            ids = [_chat_ids(direct.pair.tokenizer, p["prompt"]) for p in prompts]
+            stub = _stub(direct.port)
+            _specdec_generate(stub, ids[0], bench, 0.0, "-")  # warm-up
+            results["baseline"] = _row(stub, ids, bench, "-", False, config.repeats)
+            log(f"network: alone, no link: {results['baseline']['tokens_per_second']:.2f} tok/s")
+        finally:
+            direct.stop(None)
         for rtt in config.rtts_ms:
-            with DelayRelay(target, rtt) as relay:
-                orchestrator = hosting.start_orchestrator(
-                    draft, relay.address, OrchestratorConfig(), service_security=services
-                )
+            remote_target = config.remote == "target"
+            with DelayRelay(target if remote_target else draft, rtt) as relay:
+                orchestrator = connected(draft, relay.address) if remote_target else connected(relay.address, target)
                 try:
                     stub = _stub(orchestrator.port)
-                    if tokenizer is None:
-                        tokenizer = orchestrator.pair.tokenizer
-                        ids = [_chat_ids(tokenizer, p["prompt"]) for p in prompts]
-                        _specdec_generate(stub, ids[0], bench, 0.0, "-")  # warm-up
-                        results["baseline"] = _row(stub, ids, bench, "-", False, config.repeats)
-                        log(f"network: alone, no link: {results['baseline']['tokens_per_second']:.2f} tok/s")
                     results["rtts"][str(rtt)] = cells = {}
                     for name, k, overlap in rows_for(config):
                         _specdec_generate(stub, ids[0], bench, 0.0, k, overlap)  # warm-up: the costs, the link

@@ -88,8 +88,15 @@ def add_bench_parser(sub) -> None:
         default="",
         metavar="LIST",
         help="comma list of round-trip times in ms (e.g. 0,1,5,20): the network benchmark (bench/network.py) "
-        "instead: the services on a core each, a delaying relay between the orchestrator and the target, the "
-        "target alone and the split (sequential, overlapped: --overlap, per --ks; adaptive) across it, greedy",
+        "instead: the services on a core each, a delaying relay between the orchestrator and the target (or the "
+        "draft: --rtt-remote), the target alone and the split (sequential, overlapped: --overlap, per --ks; "
+        "adaptive) across it, greedy",
+    )
+    b.add_argument(
+        "--rtt-remote",
+        choices=("target", "draft"),
+        default="target",
+        help="with --rtt-ms: the service across the link; the orchestrator is beside the other (default target)",
     )
     b.add_argument(
         "--duration",
@@ -174,6 +181,7 @@ def bench(args) -> int:
 
         nc = network.NetworkConfig(
             rtts_ms=floats(args.rtt_ms),
+            remote=args.rtt_remote,
             ks=config.ks,
             adaptive=config.adaptive,
             overlap=config.overlap,
