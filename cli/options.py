@@ -26,8 +26,8 @@ def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") ->
         f"--{prefix}model",
         default=models.DEFAULT_ALIAS,
         help=f"hub id, local path, or '{models.DEFAULT_ALIAS}' (the embedded default; default); as a target, "
-        f"{' or '.join(repr(a) for a in models.GROWN_ALIASES)}: the embedded model grown 4x / 8x, the same logits "
-        "at the cost of a larger model; as a draft, "
+        f"{', '.join(repr(a) for a in models.GROWN_ALIASES)}: the embedded model grown deeper (x4, x8) or "
+        "wider too (w4: ~1.9B, w4x4: ~7B parameters), the same logits at the cost of a larger model; as a draft, "
         f"{' or '.join(repr(a) for a in models.ROUNDED_ALIASES)}: its weights rounded to 4 / 3 bits, a weaker draft "
         "where draft trees pay (each built once; transformers only)",
     )

