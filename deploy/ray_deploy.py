@@ -168,7 +168,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 )
                 .remote(service, config.server_security, config.loopback)
             )
-        for role, where in _started(services, config.start_timeout).items():
+        for role, where in started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
         orchestrator = (
             ray.remote(OrchestratorHost)
@@ -190,7 +190,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 config.loopback,
             )
         )
-        where = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
+        where = started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
         address = where["endpoint"]
     except BaseException:
         down(name)
@@ -242,29 +242,32 @@ def status(name: str, probe_seconds: float = 5.0) -> list[ActorStatus]:
     out = []
     for role in ROLES:
         handle = _find_actor(actor_name(name, role))
-        record = _actor_record(handle) if handle is not None else None
-        if record is None:
-            out.append(ActorStatus(role, "ABSENT"))
-            continue
-        endpoint = ""
-        if record["State"] == "ALIVE":
-            try:
-                endpoint = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
-            except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
-                endpoint = "?"
-        node_id = record["Address"]["NodeID"]
         out.append(
-            ActorStatus(
-                role,
-                record["State"],
-                node_id,
-                node_ips.get(node_id, ""),
-                endpoint,
-                record["Pid"],
-                record["NumRestarts"],
-            )
+            describe(handle, role, node_ips, probe_seconds=probe_seconds) if handle else ActorStatus(role, "ABSENT")
         )
     return out
+
+
+def describe(
+    handle, role: str, node_ips: dict[str, str], endpoint: bool = True, probe_seconds: float = 5.0
+) -> ActorStatus:
+    """An actor's status from GCS's actor table; `endpoint`: ask it for its gRPC endpoint
+    (one of deploy.ray_actors' hosts) when it is alive."""
+    import ray
+
+    record = _actor_record(handle)
+    if record is None:
+        return ActorStatus(role, "ABSENT")
+    where = ""
+    if endpoint and record["State"] == "ALIVE":
+        try:
+            where = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
+        except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
+            where = "?"
+    node_id = record["Address"]["NodeID"]
+    return ActorStatus(
+        role, record["State"], node_id, node_ips.get(node_id, ""), where, record["Pid"], record["NumRestarts"]
+    )
 
 
 def placement(name: str) -> str:
@@ -275,12 +278,7 @@ def placement(name: str) -> str:
     return placement_group_table(pg).get("strategy", "") if pg is not None else ""
 
 
-# -- helpers -------------------------------------------------------------------------------
-def _drop_pg_warning(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
-
-
-def _started(actors: dict, timeout: float) -> dict[str, dict]:
+def started(actors: dict, timeout: float) -> dict[str, dict]:
     """Wait for each actor's constructor; its `where()`, or an error naming the role and cause."""
     import ray
 
@@ -296,6 +294,11 @@ def _started(actors: dict, timeout: float) -> dict[str, dict]:
             lines = [line for line in str(err).splitlines() if line.strip()]
             raise RuntimeError(f"the {role} actor failed to start: {lines[-1] if lines else err}") from None
     return out
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _drop_pg_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
 
 
 def _find_actor(name: str):
