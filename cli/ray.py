@@ -253,7 +253,9 @@ def config_flags(args, parser: argparse.ArgumentParser) -> str:
     flags = []
     for action in parser._actions:  # argparse keeps no other list of a parser's flags
         value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest in NOT_IN_CONFIG or value == action.default:
+        if action.default == argparse.SUPPRESS or not action.option_strings or action.dest in NOT_IN_CONFIG:
+            continue
+        if value == action.default:
             continue
         flag = action.option_strings[-1]
         flags += [flag] if action.nargs == 0 else [flag, str(value)]

@@ -111,9 +111,10 @@ Opener = Callable[[orchestrator_pb2.GenerateRequest, Resume | None, float | None
 
 @dataclass(frozen=True)
 class ResumePolicy:
-    """How often and how long a door tries another orchestrator for a lost stream."""
+    """How long a door keeps opening fresh streams for a request whose streams are lost: long
+    enough for a lost orchestrator to be replaced (its models loaded again) when it was the only one."""
 
-    attempts: int = 8  # fresh streams after losses, per request
+    wait_seconds: float = 180.0  # from the first loss, when the request sets no earlier deadline
     first_backoff: float = 0.1  # seconds before the first retry; doubles each time
     max_backoff: float = 2.0
 
@@ -157,7 +158,7 @@ def whole_request_stats(
 class ResumingServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """The Orchestrator API over streams from `open` (Generate assembles one). A stream that
     fails with an error `lost(error)` accepts is opened again, with what the client has been
-    sent, up to the policy's attempts and the request's deadline; any other error is the
+    sent, for as long as the policy and the request's deadline allow; any other error is the
     request's. The seed is fixed here when the request leaves it unset, so a continuation
     draws from the same stream (the invariant rule then gives the same sample)."""
 
@@ -190,7 +191,7 @@ class ResumingServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         timeout = deadline_seconds(context)
         start = time.monotonic()
         progress = _Progress()
-        losses = 0
+        losses, first_loss = 0, 0.0
         backoff = self.policy.first_backoff
         while True:
             resume, before = progress.resume(), replace(progress, token_ids=list(progress.token_ids))
@@ -209,8 +210,10 @@ class ResumingServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if not self.lost(err):
                     raise
                 losses += 1
-                expired = timeout is not None and time.monotonic() - start + backoff >= timeout
-                if losses > self.policy.attempts or expired:
+                now = time.monotonic()
+                first_loss = first_loss or now
+                expired = timeout is not None and now - start + backoff >= timeout
+                if expired or now - first_loss + backoff > self.policy.wait_seconds:
                     raise Unavailable(
                         f"the generation was lost {losses} times (last: {type(err).__name__}: {err}); "
                         f"{len(progress.token_ids)} tokens were sent"

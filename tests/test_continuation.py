@@ -6,7 +6,7 @@ number of chunks:
   Generate and GenerateStream, and a stream repeats no token;
 - a stop string that straddles the break still stops the text where it would have;
 - sampled under the invariant rule with a seed: the same sample;
-- a loss that never ends is UNAVAILABLE after the policy's attempts; an error of the request
+- a loss that never ends is UNAVAILABLE once the policy's wait is over; an error of the request
   itself (a bad argument) is not retried.
 """
 
@@ -41,7 +41,7 @@ class Door:
         self.losses = losses  # streams that break
         self.opened: list[continuation.Resume | None] = []
         self.servicer = continuation.ResumingServicer(
-            self.open, lambda err: isinstance(err, Lost), continuation.ResumePolicy(attempts=2, first_backoff=0.0)
+            self.open, lambda err: isinstance(err, Lost), continuation.ResumePolicy(0.35, first_backoff=0.1)
         )
 
     def open(self, request, resume, timeout):
@@ -124,9 +124,9 @@ def test_a_seeded_sample_under_the_invariant_rule_is_the_same(pairs):
 
 def test_losses_past_the_policy_are_unavailable_and_bad_requests_are_not_retried(pairs):
     door = Door(pairs, 1, losses=10)
-    with pytest.raises(Unavailable, match="lost 3 times"):
+    with pytest.raises(Unavailable, match="the generation was lost"):
         door.generate(request())
-    assert len(door.opened) == 3  # the first stream and two attempts
+    assert 2 <= len(door.opened) < 10  # tried again, then gave up once 0.35 s had passed
     door = Door(pairs, 1)
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
         door.generate(request(max_new_tokens=0))

@@ -1,0 +1,248 @@
+"""specdec on Ray Serve (deploy.ray_serve): a local Ray cluster, tiny random models in real
+service actors, one application shared by the tests, deployed as `serve deploy` would deploy
+the config file that `specdec ray up --replicas 2 --serve-config` writes (checked against
+Serve's own schema), with a bearer token at the door.
+
+- two pairs behind one gRPC and one HTTP address: `status` and GET /health list both replicas
+  and their services; two streams at once go to different pairs (the least outstanding), and
+  the greedy output through either door, from either pair, is the target's alone; calls
+  without the token are refused at the door;
+- a pair's replica killed (SIGKILL) mid-generation, while two streams and a unary call run:
+  every request finishes with the target's greedy tokens, each streamed token once, and Serve
+  starts a replica in its place;
+- the same application rescaled to 1..2 replicas: Serve removes the idle pair, adds one under
+  load (running, its services serving) and removes it again when the load stops; every
+  request's output is still exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import grpc
+import pytest
+import ray
+import torch
+from ray import serve
+from ray.cluster_utils import Cluster
+from ray.serve.schema import ServeDeploySchema
+
+from cli import ray as ray_cli
+from cli.main import build_parser
+from deploy import ray_deploy, ray_serve
+from specdec import security
+from specdec.security import ClientSecurity
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import NO_EOS_PROMPT, wait_until
+
+NAME = "t-serve"
+TOKEN = "serve-test-token-0123456789abcdef"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+LONG = 400  # tokens of a request that is still running when a test acts on it (lookahead 1)
+
+
+@dataclass(frozen=True)
+class App:
+    config: ray_serve.ServeConfig
+    grpc: str
+    http: str
+
+    def stub(self):
+        return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(self.grpc))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_models, tmp_path_factory):
+    token = tmp_path_factory.mktemp("serve") / "token"
+    token.write_text(TOKEN)
+    ports = [str(free_port()), str(free_port())]
+    argv = ["ray", "up", "--name", NAME, "--replicas", "2", "--port", ports[0], "--http-port", ports[1]]
+    argv += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
+    argv += ["--target-dtype", "float32", "--draft-dtype", "float32", "--target-cpus", "0.5", "--draft-cpus", "0.5"]
+    argv += ["--auth-token-file", str(token), "--max-concurrent", "4"]
+    args = build_parser().parse_args(argv)
+    config = ray_cli.serve_config(args)
+    document = ray_serve.config_file(config, ray_cli.config_flags(args, args.up_parser))
+    ServeDeploySchema.model_validate(document)  # what `serve deploy` checks first
+    cluster = Cluster()
+    cluster.add_node(num_cpus=8, include_dashboard=False)
+    try:
+        ray_deploy.connect(cluster.address)
+        # As Serve deploys a config file: the proxies from its top level, the application from its
+        # import path and arguments (built here, where the token file is).
+        serve.start(**{k: document[k] for k in ("proxy_location", "http_options", "grpc_options")})
+        (entry,) = document["applications"]
+        module, attr = entry["import_path"].split(":")
+        assert (module, attr) == ("cli.ray", "serve_application")
+        serve.run(ray_cli.serve_application(entry["args"]), name=entry["name"], route_prefix=entry["route_prefix"])
+        yield App(config, f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+    finally:
+        try:
+            ray_serve.down(NAME)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_backends):
+    """The target's greedy continuation of the prompt, in process."""
+    with torch.inference_mode():
+        out = tiny_backends["target"].model.generate(
+            torch.tensor([NO_EOS_PROMPT]), max_new_tokens=LONG, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(NO_EOS_PROMPT) :].tolist()
+
+
+def request(tokens: int = LONG, lookahead: int = 1) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT),
+        max_new_tokens=tokens,
+        speculation=orchestrator_pb2.SpeculationParams(lookahead=lookahead),
+    )
+
+
+def pairs() -> list[ray_serve.Replica]:
+    return [r for r in ray_serve.status(NAME)[1] if r.actor.role == "pair"]
+
+
+def target_sessions(replica: ray_serve.Replica) -> int:
+    (target,) = [s for s in replica.services if s.role == "target"]
+    stub = model_pb2_grpc.TargetServiceStub(security.channel(target.endpoint, ClientSecurity(token=TOKEN)))
+    return stub.Describe(model_pb2.DescribeRequest(), timeout=10).open_sessions
+
+
+def http(url: str, body: dict | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_two_pairs_behind_one_grpc_and_one_http_address(app, reference):
+    replicas = pairs()
+    assert len(replicas) == 2 and ray_serve.status(NAME)[0] == "RUNNING"
+    for r in replicas:
+        assert r.actor.state == "ALIVE" and {s.role: s.state for s in r.services} == {
+            "draft": "ALIVE",
+            "target": "ALIVE",
+        }
+        assert len({s.node_id for s in r.services}) == 1  # pack: a pair on one node
+    code, health = http(app.http + "/health", token=None)
+    assert code == 200 and health["status"] == "ok"
+    assert sorted(h["replica"] for h in health["replicas"]) == sorted(r.id for r in replicas)
+    assert all(h["services"] == {"draft": "SERVING", "target": "SERVING"} for h in health["replicas"])
+
+    stub = app.stub()
+    streams = [stub.GenerateStream(request(), metadata=AUTH) for _ in range(2)]
+    firsts = [next(s) for s in streams]  # both running: the second went to the idle pair
+    assert sorted(target_sessions(r) for r in replicas) == [1, 1]
+    for first, stream in zip(firsts, streams, strict=True):
+        assert [t for c in [first, *stream] for t in c.token_ids] == reference
+
+    short = request(48, lookahead=3)
+    reply = stub.Generate(short, metadata=AUTH)
+    assert list(reply.token_ids) == reference[:48] and reply.stats.generated_tokens == 48
+    code, completion = http(
+        app.http + "/v1/completions", {"model": _model(app), "prompt": NO_EOS_PROMPT, "max_tokens": 48}
+    )
+    assert code == 200 and completion["choices"][0]["text"] == reply.text
+    assert completion["usage"]["completion_tokens"] == 48
+
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(short, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert http(app.http + "/v1/models", token="wrong")[0] == 401
+
+
+def _model(app: App) -> str:
+    code, models = http(app.http + "/v1/models")
+    assert code == 200
+    return models["data"][0]["id"]
+
+
+def test_a_pair_killed_mid_generation_loses_no_request(app, reference):
+    stub = app.stub()
+    streams = [stub.GenerateStream(request(), metadata=AUTH) for _ in range(2)]
+    received = [list(next(s).token_ids) for s in streams]
+    with ThreadPoolExecutor(1) as pool:
+        unary = pool.submit(stub.Generate, request(), metadata=AUTH)
+        replicas = pairs()
+        for r in replicas:  # frozen, so that their generations are still running when one dies
+            os.kill(r.actor.pid, signal.SIGSTOP)
+        try:
+            busy = [r for r in replicas if target_sessions(r) > 0]
+            assert busy, "no generation was running"
+            victim = busy[0]
+            os.kill(victim.actor.pid, signal.SIGKILL)
+        finally:
+            for r in replicas:
+                if r is not victim:
+                    os.kill(r.actor.pid, signal.SIGCONT)
+        for tokens, stream in zip(received, streams, strict=True):
+            for chunk in stream:
+                tokens += chunk.token_ids
+            assert tokens == reference  # each token once, in order
+        assert list(unary.result(timeout=600).token_ids) == reference
+
+    # Serve replaces the replica: a new one starts (the autoscaling test below sees one through).
+    assert wait_until(lambda: len({r.id for r in pairs()} - {r.id for r in replicas}) == 1, 120, step=0.5)
+    assert victim.id not in {r.id for r in pairs()}
+
+
+def running_pairs() -> tuple[int, int]:
+    """Pair replicas running, and in any state, as Serve counts them."""
+    states = serve.status().applications[NAME].deployments["Pair"].replica_states
+    return states.get("RUNNING", 0), sum(states.values())
+
+
+def test_autoscaling_adds_a_pair_under_load_and_removes_it_after(app, reference):
+    scaled = replace(
+        app.config,
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing=1,
+        upscale_delay=1.0,
+        downscale_delay=2.0,
+        metrics_interval=0.5,
+    )
+    serve.run(ray_serve.application(scaled), name=NAME, route_prefix="/")
+    assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
+
+    stop = threading.Event()
+    outputs = []
+
+    def client():
+        stub = app.stub()
+        while not stop.is_set():
+            outputs.append(list(stub.Generate(request(160), metadata=AUTH, timeout=600).token_ids))
+
+    with ThreadPoolExecutor(3) as pool:
+        clients = [pool.submit(client) for _ in range(3)]
+        try:
+            assert wait_until(lambda: running_pairs() == (2, 2), 300, step=0.5), running_pairs()
+        finally:
+            stop.set()
+        for c in clients:
+            c.result(timeout=600)
+    assert outputs and all(out == reference[:160] for out in outputs)
+    assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
+    code, health = http(app.http + "/health")
+    assert code == 200 and health["status"] == "ok" and len(health["replicas"]) == 1
