@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -136,6 +135,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
+    _add_bench_parser(rsub)
     st = rsub.add_parser(
         "status", help="each actor (each Serve replica and its services): state, node, endpoint, pid, restarts"
     )
@@ -144,13 +144,41 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return up
 
 
+def _add_bench_parser(rsub) -> None:
+    from bench.serve_scaling import ScalingConfig  # light: a dataclass and its defaults
+
+    d = ScalingConfig()
+    b = rsub.add_parser(
+        "bench",
+        help="tokens/s of 1, 2, 4, 8 pairs behind one Serve endpoint (sleeping stand-ins), and its overhead",
+        description="On a local Ray cluster of its own: pairs of stand-in models whose forwards sleep (no core "
+        "used, as beside an accelerator) behind one Ray Serve endpoint, under a load that fills every pair; total "
+        "tokens/s for each pair count, then the latency one request gains through Serve against one orchestrator "
+        "called directly. Prints a markdown table. Run it on a quiet machine.",
+    )
+    b.add_argument("--replicas", default=",".join(map(str, d.replicas)), help="comma list of pair counts")
+    b.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations a pair runs at once")
+    b.add_argument("--clients-per-replica", type=int, help="clients per pair (default: --max-concurrent + 1)")
+    b.add_argument("--duration", type=float, default=d.duration, help="seconds measured per row")
+    b.add_argument("--warmup", type=float, default=d.warmup, help="seconds of load before each row's window")
+    b.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens a request")
+    b.add_argument("--lookahead", type=int, default=d.lookahead, help="draft tokens a round")
+    b.add_argument("--draft-ms", type=float, default=d.draft_ms, help="the draft stand-in's forward, ms")
+    b.add_argument("--target-ms", type=float, default=d.target_ms, help="the target stand-in's forward, ms")
+    b.add_argument(
+        "--agreement", type=float, default=d.agreement, help="how often the draft proposes the target's token"
+    )
+    b.add_argument("--overhead-requests", type=int, default=d.overhead_requests, help="requests per path, one client")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="Ray cluster address (HOST:PORT or auto); default: the local cluster `up` started")
     p.add_argument("--name", default="specdec", help="deployment name (default specdec)")
 
 
 def run(args) -> int:
-    return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.ray_command](args)
+    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "bench": cmd_bench}[args.ray_command](args)
 
 
 def _state_file(name: str) -> Path:
@@ -228,8 +256,8 @@ def serve_config(args):
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_ongoing=args.target_ongoing,
-        grpc_port=args.port or _free_port(),
-        http_port=(args.http_port if args.http_port is not None else 8000) or _free_port(),
+        grpc_port=args.port or ray_cluster.free_port(),
+        http_port=(args.http_port if args.http_port is not None else 8000) or ray_cluster.free_port(),
         http_tls=tls,
         runtime_env=args.runtime_env,
     )
@@ -314,12 +342,6 @@ def _yaml(doc: dict) -> str:
     return yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _connect_existing(args) -> tuple[object, Path]:
     """Connect to --address, or to the local cluster `up` started; (that cluster or None, state file).
 
@@ -390,3 +412,24 @@ def _table(rows) -> None:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def cmd_bench(args) -> int:
+    from bench import serve_scaling
+
+    config = serve_scaling.ScalingConfig(
+        replicas=tuple(int(n) for n in args.replicas.split(",") if n),
+        max_concurrent=args.max_concurrent,
+        clients_per_replica=args.clients_per_replica,
+        duration=args.duration,
+        warmup=args.warmup,
+        max_tokens=args.max_tokens,
+        lookahead=args.lookahead,
+        draft_ms=args.draft_ms,
+        target_ms=args.target_ms,
+        agreement=args.agreement,
+        overhead_requests=args.overhead_requests,
+    )
+    report = serve_scaling.run(config, _state_file("bench"), _log(args))
+    print(json.dumps(report.as_dict()) if args.json else report.text())
+    return 0

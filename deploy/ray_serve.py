@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.ray_deploy import NAMESPACE, PLACEMENTS, ActorStatus, RayDeployConfig, describe
-from orchestrator.continuation import ResumePolicy
-from specdec.limits import AdmissionLimits
+from specdec.limits import AdmissionLimits, ResumePolicy
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 
 LOOPBACK = "127.0.0.1"
@@ -249,6 +248,14 @@ def up(config: ServeConfig, log: Callable[[str], None] = lambda msg: None) -> Se
     log(f"specdec: Serve application {name!r} up in {time.perf_counter() - t0:.1f} s: {scale} of a pair")
     log(f"specdec: gRPC at {deployment.grpc_address}, OpenAI-compatible API at {deployment.http_url}/v1")
     return deployment
+
+
+def rescale(config: ServeConfig) -> None:
+    """Apply the config's replica counts (or its autoscaling) to the running application: Serve
+    keeps the replicas it has and adds or removes pairs; returns once they all run."""
+    from ray import serve
+
+    serve.run(application(config), name=config.pair.name, route_prefix=config.route_prefix)
 
 
 def down(name: str) -> list[str]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from orchestrator.generation import DEFAULT_MAX_NEW_TOKENS, ModelPair, RequestDefaults, prompt_ids
 from orchestrator.server import OrchestratorServicer
 from specdec.errors import Cancelled, Unavailable
+from specdec.limits import ResumePolicy
 from specdec.service import deadline_seconds
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -107,16 +108,6 @@ class CallContext:
 
 # (request, resume or None, seconds left or None) -> its chunks; closing it cancels the generation.
 Opener = Callable[[orchestrator_pb2.GenerateRequest, Resume | None, float | None], Iterator]
-
-
-@dataclass(frozen=True)
-class ResumePolicy:
-    """How long a door keeps opening fresh streams for a request whose streams are lost: long
-    enough for a lost orchestrator to be replaced (its models loaded again) when it was the only one."""
-
-    wait_seconds: float = 180.0  # from the first loss, when the request sets no earlier deadline
-    first_backoff: float = 0.1  # seconds before the first retry; doubles each time
-    max_backoff: float = 2.0
 
 
 @dataclass

@@ -66,6 +66,17 @@ class RecoveryConfig:
     answer_margin: float = 1.0
 
 
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How long a front door over several orchestrators keeps opening fresh streams for a
+    request whose streams are lost (orchestrator.continuation): long enough for a lost
+    orchestrator to be replaced, its models loaded again, when it was the only one."""
+
+    wait_seconds: float = 180.0  # from the first loss, when the request sets no earlier deadline
+    first_backoff: float = 0.1  # seconds before the first retry; doubles each time
+    max_backoff: float = 2.0
+
+
 class KVBudget:
     """Tokens of keys/values reserved across sessions, against a cap (0: none).
 

@@ -18,6 +18,7 @@ import pytest
 from orchestrator import continuation
 from orchestrator.server import connect
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.limits import ResumePolicy
 from specdec.v1 import model_pb2, orchestrator_pb2
 from tests.harness import NO_EOS_PROMPT, pipeline
 
@@ -41,7 +42,7 @@ class Door:
         self.losses = losses  # streams that break
         self.opened: list[continuation.Resume | None] = []
         self.servicer = continuation.ResumingServicer(
-            self.open, lambda err: isinstance(err, Lost), continuation.ResumePolicy(0.35, first_backoff=0.1)
+            self.open, lambda err: isinstance(err, Lost), ResumePolicy(0.35, first_backoff=0.1)
         )
 
     def open(self, request, resume, timeout):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -37,7 +36,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cli import ray as ray_cli
 from cli.main import build_parser
-from deploy import ray_deploy, ray_serve
+from deploy import ray_cluster, ray_deploy, ray_serve
 from specdec import security
 from specdec.security import ClientSecurity
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
@@ -59,17 +58,11 @@ class App:
         return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(self.grpc))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(tiny_models, tmp_path_factory):
     token = tmp_path_factory.mktemp("serve") / "token"
     token.write_text(TOKEN)
-    ports = [str(free_port()), str(free_port())]
+    ports = [str(ray_cluster.free_port()), str(ray_cluster.free_port())]
     argv = ["ray", "up", "--name", NAME, "--replicas", "2", "--port", ports[0], "--http-port", ports[1]]
     argv += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
     argv += ["--target-dtype", "float32", "--draft-dtype", "float32", "--target-cpus", "0.5", "--draft-cpus", "0.5"]
@@ -223,7 +216,7 @@ def test_autoscaling_adds_a_pair_under_load_and_removes_it_after(app, reference)
         downscale_delay=2.0,
         metrics_interval=0.5,
     )
-    serve.run(ray_serve.application(scaled), name=NAME, route_prefix="/")
+    ray_serve.rescale(scaled)
     assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
 
     stop = threading.Event()
