@@ -5,7 +5,8 @@ cannot hold, with sleeping stand-ins (specdec.standin) so that N pairs fit on a 
   place between rows), then a load that saturates them: N x (max_concurrent + 1) clients, each
   sending Generate back to back through Serve's gRPC proxy (every pair full, one more request
   waiting per pair at the door), for a warm-up and then `duration` seconds. A row is the tokens
-  of the requests that completed in that window over its length, and its ratio to N = 1's.
+  generated in that window (each request's pro rata of its time in it) over its length, and
+  its ratio to N = 1's.
   Target: 8 pairs >= 7x one.
 - Overhead: one client, short requests, alternately through the Serve endpoint (one pair) and
   directly to one orchestrator (deploy.ray_deploy's single pair, the same stand-ins): the
@@ -75,7 +76,7 @@ class ScalingConfig:
 class Row:
     replicas: int
     clients: int
-    requests: int
+    requests: int  # in the window, wholly or in part
     tokens: int
     seconds: float
     errors: int
@@ -137,8 +138,8 @@ def run(config: ScalingConfig, state_file: Path, log: Callable[[str], None] = la
     """Start a local Ray cluster, measure, stop everything; the report."""
     env = {**os.environ, **ray_cluster.auth_env(dict(os.environ))}
     os.environ.update(env)
-    # Logical CPUs: a stand-in service reserves a tenth of one and uses none.
-    cluster = ray_cluster.start(state_file, env, num_cpus=2 + 0.3 * max(config.replicas), dashboard=False)
+    # Logical CPUs (Ray takes whole ones): a stand-in service reserves a tenth of one and uses none.
+    cluster = ray_cluster.start(state_file, env, num_cpus=2 + max(config.replicas), dashboard=False)
     try:
         ray_deploy.connect(cluster.address)
         return _measure(config, log)
@@ -202,18 +203,20 @@ def _request(tokens: int, lookahead: int) -> orchestrator_pb2.GenerateRequest:
 
 
 def _load(stub, replicas: int, config: ScalingConfig) -> Row:
-    """Clients back to back for warm-up + duration; the requests that completed in the window."""
+    """Clients back to back for warm-up + duration, then until their last requests end; each
+    request's tokens counted in the window pro rata of its time in it (a request's tokens come
+    at a steady rate, a round at a time)."""
     request = _request(config.max_tokens, config.lookahead)
     clients = replicas * config.clients
     start = time.monotonic() + config.warmup
     end = start + config.duration
-    done: list[tuple[float, int]] = []  # (completion time, tokens)
+    done: list[tuple[float, float, int]] = []  # (sent, answered, tokens)
     errors = 0
     lock = threading.Lock()
 
     def client():
         nonlocal errors
-        while time.monotonic() < end:
+        while (sent := time.monotonic()) < end:
             try:
                 tokens = len(stub.Generate(request, timeout=config.start_timeout).token_ids)
             except grpc.RpcError:
@@ -221,13 +224,13 @@ def _load(stub, replicas: int, config: ScalingConfig) -> Row:
                     errors += 1
                 continue
             with lock:
-                done.append((time.monotonic(), tokens))
+                done.append((sent, time.monotonic(), tokens))
 
     with ThreadPoolExecutor(clients, thread_name_prefix="bench-client") as pool:
         for f in [pool.submit(client) for _ in range(clients)]:
             f.result()
-    window = [tokens for at, tokens in done if start <= at < end]
-    return Row(replicas, clients, len(window), sum(window), config.duration, errors)
+    shares = [(n * (min(b, end) - max(a, start)) / (b - a)) for a, b, n in done if a < end and b > start]
+    return Row(replicas, clients, len(shares), round(sum(shares)), config.duration, errors)
 
 
 def _overhead(direct, served, config: ScalingConfig) -> tuple[list[float], list[float]]:
