@@ -321,7 +321,8 @@ def cmd_up(args) -> int:
         if serves:
             from deploy import ray_serve
 
-            address = ray_serve.up(config, log).grpc_address
+            deployment = ray_serve.up(config, log)
+            address = deployment.grpc_address or deployment.http_url
         else:
             address = ray_deploy.up(config, log).address
     except BaseException:

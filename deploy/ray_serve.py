@@ -14,7 +14,8 @@ replicas: deploy.serve_replicas):
 The proxies are Serve's, one set per cluster (serve_options): the first Serve deployment on a
 cluster sets their ports. Serve's HTTP proxy takes the deployment's TLS certificate (as files,
 read on the head node); its gRPC proxy (Ray 2.60) has no TLS and listens on every interface,
-so on a cluster beyond this machine it needs `allow_insecure` (the door still checks the token).
+so beyond a local cluster it opens only where plaintext is allowed (`allow_insecure`; the door
+still checks the token), and the HTTPS endpoint is the one endpoint otherwise.
 
 The same application is built from the CLI (`specdec ray up --replicas`) and from a Serve
 config file (`serve deploy`, a KubeRay RayService): config_file() writes one whose application
@@ -89,15 +90,15 @@ class ServeConfig:
             raise ValueError(
                 f"the gRPC and HTTP ports must be two ports in 1..65535, got {self.grpc_port} and {self.http_port}"
             )
-        tls = self.pair.server_security.tls
-        if tls and self.http_tls is None:
+        if self.pair.server_security.tls and self.http_tls is None:
             raise SecurityError("Serve's HTTP proxy reads its TLS certificate from files: give their paths")
-        if not (self.pair.loopback or self.pair.server_security.allow_insecure):
-            raise SecurityError(
-                "Serve's gRPC proxy (Ray 2.60) has no TLS and listens on every interface: give --allow-insecure "
-                "to open it on a trusted cluster network (the door still checks --auth-token-file), and reach it "
-                "through a TLS-terminating proxy from anywhere else"
-            )
+
+    @property
+    def grpc_door(self) -> bool:
+        """Whether Serve's gRPC proxy serves the API: it has no TLS (Ray 2.60) and listens on every
+        interface, so beyond a local cluster only where plaintext is allowed (the door still
+        checks the token)."""
+        return self.pair.loopback or self.pair.server_security.allow_insecure
 
     @property
     def autoscaled(self) -> bool:
@@ -121,7 +122,8 @@ def serve_options(config: ServeConfig) -> dict:
     return {
         "proxy_location": "HeadOnly",  # one endpoint, on the head, as the single-pair orchestrator
         "http_options": http,
-        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER]},
+        # No servicer: Serve starts no gRPC server.
+        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER] if config.grpc_door else []},
     }
 
 
@@ -133,7 +135,26 @@ def config_file(config: ServeConfig, flags: str) -> dict:
     app["args"] = {"flags": flags}
     if config.runtime_env:
         app["runtime_env"] = config.runtime_env
+    app["deployments"] = [{"name": "Pair", **scaling(config)}]  # what to edit to rescale (overrides the flags)
     return {**serve_options(config), "applications": [app]}
+
+
+def scaling(config: ServeConfig) -> dict:
+    """The Pair deployment's replica options: a count, or Serve's autoscaling between two."""
+    if not config.autoscaled:
+        return {"num_replicas": config.replicas}
+    target = config.target_ongoing or max(1.0, config.pair.orchestrator.admission.max_concurrent / 2)
+    return {
+        "autoscaling_config": {
+            "min_replicas": config.min_replicas,
+            "max_replicas": config.max_replicas,
+            "target_ongoing_requests": target,
+            "upscale_delay_s": config.upscale_delay,
+            "downscale_delay_s": config.downscale_delay,
+            "metrics_interval_s": config.metrics_interval,
+            "look_back_period_s": max(2 * config.metrics_interval, 1.0),
+        }
+    }
 
 
 def application(config: ServeConfig):
@@ -151,19 +172,6 @@ def application(config: ServeConfig):
         ),  # the replica (the orchestrator) and the draft
         pair.target_resources.bundle(),
     ]
-    scaling = {"num_replicas": config.replicas}
-    if config.autoscaled:
-        scaling = {
-            "autoscaling_config": {
-                "min_replicas": config.min_replicas,
-                "max_replicas": config.max_replicas,
-                "target_ongoing_requests": config.target_ongoing or max(1.0, admission.max_concurrent / 2),
-                "upscale_delay_s": config.upscale_delay,
-                "downscale_delay_s": config.downscale_delay,
-                "metrics_interval_s": config.metrics_interval,
-                "look_back_period_s": max(2 * config.metrics_interval, 1.0),
-            }
-        }
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     pairs = serve.deployment(
         serve_replicas.Pair,
@@ -177,7 +185,7 @@ def application(config: ServeConfig):
         graceful_shutdown_timeout_s=60.0,
         request_router_config=RequestRouterConfig(request_router_class="deploy.serve_replicas:LeastOutstanding"),
         logging_config=quiet,
-        **scaling,
+        **scaling(config),
     ).bind(pair)
     door_config = DoorConfig(
         pair.name,
@@ -210,7 +218,7 @@ def _bundle(*parts: dict[str, float]) -> dict[str, float]:
 @dataclass(frozen=True)
 class ServeDeployment:
     name: str
-    grpc_address: str  # HOST:PORT of Serve's gRPC proxy
+    grpc_address: str | None  # HOST:PORT of Serve's gRPC proxy (None: closed, ServeConfig.grpc_door)
     http_url: str
 
 
@@ -239,14 +247,19 @@ def up(config: ServeConfig, log: Callable[[str], None] = lambda msg: None) -> Se
         raise
     head = LOOPBACK if config.pair.loopback else _head_ip()
     scheme = "https" if config.http_tls else "http"
-    deployment = ServeDeployment(name, f"{head}:{config.grpc_port}", f"{scheme}://{head}:{config.http_port}")
+    grpc_address = f"{head}:{config.grpc_port}" if config.grpc_door else None
+    deployment = ServeDeployment(name, grpc_address, f"{scheme}://{head}:{config.http_port}")
     scale = (
         f"{config.min_replicas}..{config.max_replicas} replicas (autoscaled)"
         if config.autoscaled
         else f"{config.replicas} replica(s)"
     )
     log(f"specdec: Serve application {name!r} up in {time.perf_counter() - t0:.1f} s: {scale} of a pair")
-    log(f"specdec: gRPC at {deployment.grpc_address}, OpenAI-compatible API at {deployment.http_url}/v1")
+    log(f"specdec: OpenAI-compatible API at {deployment.http_url}/v1")
+    if grpc_address:
+        log(f"specdec: gRPC at {grpc_address} (Serve's gRPC proxy: plaintext, on every interface)")
+    else:
+        log("specdec: no gRPC endpoint: Serve's gRPC proxy has no TLS; --allow-insecure opens it in plaintext")
     return deployment
 
 
