@@ -252,7 +252,7 @@ def serve_config(args):
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     return ServeConfig(
         pair,
-        replicas=args.replicas or 1,
+        replicas=1 if args.replicas is None else args.replicas,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_ongoing=args.target_ongoing,

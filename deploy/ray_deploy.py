@@ -131,7 +131,6 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     """Create the deployment; on any failure, remove what was created and raise."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # Ray warns that removing the placement group kills its restartable detached actors: that
     # is what `down` means to do, and the actors restart in their bundles until then.
@@ -150,24 +149,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 f"within {config.placement_timeout:.0f} s; the cluster has {_describe_nodes()}"
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
-        services = {}
-        for index, (service, res) in enumerate(
-            [(config.draft, config.draft_resources), (config.target, config.target_resources)]
-        ):
-            role = service.role
-            services[role] = (
-                ray.remote(ModelServiceHost)
-                .options(
-                    name=actor_name(name, role),
-                    lifetime="detached",
-                    max_restarts=config.max_restarts,
-                    max_task_retries=-1,
-                    num_cpus=res.cpus,
-                    num_gpus=res.gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                )
-                .remote(service, config.server_security, config.loopback)
-            )
+        services = start_services(config, pg, lambda role: actor_name(name, role), lifetime="detached")
         for role, where in started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
         orchestrator = (
@@ -199,6 +181,33 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     if where.get("http_url"):
         log(f"specdec: OpenAI-compatible API at {where['http_url']}/v1, playground at {where['http_url']}/")
     return Deployment(name, address, where.get("http_url"))
+
+
+def start_services(config: RayDeployConfig, group, name: Callable[[str], str], **options) -> dict:
+    """The draft and the target service actors (not waited for), each in its bundle of the
+    placement group (0: the draft's, 1: the target's), named name(role), restarted by Ray up to
+    config.max_restarts; `options`: more of Ray's actor options (lifetime, namespace)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    services = {}
+    for bundle, (service, res) in enumerate(
+        [(config.draft, config.draft_resources), (config.target, config.target_resources)]
+    ):
+        services[service.role] = (
+            ray.remote(ModelServiceHost)
+            .options(
+                name=name(service.role),
+                max_restarts=config.max_restarts,
+                max_task_retries=-1,
+                num_cpus=res.cpus,
+                num_gpus=res.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                **options,
+            )
+            .remote(service, config.server_security, config.loopback)
+        )
+    return services
 
 
 def down(name: str, grace: float = 5.0) -> list[str]:

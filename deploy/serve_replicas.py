@@ -29,18 +29,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import ray
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, RequestRouter
 from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy import ray_deploy, ray_serve
-from deploy.ray_actors import ModelServiceHost, actor_endpoint
+from deploy.ray_actors import actor_endpoint
 from orchestrator import continuation, openai_api
 from orchestrator.generation import RequestDefaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
 from specdec import lifecycle, security, telemetry
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.errors import Unavailable
 from specdec.security import ClientSecurity, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -62,24 +60,12 @@ class Pair:
     def __init__(self, config: ray_deploy.RayDeployConfig):
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
-        group = get_current_placement_group()
-        self.services = {}
-        for bundle, (service, res) in enumerate(
-            [(config.draft, config.draft_resources), (config.target, config.target_resources)]
-        ):
-            self.services[service.role] = (
-                ray.remote(ModelServiceHost)
-                .options(
-                    name=ray_serve.service_name(config.name, self.replica, service.role),
-                    namespace=ray_deploy.NAMESPACE,
-                    max_restarts=config.max_restarts,
-                    max_task_retries=-1,
-                    num_cpus=res.cpus,
-                    num_gpus=res.gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-                )
-                .remote(service, config.server_security, config.loopback)
-            )
+        self.services = ray_deploy.start_services(
+            config,
+            get_current_placement_group(),  # Serve's, for this replica
+            lambda role: ray_serve.service_name(config.name, self.replica, role),
+            namespace=ray_deploy.NAMESPACE,
+        )
         ray_deploy.started(self.services, config.start_timeout)
         self.telemetry = telemetry.setup("orchestrator")
         orchestrator = config.orchestrator
@@ -137,7 +123,11 @@ class Pair:
                 raise RuntimeError(f"the {role} service actor died for good: {err}") from None
 
     def __del__(self):
-        ray.wait([h.stop.remote(2.0) for h in self.services.values()], num_returns=len(self.services), timeout=5)
+        """Serve stops the replica: the services finish their calls and flush telemetry (they
+        die with the replica, which owns them)."""
+        services = getattr(self, "services", {})
+        if services:
+            ray.wait([h.stop.remote(2.0) for h in services.values()], num_returns=len(services), timeout=5)
 
 
 @serve.ingress()
@@ -200,8 +190,6 @@ class Door:
             yield from response
         except ray.exceptions.RayTaskError as err:  # raised in the pair: the request's own error
             raise err.cause from None
-        except BackPressureError as err:
-            raise ResourceExhausted(f"every pair is busy: {err}") from None
         finally:
             response.cancel()
 
@@ -213,7 +201,8 @@ class Door:
         await send({"type": "http.response.body", "body": body})
 
     def __del__(self):
-        self.server.stop(1.0)
+        if hasattr(self, "server"):
+            self.server.stop(1.0)
 
 
 def _forwarded(grpc_context) -> list[tuple[str, str]]:

@@ -13,12 +13,18 @@ Serve's own schema), with a bearer token at the door.
 - the same application rescaled to 1..2 replicas: Serve removes the idle pair, adds one under
   load (running, its services serving) and removes it again when the load stops; every
   request's output is still exact.
+
+Without a cluster: the config file repeats `up`'s flags (built again from them, the same
+config), and opens Serve's plaintext gRPC proxy only on a local cluster or with
+--allow-insecure; bad scaling flags are refused naming the flag.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import signal
 import threading
 import urllib.error
@@ -35,11 +41,12 @@ from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
 from cli import ray as ray_cli
-from cli.main import build_parser
+from cli.main import build_parser, main
 from deploy import ray_cluster, ray_deploy, ray_serve
 from specdec import security
 from specdec.security import ClientSecurity
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.certs import make_pki
 from tests.harness import NO_EOS_PROMPT, wait_until
 
 NAME = "t-serve"
@@ -163,6 +170,30 @@ def test_two_pairs_behind_one_grpc_and_one_http_address(app, reference):
         stub.Generate(short, timeout=60)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert http(app.http + "/v1/models", token="wrong")[0] == 401
+    # A request's own error comes back from its pair as it would from one orchestrator.
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Generate(request(0), metadata=AUTH, timeout=60)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in bad.value.details()
+    code, error = http(app.http + "/v1/completions", {"model": _model(app), "prompt": NO_EOS_PROMPT, "max_tokens": 0})
+    assert code == 400 and error["error"]["param"] == "max_tokens"
+
+
+def test_status_lists_every_replica_and_its_services(app, capsys):
+    ray_cli._serve_status(argparse.Namespace(name=NAME, json=True), *ray_serve.status(NAME))
+    report = json.loads(capsys.readouterr().out)
+    assert report["serve"] == "RUNNING"
+    roles = sorted(r["role"] for r in report["replicas"])
+    assert roles == ["door", "pair", "pair"]
+    for r in report["replicas"]:
+        assert r["state"] == "ALIVE" and r["pid"]
+        services = {s["role"]: s for s in r["services"]}
+        assert set(services) == ({"draft", "target"} if r["role"] == "pair" else set())
+        assert all(s["state"] == "ALIVE" and s["endpoint"].startswith("127.0.0.1:") for s in services.values())
+    ray_cli._serve_status(argparse.Namespace(name=NAME, json=False), *ray_serve.status(NAME))
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == f"deployment {NAME}: Serve application RUNNING, 2 pair replica(s)"
+    assert table[1].split() == ["REPLICA", "ROLE", "STATE", "NODE", "NODE", "IP", "ENDPOINT", "PID", "RESTARTS"]
+    assert len(table) == 2 + 1 + 2 * 3  # the door; each pair and its two services
 
 
 def _model(app: App) -> str:
@@ -239,3 +270,41 @@ def test_autoscaling_adds_a_pair_under_load_and_removes_it_after(app, reference)
     assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
     code, health = http(app.http + "/health")
     assert code == 200 and health["status"] == "ok" and len(health["replicas"]) == 1
+
+
+# -- without a cluster: the config and its file ------------------------------------------------
+def up_args(*flags: str):
+    return build_parser().parse_args(["ray", "up", *flags])
+
+
+def test_the_config_file_repeats_the_flags_and_opens_grpc_only_where_plaintext_is_allowed(tmp_path):
+    pki = make_pki(tmp_path, "serve")
+    tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--service-tls-ca", str(pki.ca)]
+    remote = ["--address", "auto", "--replicas", "3", "--placement", "spread", *tls, "--service-tls-server-name", "x"]
+    for flags, grpc_open in [
+        (["--replicas", "2"], True),  # a local cluster: this machine
+        (remote, False),  # Serve's gRPC proxy has no TLS
+        ([*remote, "--allow-insecure"], True),
+    ]:
+        args = up_args(*flags)
+        config = ray_cli.serve_config(args)
+        document = ray_serve.config_file(config, ray_cli.config_flags(args, args.up_parser))
+        ServeDeploySchema.model_validate(document)
+        assert bool(document["grpc_options"]["grpc_servicer_functions"]) == grpc_open == config.grpc_door
+        (app,) = document["applications"]
+        again = up_args(*shlex.split(app["args"]["flags"]))
+        assert ray_cli.serve_config(again) == config  # the application is built from these flags
+    assert document["http_options"]["ssl_certfile"] == str(pki.server_cert)
+    assert app["deployments"] == [{"name": "Pair", "num_replicas": 3}]
+
+
+def test_bad_scaling_flags_are_refused_with_the_flag_named():
+    for flags, message in [
+        (["--min-replicas", "1"], "--max-replicas"),
+        (["--replicas", "0"], "--replicas"),
+        (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas <= --max-replicas"),
+        (["--replicas", "2", "--target-ongoing", "0"], "--target-ongoing"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ray_cli.serve_config(up_args(*flags))
+    assert main(["ray", "up", "--serve-config", "x.yaml"]) == 1  # a file of one pair: not a Serve deployment
