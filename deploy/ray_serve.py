@@ -323,7 +323,7 @@ def status(name: str, probe_seconds: float = 5.0) -> tuple[str, list[Replica]]:
                 services.append(_service(name, replica, service, node_ips, probe_seconds))
         replicas.append(Replica(replica, describe(handle, role, node_ips, endpoint=False), tuple(services)))
     replicas.sort(key=lambda r: (r.actor.role != "door", r.id))
-    return app.status, replicas
+    return app.status.value, replicas
 
 
 def health(name: str, service_security: ClientSecurity, timeout: float = 2.0) -> dict:

@@ -1,18 +1,18 @@
 """specdec on Ray Serve (deploy.ray_serve): a local Ray cluster, tiny random models in real
 service actors, one application shared by the tests, deployed as `serve deploy` would deploy
-the config file that `specdec ray up --replicas 2 --serve-config` writes (checked against
-Serve's own schema), with a bearer token at the door.
+the config file that `specdec ray up --min-replicas 1 --max-replicas 2 --serve-config` writes
+(checked against Serve's own schema), with a bearer token at the door. In this order:
 
+- autoscaling: from one pair, Serve adds a second under load; every output exact meanwhile;
 - two pairs behind one gRPC and one HTTP address: `status` and GET /health list both replicas
   and their services; two streams at once go to different pairs (the least outstanding), and
   the greedy output through either door, from either pair, is the target's alone; calls
-  without the token are refused at the door;
+  without the token are refused at the door, a request's own error comes back as it would;
 - a pair's replica killed (SIGKILL) mid-generation, while two streams and a unary call run:
   every request finishes with the target's greedy tokens, each streamed token once, and Serve
   starts a replica in its place;
-- the same application rescaled to 1..2 replicas: Serve removes the idle pair, adds one under
-  load (running, its services serving) and removes it again when the load stops; every
-  request's output is still exact.
+- once the load is gone, Serve removes a pair: one left, healthy.
+(A test that needs two pairs makes them when an earlier one has not.)
 
 Without a cluster: the config file repeats `up`'s flags (built again from them, the same
 config), and opens Serve's plaintext gRPC proxy only on a local cluster or with
@@ -70,7 +70,8 @@ def app(tiny_models, tmp_path_factory):
     token = tmp_path_factory.mktemp("serve") / "token"
     token.write_text(TOKEN)
     ports = [str(ray_cluster.free_port()), str(ray_cluster.free_port())]
-    argv = ["ray", "up", "--name", NAME, "--replicas", "2", "--port", ports[0], "--http-port", ports[1]]
+    argv = ["ray", "up", "--name", NAME, "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing", "1"]
+    argv += ["--port", ports[0], "--http-port", ports[1]]
     argv += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
     argv += ["--target-dtype", "float32", "--draft-dtype", "float32", "--target-cpus", "0.5", "--draft-cpus", "0.5"]
     argv += ["--auth-token-file", str(token), "--max-concurrent", "4"]
@@ -89,7 +90,9 @@ def app(tiny_models, tmp_path_factory):
         module, attr = entry["import_path"].split(":")
         assert (module, attr) == ("cli.ray", "serve_application")
         serve.run(ray_cli.serve_application(entry["args"]), name=entry["name"], route_prefix=entry["route_prefix"])
-        yield App(config, f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+        app = App(config, f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+        scale(app)
+        yield app
     finally:
         try:
             ray_serve.down(NAME)
@@ -106,6 +109,26 @@ def reference(tiny_backends):
             torch.tensor([NO_EOS_PROMPT]), max_new_tokens=LONG, do_sample=False, eos_token_id=None
         )
     return out[0, len(NO_EOS_PROMPT) :].tolist()
+
+
+def scale(app: App, **replicas) -> None:
+    """Rescale the application in place (`replicas`: ServeConfig's fields), with Serve's
+    autoscaling quick to add a pair (1 s) and slow to remove one (600 s) unless told otherwise."""
+    quick = {"upscale_delay": 1.0, "downscale_delay": 600.0, "metrics_interval": 0.5}
+    ray_serve.rescale(replace(app.config, **{**quick, **replicas}))
+
+
+def running_pairs() -> tuple[int, int]:
+    """Pair replicas running, and in any state, as Serve counts them."""
+    states = serve.status().applications[NAME].deployments["Pair"].replica_states
+    return states.get("RUNNING", 0), sum(states.values())
+
+
+@pytest.fixture
+def two_pairs(app):
+    """Two pairs running: as the autoscaling test leaves them, or made so."""
+    if running_pairs() != (2, 2):
+        scale(app, min_replicas=2)
 
 
 def request(tokens: int = LONG, lookahead: int = 1) -> orchestrator_pb2.GenerateRequest:
@@ -136,7 +159,28 @@ def http(url: str, body: dict | None = None, token: str | None = TOKEN) -> tuple
         return err.code, json.loads(err.read())
 
 
-def test_two_pairs_behind_one_grpc_and_one_http_address(app, reference):
+def test_autoscaling_adds_a_pair_under_load(app, reference):
+    assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
+    stop = threading.Event()
+    outputs = []
+
+    def client():
+        stub = app.stub()
+        while not stop.is_set():
+            outputs.append(list(stub.Generate(request(160), metadata=AUTH, timeout=600).token_ids))
+
+    with ThreadPoolExecutor(3) as pool:  # 3 requests in flight, 1 the target a pair: Serve wants 2 pairs
+        clients = [pool.submit(client) for _ in range(3)]
+        try:
+            assert wait_until(lambda: running_pairs() == (2, 2), 300, step=0.5), running_pairs()
+        finally:
+            stop.set()
+        for c in clients:
+            c.result(timeout=600)
+    assert outputs and all(out == reference[:160] for out in outputs)
+
+
+def test_two_pairs_behind_one_grpc_and_one_http_address(app, two_pairs, reference):
     replicas = pairs()
     assert len(replicas) == 2 and ray_serve.status(NAME)[0] == "RUNNING"
     for r in replicas:
@@ -178,7 +222,13 @@ def test_two_pairs_behind_one_grpc_and_one_http_address(app, reference):
     assert code == 400 and error["error"]["param"] == "max_tokens"
 
 
-def test_status_lists_every_replica_and_its_services(app, capsys):
+def _model(app: App) -> str:
+    code, models = http(app.http + "/v1/models")
+    assert code == 200
+    return models["data"][0]["id"]
+
+
+def test_status_lists_every_replica_and_its_services(app, two_pairs, capsys):
     ray_cli._serve_status(argparse.Namespace(name=NAME, json=True), *ray_serve.status(NAME))
     report = json.loads(capsys.readouterr().out)
     assert report["serve"] == "RUNNING"
@@ -196,13 +246,7 @@ def test_status_lists_every_replica_and_its_services(app, capsys):
     assert len(table) == 2 + 1 + 2 * 3  # the door; each pair and its two services
 
 
-def _model(app: App) -> str:
-    code, models = http(app.http + "/v1/models")
-    assert code == 200
-    return models["data"][0]["id"]
-
-
-def test_a_pair_killed_mid_generation_loses_no_request(app, reference):
+def test_a_pair_killed_mid_generation_loses_no_request(app, two_pairs, reference):
     stub = app.stub()
     streams = [stub.GenerateStream(request(), metadata=AUTH) for _ in range(2)]
     received = [list(next(s).token_ids) for s in streams]
@@ -226,47 +270,13 @@ def test_a_pair_killed_mid_generation_loses_no_request(app, reference):
             assert tokens == reference  # each token once, in order
         assert list(unary.result(timeout=600).token_ids) == reference
 
-    # Serve replaces the replica: a new one starts (the autoscaling test below sees one through).
+    # Serve replaces the replica: a new one starts.
     assert wait_until(lambda: len({r.id for r in pairs()} - {r.id for r in replicas}) == 1, 120, step=0.5)
     assert victim.id not in {r.id for r in pairs()}
 
 
-def running_pairs() -> tuple[int, int]:
-    """Pair replicas running, and in any state, as Serve counts them."""
-    states = serve.status().applications[NAME].deployments["Pair"].replica_states
-    return states.get("RUNNING", 0), sum(states.values())
-
-
-def test_autoscaling_adds_a_pair_under_load_and_removes_it_after(app, reference):
-    scaled = replace(
-        app.config,
-        min_replicas=1,
-        max_replicas=2,
-        target_ongoing=1,
-        upscale_delay=1.0,
-        downscale_delay=2.0,
-        metrics_interval=0.5,
-    )
-    ray_serve.rescale(scaled)
-    assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
-
-    stop = threading.Event()
-    outputs = []
-
-    def client():
-        stub = app.stub()
-        while not stop.is_set():
-            outputs.append(list(stub.Generate(request(160), metadata=AUTH, timeout=600).token_ids))
-
-    with ThreadPoolExecutor(3) as pool:
-        clients = [pool.submit(client) for _ in range(3)]
-        try:
-            assert wait_until(lambda: running_pairs() == (2, 2), 300, step=0.5), running_pairs()
-        finally:
-            stop.set()
-        for c in clients:
-            c.result(timeout=600)
-    assert outputs and all(out == reference[:160] for out in outputs)
+def test_autoscaling_removes_a_pair_once_the_load_is_gone(app):
+    scale(app, downscale_delay=2.0)
     assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
     code, health = http(app.http + "/health")
     assert code == 200 and health["status"] == "ok" and len(health["replicas"]) == 1
