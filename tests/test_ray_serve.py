@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 import ray
-import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
@@ -47,7 +46,7 @@ from specdec import security
 from specdec.security import ClientSecurity
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
-from tests.harness import NO_EOS_PROMPT, wait_until
+from tests.harness import NO_EOS_PROMPT, greedy, wait_until
 
 NAME = "t-serve"
 TOKEN = "serve-test-token-0123456789abcdef"
@@ -104,11 +103,7 @@ def app(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_backends):
     """The target's greedy continuation of the prompt, in process."""
-    with torch.inference_mode():
-        out = tiny_backends["target"].model.generate(
-            torch.tensor([NO_EOS_PROMPT]), max_new_tokens=LONG, do_sample=False, eos_token_id=None
-        )
-    return out[0, len(NO_EOS_PROMPT) :].tolist()
+    return greedy(tiny_backends["target"], NO_EOS_PROMPT, LONG)
 
 
 def scale(app: App, **replicas) -> None:
