@@ -204,6 +204,12 @@ def test_two_pairs_behind_one_grpc_and_one_http_address(app, two_pairs, referenc
     )
     assert code == 200 and completion["choices"][0]["text"] == reply.text
     assert completion["usage"]["completion_tokens"] == 48
+    streamed = {"model": _model(app), "prompt": NO_EOS_PROMPT, "max_tokens": 48, "stream": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    sse = urllib.request.Request(app.http + "/v1/completions", json.dumps(streamed).encode(), headers)
+    with urllib.request.urlopen(sse, timeout=120) as response:
+        data = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == reply.text
 
     with pytest.raises(grpc.RpcError) as refused:
         stub.Generate(short, timeout=60)
