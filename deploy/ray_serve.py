@@ -276,7 +276,7 @@ def down(name: str) -> list[str]:
     proxies go too once no application is left. Returns what was removed."""
     from ray import serve
 
-    if not _serve_running() or name not in serve.status().applications:
+    if not exists(name):
         return []
     serve.delete(name)
     removed = [f"Serve application {name}"]
