@@ -6,6 +6,11 @@ it inside their functions), so `specdec --help` and the client path stay light. 
 $SPECDEC_CACHE/ray/NAME.json, where `status` and `down` find it; its actors bind loopback.
 `up` takes the same TLS, token and limit flags as the services run by `specdec serve`, and
 the same composition (deploy.hosting) builds them.
+
+With --replicas (or --min-replicas and --max-replicas) `up` deploys a Ray Serve application
+instead (deploy.ray_serve): that many pairs behind one gRPC and one HTTP address. Its flags
+also make a Serve config file (--serve-config), whose application serve_application builds
+from them again where Serve runs it.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from cli import options
@@ -36,9 +42,17 @@ examples:
   specdec ray up --address auto --draft-gpus 1 --target-gpus 1 --placement pack --allow-insecure  # a GPU pair
   specdec ray up --address HEAD:6379 --draft-gpus 1 --target-gpus 1 --placement spread \\
       --tls-cert s.pem --tls-key s.key --service-tls-ca ca.pem --service-tls-server-name specdec  # two hosts
+  specdec ray up --replicas 4 --http-port 8000                 # 4 pairs behind one gRPC (50051) and HTTP address
+  specdec ray up --min-replicas 1 --max-replicas 8               # pairs added and removed by Ray Serve under load
+  specdec ray up --address auto --replicas 2 --allow-insecure --serve-config serve.yaml   # for `serve deploy`
   specdec ray status
   specdec ray down
 """
+
+SERVE_FLAGS = ("replicas", "min_replicas", "max_replicas")  # any of them: a Serve application
+# What a config file's flags leave out: the file itself, this command's output, and the runtime_env
+# (the file's application entry has its own).
+NOT_IN_CONFIG = {"serve_config", "quiet", "no_dashboard", "runtime_env", "ray_command", "command", "up_parser"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -75,9 +89,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="let Ray place the orchestrator on any node (default: the head node)",
     )
-    up.add_argument("--port", type=int, default=50051, help="orchestrator port; 0 picks a free one (default 50051)")
     up.add_argument(
-        "--http-port", type=int, help="the orchestrator's OpenAI-compatible HTTP API on this port (default: off)"
+        "--port",
+        type=int,
+        default=50051,
+        help="orchestrator port; 0 picks a free one (default 50051); with --replicas, Serve's gRPC proxy's",
+    )
+    up.add_argument(
+        "--http-port",
+        type=int,
+        help="the orchestrator's OpenAI-compatible HTTP API on this port (default: off); with --replicas, Serve's "
+        "HTTP proxy's (default 8000)",
+    )
+    scale = up.add_argument_group("many pairs behind one address (Ray Serve)")
+    scale.add_argument(
+        "--replicas", type=int, help="deploy a Ray Serve application of N pairs behind one gRPC and HTTP address"
+    )
+    scale.add_argument("--min-replicas", type=int, help="with --max-replicas: Serve adds and removes pairs under load")
+    scale.add_argument("--max-replicas", type=int, help="the most pairs Serve scales to")
+    scale.add_argument(
+        "--target-ongoing",
+        type=float,
+        help="requests in flight per pair that autoscaling aims at (default: half of --max-concurrent)",
+    )
+    scale.add_argument(
+        "--serve-config",
+        type=Path,
+        metavar="FILE",
+        help="write the Serve config file of this deployment (for `serve deploy` or a KubeRay RayService) and exit",
     )
     up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
     up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
@@ -92,13 +131,45 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_overlap_flag(up)
     options.add_rule_flag(up)
     options.add_tree_flag(up)
+    up.set_defaults(up_parser=up)  # config_flags reads back which flags were given
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
     _add_cluster_flags(down)
-    st = rsub.add_parser("status", help="each actor: state, node, endpoint, pid, restarts")
+    _add_bench_parser(rsub)
+    st = rsub.add_parser(
+        "status", help="each actor (each Serve replica and its services): state, node, endpoint, pid, restarts"
+    )
     _add_cluster_flags(st)
     st.add_argument("--json", action="store_true", help="print JSON")
     return up
+
+
+def _add_bench_parser(rsub) -> None:
+    from bench.serve_scaling import ScalingConfig  # light: a dataclass and its defaults
+
+    d = ScalingConfig()
+    b = rsub.add_parser(
+        "bench",
+        help="tokens/s of 1, 2, 4, 8 pairs behind one Serve endpoint (sleeping stand-ins), and its overhead",
+        description="On a local Ray cluster of its own: pairs of stand-in models whose forwards sleep (no core "
+        "used, as beside an accelerator) behind one Ray Serve endpoint, under a load that fills every pair; total "
+        "tokens/s for each pair count, then the latency one request gains through Serve against one orchestrator "
+        "called directly. Prints a markdown table. Run it on a quiet machine.",
+    )
+    b.add_argument("--replicas", default=",".join(map(str, d.replicas)), help="comma list of pair counts")
+    b.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations a pair runs at once")
+    b.add_argument("--clients-per-replica", type=int, help="clients per pair (default: --max-concurrent + 1)")
+    b.add_argument("--duration", type=float, default=d.duration, help="seconds measured per row")
+    b.add_argument("--warmup", type=float, default=d.warmup, help="seconds of load before each row's window")
+    b.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens a request")
+    b.add_argument("--lookahead", type=int, default=d.lookahead, help="draft tokens a round")
+    b.add_argument("--draft-ms", type=float, default=d.draft_ms, help="the draft stand-in's forward, ms")
+    b.add_argument("--target-ms", type=float, default=d.target_ms, help="the target stand-in's forward, ms")
+    b.add_argument(
+        "--agreement", type=float, default=d.agreement, help="how often the draft proposes the target's token"
+    )
+    b.add_argument("--overhead-requests", type=int, default=d.overhead_requests, help="requests per path, one client")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -107,7 +178,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.ray_command](args)
+    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "bench": cmd_bench}[args.ray_command](args)
 
 
 def _state_file(name: str) -> Path:
@@ -128,13 +199,14 @@ def _device(device: str | None, gpus: float) -> str:
     return device or ("cuda:0" if gpus > 0 else "cpu")
 
 
-def cmd_up(args) -> int:
-    """`up` secures its three servers and the orchestrator's service links as `orchestrator`
-    does (TLS, mTLS, token; plaintext on the cluster's network only if allowed)."""
+def pair_config(args) -> ray_deploy.RayDeployConfig:
+    """One pair, from `up`'s flags: the whole deployment, or each replica of a Serve one. It
+    secures its servers and the orchestrator's service links as `orchestrator` does (TLS,
+    mTLS, token; plaintext on the cluster's network only if allowed)."""
     # The actors bind their nodes' addresses, and get a fixed copy (no SIGHUP reload inside Ray).
     server_security = options.server_security(args, check_host=False, reloadable=False)
     limits = options.session_limits(args)
-    config = ray_deploy.RayDeployConfig(
+    return ray_deploy.RayDeployConfig(
         name=args.name,
         target=ModelServiceConfig(
             "target",
@@ -169,6 +241,70 @@ def cmd_up(args) -> int:
         service_security=options.service_client_security(args, server_security, starts_services=True),
         loopback=not args.address,  # a local cluster is this machine
     )
+
+
+def serve_config(args):
+    """A Serve deployment (deploy.ray_serve.ServeConfig) from `up`'s flags."""
+    from deploy.ray_serve import ServeConfig
+
+    pair = pair_config(args)
+    pair = replace(pair, orchestrator=replace(pair.orchestrator, http_port=None))  # the door serves HTTP
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    return ServeConfig(
+        pair,
+        replicas=1 if args.replicas is None else args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing=args.target_ongoing,
+        grpc_port=args.port or ray_cluster.free_port(),
+        http_port=(args.http_port if args.http_port is not None else 8000) or ray_cluster.free_port(),
+        http_tls=tls,
+        runtime_env=args.runtime_env,
+    )
+
+
+def serve_application(args: dict):
+    """The application of a Serve config file written by `specdec ray up --serve-config`: `up`'s
+    flags (args["flags"]) parsed again and built where Serve builds it (the TLS files and the
+    token are read there)."""
+    from cli.main import build_parser
+    from deploy import ray_serve
+
+    parsed = build_parser().parse_args(["ray", "up", *shlex.split(args["flags"])])
+    if not _serves(parsed):
+        raise ValueError("a Serve config file's flags need --replicas, or --min-replicas and --max-replicas")
+    return ray_serve.application(serve_config(parsed))
+
+
+def config_flags(args, parser: argparse.ArgumentParser) -> str:
+    """`up`'s flags that `args` sets to other than their defaults (what a config file repeats)."""
+    flags = []
+    for action in parser._actions:  # argparse keeps no other list of a parser's flags
+        value = getattr(args, action.dest, None)
+        if action.default == argparse.SUPPRESS or not action.option_strings or action.dest in NOT_IN_CONFIG:
+            continue
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        flags += [flag] if action.nargs == 0 else [flag, str(value)]
+    return shlex.join(flags)
+
+
+def cmd_up(args) -> int:
+    serves = _serves(args)
+    if serves:
+        config = serve_config(args)
+        if args.serve_config:
+            from deploy import ray_serve
+
+            flags = config_flags(args, args.up_parser)
+            args.serve_config.write_text(_yaml(ray_serve.config_file(config, flags)))
+            print(f"specdec: wrote {args.serve_config}: `serve deploy {args.serve_config}` deploys it", file=sys.stderr)
+            return 0
+    elif args.serve_config or args.target_ongoing is not None:
+        raise ValueError("--serve-config and --target-ongoing are for a Serve deployment: give --replicas")
+    else:
+        config = pair_config(args)
     log = _log(args)
     state = _state_file(args.name)
     cluster = None
@@ -182,13 +318,29 @@ def cmd_up(args) -> int:
         address = cluster.address
     try:
         ray_deploy.connect(address, log_to_driver=not args.quiet, runtime_env=args.runtime_env)
-        deployment = ray_deploy.up(config, log)
+        if serves:
+            from deploy import ray_serve
+
+            deployment = ray_serve.up(config, log)
+            address = deployment.grpc_address or deployment.http_url
+        else:
+            address = ray_deploy.up(config, log).address
     except BaseException:
         if cluster is not None:
             ray_cluster.stop(cluster, state)
         raise
-    print(deployment.address, flush=True)
+    print(address, flush=True)
     return 0
+
+
+def _serves(args) -> bool:
+    return any(getattr(args, flag) is not None for flag in SERVE_FLAGS)
+
+
+def _yaml(doc: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
 def _connect_existing(args) -> tuple[object, Path]:
@@ -210,7 +362,9 @@ def cmd_down(args) -> int:
     cluster, state = _connect_existing(args)
     import ray  # only now: Ray reads RAY_AUTH_MODE when it is first imported
 
-    removed = ray_deploy.down(args.name)
+    from deploy import ray_serve
+
+    removed = ray_serve.down(args.name) + ray_deploy.down(args.name)
     ray.shutdown()
     print(f"specdec: removed {', '.join(removed)}" if removed else f"specdec: nothing named {args.name!r} was up")
     if cluster is not None:
@@ -221,15 +375,62 @@ def cmd_down(args) -> int:
 
 def cmd_status(args) -> int:
     _connect_existing(args)
+    from deploy import ray_serve
+
+    if ray_serve.exists(args.name):
+        return _serve_status(args, *ray_serve.status(args.name))
     rows = ray_deploy.status(args.name)
     placement = ray_deploy.placement(args.name)
     if args.json:
         print(json.dumps({"name": args.name, "placement": placement, "actors": [asdict(r) for r in rows]}))
         return 0
     print(f"deployment {args.name}: placement {placement or '-'}")
-    table = [("ROLE", "STATE", "NODE", "NODE IP", "ENDPOINT", "PID", "RESTARTS")]
-    table += [(r.role, r.state, r.node_id[:12], r.node_ip, r.endpoint, str(r.pid or ""), str(r.restarts)) for r in rows]
+    _table([("", r) for r in rows])
+    return 0
+
+
+def _serve_status(args, state: str, replicas) -> int:
+    """A Serve deployment: the application's state, then each replica and its services."""
+    if args.json:
+        report = [{"replica": r.id, **asdict(r.actor), "services": [asdict(s) for s in r.services]} for r in replicas]
+        print(json.dumps({"name": args.name, "serve": state, "replicas": report}))
+        return 0
+    pairs = sum(r.actor.role == "pair" for r in replicas)
+    print(f"deployment {args.name}: Serve application {state}, {pairs} pair replica(s)")
+    _table([(r.id, a) for r in replicas for a in (r.actor, *r.services)])
+    return 0
+
+
+def _table(rows) -> None:
+    """(replica id or "", ray_deploy.ActorStatus) rows as a table; the REPLICA column only if any has one."""
+    table = [("REPLICA", "ROLE", "STATE", "NODE", "NODE IP", "ENDPOINT", "PID", "RESTARTS")]
+    table += [
+        (replica, r.role, r.state, r.node_id[:12], r.node_ip, r.endpoint, str(r.pid or ""), str(r.restarts))
+        for replica, r in rows
+    ]
+    if not any(replica for replica, _ in rows):
+        table = [row[1:] for row in table]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def cmd_bench(args) -> int:
+    from bench import serve_scaling
+
+    config = serve_scaling.ScalingConfig(
+        replicas=tuple(int(n) for n in args.replicas.split(",") if n),
+        max_concurrent=args.max_concurrent,
+        clients_per_replica=args.clients_per_replica,
+        duration=args.duration,
+        warmup=args.warmup,
+        max_tokens=args.max_tokens,
+        lookahead=args.lookahead,
+        draft_ms=args.draft_ms,
+        target_ms=args.target_ms,
+        agreement=args.agreement,
+        overhead_requests=args.overhead_requests,
+    )
+    report = serve_scaling.run(config, _state_file("bench"), _log(args))
+    print(json.dumps(report.as_dict()) if args.json else report.text())
     return 0

@@ -23,7 +23,7 @@ from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec import models, placement
+from specdec import models, placement, standin
 from specdec.graphs import hf_backend
 from specdec.lifecycle import Served
 from specdec.security import ClientSecurity, ServerSecurity
@@ -40,7 +40,10 @@ def start_model_service(
 ) -> tuple[Served, int]:
     """Pin the process to the config's cores and threads, load its model (or drafter) and serve
     it; returns (server, bound port). Unpinned on a CPU of several cores, its steps share the
-    machine's cores with another service's as the requests ask (specdec.placement.Cores)."""
+    machine's cores with another service's as the requests ask (specdec.placement.Cores). A
+    stand-in model (specdec.standin) takes no core: it serves without the core lock."""
+    if standin.is_standin(config.spec.model):
+        return serve_model(config, standin.StandinBackend(config.spec.model), host, port, None, security, telemetry)
     usable, threads = placement.apply(config.cpus, config.threads)
     shared = config.cpus is None and config.spec.device == "cpu" and len(usable) > 1
     cores = placement.Cores(config.role, threads, shared)

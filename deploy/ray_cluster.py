@@ -58,7 +58,7 @@ def start(
     import ray
 
     ip = ray.util.get_node_ip_address()
-    port = _free_port()
+    port = free_port()
     cmd = [*RAY_CLI, "start", "--head", "--block", f"--port={port}", "--disable-usage-stats"]
     cmd += ["--dashboard-host=127.0.0.1"] if dashboard else ["--include-dashboard=false"]
     cmd += [f"--num-cpus={num_cpus:g}"] if num_cpus is not None else []
@@ -127,7 +127,7 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited; its parent has not reaped it yet
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -135,7 +135,6 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     """Create the deployment; on any failure, remove what was created and raise."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     # Ray warns that removing the placement group kills its restartable detached actors: that
     # is what `down` means to do, and the actors restart in their bundles until then.
@@ -144,8 +143,6 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     if _find_actor(actor_name(name, "orchestrator")) or _find_pg(name):
         raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
     t0 = time.perf_counter()
-    # The services' TLS is the deployment's; their token the one the orchestrator sends them.
-    services_security = dataclasses.replace(config.server_security, token=config.service_security.token)
     try:
         bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
         strategy = PLACEMENTS[config.placement]
@@ -156,25 +153,8 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 f"within {config.placement_timeout:.0f} s; the cluster has {_describe_nodes()}"
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
-        services = {}
-        for index, (service, res) in enumerate(
-            [(config.draft, config.draft_resources), (config.target, config.target_resources)]
-        ):
-            role = service.role
-            services[role] = (
-                ray.remote(ModelServiceHost)
-                .options(
-                    name=actor_name(name, role),
-                    lifetime="detached",
-                    max_restarts=config.max_restarts,
-                    max_task_retries=-1,
-                    num_cpus=res.cpus,
-                    num_gpus=res.gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                )
-                .remote(service, services_security, config.loopback)
-            )
-        for role, where in _started(services, config.start_timeout).items():
+        services = start_services(config, pg, lambda role: actor_name(name, role), lifetime="detached")
+        for role, where in started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
         orchestrator = (
             ray.remote(OrchestratorHost)
@@ -196,7 +176,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 config.loopback,
             )
         )
-        where = _started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
+        where = started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]
         address = where["endpoint"]
     except BaseException:
         down(name)
@@ -205,6 +185,39 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     if where.get("http_url"):
         log(f"specdec: OpenAI-compatible API at {where['http_url']}/v1, playground at {where['http_url']}/")
     return Deployment(name, address, where.get("http_url"))
+
+
+def start_services(config: RayDeployConfig, group, name: Callable[[str], str], **options) -> dict:
+    """The draft and the target service actors (not waited for), each in its bundle of the
+    placement group (0: the draft's, 1: the target's), named name(role), restarted by Ray up to
+    config.max_restarts; `options`: more of Ray's actor options (lifetime, namespace)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    services = {}
+    for bundle, (service, res) in enumerate(
+        [(config.draft, config.draft_resources), (config.target, config.target_resources)]
+    ):
+        services[service.role] = (
+            ray.remote(ModelServiceHost)
+            .options(
+                name=name(service.role),
+                max_restarts=config.max_restarts,
+                max_task_retries=-1,
+                num_cpus=res.cpus,
+                num_gpus=res.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                **options,
+            )
+            .remote(service, services_security(config), config.loopback)
+        )
+    return services
+
+
+def services_security(config: RayDeployConfig) -> ServerSecurity:
+    """The model services' security: the deployment's TLS, and as token the one the orchestrator
+    sends them (not the clients': see the module doc)."""
+    return dataclasses.replace(config.server_security, token=config.service_security.token)
 
 
 def down(name: str, grace: float = 5.0) -> list[str]:
@@ -248,29 +261,32 @@ def status(name: str, probe_seconds: float = 5.0) -> list[ActorStatus]:
     out = []
     for role in ROLES:
         handle = _find_actor(actor_name(name, role))
-        record = _actor_record(handle) if handle is not None else None
-        if record is None:
-            out.append(ActorStatus(role, "ABSENT"))
-            continue
-        endpoint = ""
-        if record["State"] == "ALIVE":
-            try:
-                endpoint = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
-            except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
-                endpoint = "?"
-        node_id = record["Address"]["NodeID"]
         out.append(
-            ActorStatus(
-                role,
-                record["State"],
-                node_id,
-                node_ips.get(node_id, ""),
-                endpoint,
-                record["Pid"],
-                record["NumRestarts"],
-            )
+            describe(handle, role, node_ips, probe_seconds=probe_seconds) if handle else ActorStatus(role, "ABSENT")
         )
     return out
+
+
+def describe(
+    handle, role: str, node_ips: dict[str, str], endpoint: bool = True, probe_seconds: float = 5.0
+) -> ActorStatus:
+    """An actor's status from GCS's actor table; `endpoint`: ask it for its gRPC endpoint
+    (one of deploy.ray_actors' hosts) when it is alive."""
+    import ray
+
+    record = _actor_record(handle)
+    if record is None:
+        return ActorStatus(role, "ABSENT")
+    where = ""
+    if endpoint and record["State"] == "ALIVE":
+        try:
+            where = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
+        except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
+            where = "?"
+    node_id = record["Address"]["NodeID"]
+    return ActorStatus(
+        role, record["State"], node_id, node_ips.get(node_id, ""), where, record["Pid"], record["NumRestarts"]
+    )
 
 
 def placement(name: str) -> str:
@@ -281,12 +297,7 @@ def placement(name: str) -> str:
     return placement_group_table(pg).get("strategy", "") if pg is not None else ""
 
 
-# -- helpers -------------------------------------------------------------------------------
-def _drop_pg_warning(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
-
-
-def _started(actors: dict, timeout: float) -> dict[str, dict]:
+def started(actors: dict, timeout: float) -> dict[str, dict]:
     """Wait for each actor's constructor; its `where()`, or an error naming the role and cause."""
     import ray
 
@@ -302,6 +313,11 @@ def _started(actors: dict, timeout: float) -> dict[str, dict]:
             lines = [line for line in str(err).splitlines() if line.strip()]
             raise RuntimeError(f"the {role} actor failed to start: {lines[-1] if lines else err}") from None
     return out
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _drop_pg_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
 
 
 def _find_actor(name: str):

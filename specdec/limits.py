@@ -75,6 +75,17 @@ class RecoveryConfig:
         _at_least(self, wait_seconds=0, first_backoff=0, max_backoff=0, draft_timeout=0.001, probe_backoff=0.001)
 
 
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How long a front door over several orchestrators keeps opening fresh streams for a
+    request whose streams are lost (orchestrator.continuation): long enough for a lost
+    orchestrator to be replaced, its models loaded again, when it was the only one."""
+
+    wait_seconds: float = 180.0  # from the first loss, when the request sets no earlier deadline
+    first_backoff: float = 0.1  # seconds before the first retry; doubles each time
+    max_backoff: float = 2.0
+
+
 class KVBudget:
     """Tokens of keys/values reserved across sessions, against a cap (0: none).
 

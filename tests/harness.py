@@ -52,6 +52,18 @@ class SlowBackend:
         return getattr(self._backend, name)
 
 
+def greedy(backend, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """A tiny HF backend's own greedy continuation of `prompt`, in process, EOS ignored: what a
+    pipeline over it must produce."""
+    import torch
+
+    with torch.inference_mode():
+        out = backend.model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def long_request(max_new_tokens: int, **kw) -> orchestrator_pb2.GenerateRequest:
     """A greedy request that runs to max_new_tokens (finish_reason "length")."""
     ids = orchestrator_pb2.TokenIds(ids=NO_EOS_PROMPT)

@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
-import torch
 from ray.cluster_utils import Cluster
 
 from deploy import ray_deploy
@@ -38,7 +37,7 @@ from specdec.sampling import SamplingParams
 from specdec.security import ClientSecurity, SecurityError, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
-from tests.harness import wait_until
+from tests.harness import greedy, wait_until
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 INSECURE = ClientSecurity(allow_insecure=True)  # plaintext to the node's address, allowed
@@ -101,11 +100,7 @@ def packed(cluster, tiny_models):
 @pytest.fixture(scope="module")
 def reference(tiny_backends):
     """The target's greedy continuation of PROMPT, in process (what the pipeline must produce)."""
-    with torch.inference_mode():
-        out = tiny_backends["target"].model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
-        )
-    return out[0, len(PROMPT) :].tolist()
+    return greedy(tiny_backends["target"], PROMPT, NEW_TOKENS)
 
 
 def request(max_new_tokens: int = NEW_TOKENS) -> orchestrator_pb2.GenerateRequest:
