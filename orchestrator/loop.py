@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -103,6 +104,9 @@ class LoopConfig:
     stop_token_ids: frozenset[int] = frozenset()
     rule: str = "leviathan"  # one of RULES
     tree_nodes: int = 0  # > 0: each round a draft tree of this many tokens at most, depth <= lookahead
+    # Structured output: the grammar both services hold with the session (OpenSessionRequest.constraint)
+    constraint: model_pb2.Constraint | None = None
+    logprobs: int | None = None  # report each token's log probability, with this many top tokens
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -139,6 +143,8 @@ class LoopStats:
     wire_bytes: int = 0  # serialized round messages, both directions
     recoveries: int = 0  # sessions re-opened after a service lost them
     overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
+    draft_mask_seconds: float = 0.0  # structured output: the draft's grammar masks
+    target_mask_seconds: float = 0.0  # the target's
 
     def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
         """What a Propose reports: its tokens, its compute, its forwards and their threads."""
@@ -146,12 +152,14 @@ class LoopStats:
         self.draft_compute_seconds += proposal.compute_seconds
         self.draft_forward_seconds += proposal.forward_seconds
         self.draft_core_seconds += proposal.forward_seconds * proposal.threads
+        self.draft_mask_seconds += proposal.mask_seconds
 
     def add_scores(self, scores: model_pb2.ScoreResponse) -> None:
         """What a Score reports: its compute, its forward and its threads."""
         self.target_compute_seconds += scores.compute_seconds
         self.target_forward_seconds += scores.forward_seconds
         self.target_core_seconds += scores.forward_seconds * scores.threads
+        self.target_mask_seconds += scores.mask_seconds
 
 
 @dataclass
@@ -165,6 +173,8 @@ class Round:
     # Tokens the rule committed, before stop handling: the accepted drafts and the recovered or
     # bonus token (none when a continuation's first token took the bonus position).
     committed: int = 0
+    # LoopConfig.logprobs set: each token's (log probability, [(token, log probability)] of the most likely)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +219,25 @@ class _Draws:
         drawn = lookahead * TREE_DRAWS
         u = rng.random(drawn + nodes + 1).tolist()
         return cls(u[:drawn], u[drawn:-1], [], u[-1])
+
+
+def _top(scores: model_pb2.ScoreResponse, row: int) -> list[tuple[int, float]]:
+    top = scores.row_logprobs[row]
+    return list(zip(top.top_ids, top.top_logprobs, strict=True))
+
+
+def _logprob(scores: model_pb2.ScoreResponse, row: int, draft: int | None, target_row, token: int | None = None):
+    """A committed token's (log probability, the row's most likely tokens): a draft's as the target
+    scored it (draft_token_logprobs); else the target's own token there (greedy, the invariant
+    rule), or under the Leviathan rule the token the rule drew from `target_row` (the row the Score
+    returned, already the output's law)."""
+    if draft is not None:
+        value = scores.draft_token_logprobs[draft]
+    elif target_row is None:
+        value = scores.row_logprobs[row].own_logprob
+    else:
+        value = math.log(float(target_row[token])) if target_row[token] > 0 else -math.inf
+    return value, _top(scores, row)
 
 
 def _wait_quietly(future, timeout: float | None) -> None:
@@ -286,6 +315,11 @@ class SpeculativeLoop:
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
+        # Structured output: what opens each service's session besides its tokens (its grammar, which
+        # the tokens after the prompt advance when a session is re-opened mid-generation).
+        self._session_fields = {}
+        if config.constraint is not None:
+            self._session_fields = {"constraint": config.constraint, "prompt_length": len(self.prompt)}
 
     @property
     def _overlapping(self) -> bool:
@@ -351,12 +385,15 @@ class SpeculativeLoop:
             try:
                 side.stub.OpenSession(
                     model_pb2.OpenSessionRequest(
-                        session_id=self.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
+                        session_id=self.session_id,
+                        prompt_token_ids=tokens,
+                        threads=self._threads(side, concurrent),
+                        **self._session_fields,
                     ),
                     timeout=self._timeout(),
                 )
             except SessionLost:  # the service is down or restarting: wait for it
-                side.stub.reopen(self.session_id, tokens, timeout=self._timeout())
+                side.stub.reopen(self.session_id, tokens, timeout=self._timeout(), **self._session_fields)
         side.length = len(tokens)
 
     @contextlib.contextmanager
@@ -453,7 +490,7 @@ class SpeculativeLoop:
         """Re-open the session on the side whose service lost it, holding the committed prefix."""
         side = self.draft if self.draft is not None and stub is self.draft.stub else self.target
         committed = self.prompt + self.generated
-        side.stub.reopen(self.session_id, committed, timeout=self._timeout())
+        side.stub.reopen(self.session_id, committed, timeout=self._timeout(), **self._session_fields)
         side.length, side.pending = len(committed), []
         if side is self.draft and self._carried is not None:
             self._carried.lost = True  # its rows went with the service: propose it again
@@ -523,6 +560,7 @@ class SpeculativeLoop:
                     accept_uniforms=accept_u,
                     noise_seed=cfg.noise_seed,
                     threads=self._threads(self.target, concurrent=continuation is not None),
+                    logprobs=cfg.logprobs,
                 ),
             )
         except BaseException:
@@ -615,7 +653,14 @@ class SpeculativeLoop:
         self.stats.round_seconds += time.perf_counter() - start
         if measure and self.policy is not None:  # a chain's round, for an adaptive choice of trees
             self.trees.choice.update(cfg.sampling.greedy, False, len(committed), time.perf_counter() - start)
-        return self._commit(committed, proposed=proposed, accepted=accepted)
+        logprobs = None
+        if cfg.logprobs is not None:  # committed[j] is at row j; this round's drafts scored there
+            drafted = min(accepted, k)
+            logprobs = [
+                _logprob(scores, j, j if j < drafted else None, None if cfg.coupled else target_row, token)
+                for j, token in enumerate(committed)
+            ]
+        return self._commit(committed, proposed=proposed, accepted=accepted, logprobs=logprobs)
 
     def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
         """A round over a draft tree (tree_nodes > 0): the draft proposes a tree of depth
@@ -649,6 +694,7 @@ class SpeculativeLoop:
             sampling=self._sampling,
             noise_seed=cfg.noise_seed,
             threads=self._threads(self.target, concurrent=False),
+            logprobs=cfg.logprobs,
         )
         if not cfg.coupled:  # the Leviathan rule: the target walks the tree with the draft's rows
             request.draft_rows.extend(proposal.node_rows)
@@ -671,9 +717,16 @@ class SpeculativeLoop:
             self.stats.add_proposal(proposal)
             self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
-        return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
+        logprobs = None
+        if cfg.logprobs is not None:  # a node is scored in its parent's row, the last token after the path
+            rows = [parents[node] + 1 for node in path] + [path[-1] + 1 if path else 0]
+            logprobs = [_logprob(scores, row, node, None) for row, node in zip(rows, path, strict=False)]
+            last_lp = scores.row_logprobs[rows[-1]].own_logprob if cfg.coupled else scores.final_token_logprob
+            logprobs.append((last_lp, _top(scores, rows[-1])))
+        committed = [tokens[i] for i in path] + [last]
+        return self._commit(committed, proposed=len(tokens), accepted=len(path), logprobs=logprobs)
 
-    def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
+    def _commit(self, committed: list[int], proposed: int, accepted: int, logprobs=None) -> Round:
         cfg = self.config
         ruled = len(committed)
         stops = cfg.stop_token_ids
@@ -695,7 +748,7 @@ class SpeculativeLoop:
         s.accepted_tokens += accepted
         s.committed_tokens += ruled
         s.generated_tokens = len(self.generated)
-        return Round(committed, proposed, accepted, finish, ruled)
+        return Round(committed, proposed, accepted, finish, ruled, (logprobs or [])[: len(committed)])
 
     def truncate(self, keep: int) -> None:
         """End the generation at its first `keep` tokens (a stop string found in the text):
