@@ -7,6 +7,7 @@ host needs no model files.
 
 from __future__ import annotations
 
+import math
 import random
 import tempfile
 import time
@@ -261,7 +262,11 @@ def token_logprobs(tok, step) -> list[orchestrator_pb2.TokenLogprob]:
             token_id=token, token=text, token_bytes=text.encode(), logprob=logprob, top=[entry(*t) for t in top]
         )
 
-    return [entry(t, lp, top) for t, (lp, top) in zip(step.token_ids, step.logprobs, strict=True)]
+    # the most likely tokens that have a probability (a mask or top-k leaves fewer than asked for)
+    return [
+        entry(t, lp, [x for x in top if x[1] > -math.inf])
+        for t, (lp, top) in zip(step.token_ids, step.logprobs, strict=True)
+    ]
 
 
 def _round_marks(tok, generated: list[int], step, text_len: int) -> list[tuple[int, bool]]:

@@ -158,7 +158,6 @@ class Matcher:
         self._matcher = llg.LLMatcher(table.tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise InvalidArgument(f"constraint: {_first_line(self._matcher.get_error())}")
-        self._executor = llg.LLExecutor(1)
         self.committed = 0  # constrained tokens committed
         self.pushed = 0  # speculative tokens on top of them
         self.seconds = 0.0  # spent on masks (computing and applying them), for mask_seconds
@@ -221,7 +220,7 @@ class Matcher:
         pointer, size = bitmask.ctypes.data, self.table.words * 4
         if tokens:
             rows = [(self._matcher, 0, list(tokens))]
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(rows, pointer, size, bitmask.shape[0])
+            _executor().unsafe_compute_mask_ptr_with_draft_token(rows, pointer, size, bitmask.shape[0])
         else:
             self._matcher.unsafe_compute_mask_ptr(pointer, size)
         self.seconds += time.perf_counter() - t0
@@ -261,6 +260,18 @@ class Matcher:
         out = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         self.seconds += time.perf_counter() - t0
         return out
+
+
+_EXECUTOR = []
+
+
+def _executor():
+    """One llguidance executor (a thread of its own) for the process's matchers: a pass of k + 1
+    masks is one call to it, from the model worker."""
+    with _TABLES_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance().LLExecutor(1))
+    return _EXECUTOR[0]
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
