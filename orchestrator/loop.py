@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator import RULES
+from orchestrator import logprobs as token_logprobs
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
@@ -173,8 +173,8 @@ class Round:
     # Tokens the rule committed, before stop handling: the accepted drafts and the recovered or
     # bonus token (none when a continuation's first token took the bonus position).
     committed: int = 0
-    # LoopConfig.logprobs set: each token's (log probability, [(token, log probability)] of the most likely)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # LoopConfig.logprobs set: each token's (orchestrator.logprobs.Entry)
+    logprobs: list[token_logprobs.Entry] = field(default_factory=list)
 
 
 @dataclass
@@ -219,25 +219,6 @@ class _Draws:
         drawn = lookahead * TREE_DRAWS
         u = rng.random(drawn + nodes + 1).tolist()
         return cls(u[:drawn], u[drawn:-1], [], u[-1])
-
-
-def _top(scores: model_pb2.ScoreResponse, row: int) -> list[tuple[int, float]]:
-    top = scores.row_logprobs[row]
-    return list(zip(top.top_ids, top.top_logprobs, strict=True))
-
-
-def _logprob(scores: model_pb2.ScoreResponse, row: int, draft: int | None, target_row, token: int | None = None):
-    """A committed token's (log probability, the row's most likely tokens): a draft's as the target
-    scored it (draft_token_logprobs); else the target's own token there (greedy, the invariant
-    rule), or under the Leviathan rule the token the rule drew from `target_row` (the row the Score
-    returned, already the output's law)."""
-    if draft is not None:
-        value = scores.draft_token_logprobs[draft]
-    elif target_row is None:
-        value = scores.row_logprobs[row].own_logprob
-    else:
-        value = math.log(float(target_row[token])) if target_row[token] > 0 else -math.inf
-    return value, _top(scores, row)
 
 
 def _wait_quietly(future, timeout: float | None) -> None:
@@ -654,12 +635,8 @@ class SpeculativeLoop:
         if measure and self.policy is not None:  # a chain's round, for an adaptive choice of trees
             self.trees.choice.update(cfg.sampling.greedy, False, len(committed), time.perf_counter() - start)
         logprobs = None
-        if cfg.logprobs is not None:  # committed[j] is at row j; this round's drafts scored there
-            drafted = min(accepted, k)
-            logprobs = [
-                _logprob(scores, j, j if j < drafted else None, None if cfg.coupled else target_row, token)
-                for j, token in enumerate(committed)
-            ]
+        if cfg.logprobs is not None:
+            logprobs = token_logprobs.chain(scores, committed, min(accepted, k), None if cfg.coupled else target_row)
         return self._commit(committed, proposed=proposed, accepted=accepted, logprobs=logprobs)
 
     def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
@@ -717,12 +694,7 @@ class SpeculativeLoop:
             self.stats.add_proposal(proposal)
             self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
-        logprobs = None
-        if cfg.logprobs is not None:  # a node is scored in its parent's row, the last token after the path
-            rows = [parents[node] + 1 for node in path] + [path[-1] + 1 if path else 0]
-            logprobs = [_logprob(scores, row, node, None) for row, node in zip(rows, path, strict=False)]
-            last_lp = scores.row_logprobs[rows[-1]].own_logprob if cfg.coupled else scores.final_token_logprob
-            logprobs.append((last_lp, _top(scores, rows[-1])))
+        logprobs = token_logprobs.tree(scores, path, parents, cfg.coupled) if cfg.logprobs is not None else None
         committed = [tokens[i] for i in path] + [last]
         return self._commit(committed, proposed=len(tokens), accepted=len(path), logprobs=logprobs)
 
