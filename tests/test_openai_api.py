@@ -5,6 +5,7 @@ the limit, and clients that go away mid-stream or while a non-streaming request 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -42,14 +43,21 @@ def start_http(p, **kw):
     return serve_http(address, "127.0.0.1", 0, ClientSecurity(), model=MODEL, services=services, **kw)
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_backends):
-    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+@contextlib.contextmanager
+def http_pipeline(draft_backend, target_backend):
+    """The three services and the HTTP front door: (pipeline, HTTP server)."""
+    with pipeline(draft_backend, target_backend) as p:
         http = start_http(p)
         try:
             yield p, http
         finally:
             http.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_backends):
+    with http_pipeline(tiny_backends["draft"], tiny_backends["target"]) as both:
+        yield both
 
 
 def client_for(http, api_key: str = "unused", **kw) -> openai.OpenAI:

@@ -43,7 +43,7 @@ from tests.harness import pipeline
 from tests.standins import Direct, random_markov
 from tests.stats import counts_chisquare, transition_counts
 from tests.test_loop import kernel_after_transform
-from tests.test_openai_api import start_http
+from tests.test_openai_api import http_pipeline
 from tests.test_seeds import SUPPORT, TokenizedMarkov, run_all
 
 # -- the grammar alone --------------------------------------------------------------------------
@@ -267,12 +267,8 @@ def json_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def json_stack(json_models):
-    with pipeline(json_models["draft"], json_models["target"]) as p:
-        http = start_http(p)
-        try:
-            yield p, http
-        finally:
-            http.stop()
+    with http_pipeline(json_models["draft"], json_models["target"]) as both:
+        yield both
 
 
 def schema_request(seed=0, temperature=0.0, logprobs=None, **speculation) -> orchestrator_pb2.GenerateRequest:
