@@ -141,8 +141,10 @@ def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: 
 
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
 def _specdec_generate(
-    stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0
-) -> dict:
+    stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0,
+    constraint=None,
+) -> dict:  # fmt: skip
+    """One generation through the orchestrator (`constraint`: a model_pb2.Constraint, structured output)."""
     from specdec.v1 import model_pb2, orchestrator_pb2
 
     spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap)
@@ -158,13 +160,14 @@ def _specdec_generate(
         sampling=model_pb2.SamplingParams(temperature=temperature),
         seed=config.seed,
         speculation=spec,
+        constraint=constraint,
     )
     t0 = time.perf_counter()
     reply = stub.Generate(request)
     wall = time.perf_counter() - t0
     s = reply.stats
     n = len(reply.token_ids)
-    run = {"tokens": n, "wall": wall, "tokens_per_second": n / wall, "finish": reply.finish_reason}
+    run = {"tokens": n, "wall": wall, "tokens_per_second": n / wall, "finish": reply.finish_reason, "text": reply.text}
     # The rounds alone (prefill, tokenising and the RPC to the orchestrator excluded): what
     # overlapping changes.
     run["round_tokens_per_second"] = n / s.round_seconds if s.round_seconds else None
@@ -189,6 +192,9 @@ def _specdec_generate(
         "busy_cores": (s.draft_core_seconds + s.target_core_seconds) / (s.round_seconds * cores)
         if s.round_seconds
         else None,
+        "mask_ms_per_token": 1000 * (s.draft_mask_seconds + s.target_mask_seconds) / n if n else None,
+        "draft_mask_ms_per_token": 1000 * s.draft_mask_seconds / n if n else None,
+        "target_mask_ms_per_token": 1000 * s.target_mask_seconds / n if n else None,
         "draft_threads": s.draft_core_seconds / s.draft_forward_seconds if s.draft_forward_seconds else None,
         "target_threads": s.target_core_seconds / s.target_forward_seconds if s.target_forward_seconds else None,
     }
@@ -544,10 +550,15 @@ HEADERS = ["method", "drafter", "T", "k", "threads", "tok/s", "speedup", "rounds
 
 
 def format_table(results: dict) -> str:
-    lines = [HEADERS]
-    for row in results["rows"]:
+    return format_rows(results["rows"], HEADERS, COLUMNS)
+
+
+def format_rows(rows: list[dict], headers: list[str], columns: list[tuple[str, str]]) -> str:
+    """An aligned table: a line a row, its `columns` (key, format) under `headers`; "-" for none."""
+    lines = [headers]
+    for row in rows:
         cells = []
-        for key, fmt in COLUMNS:
+        for key, fmt in columns:
             value = row.get(key)
             ok = value is not None and not (isinstance(value, float) and value != value)
             cells.append(fmt.format(value) if ok else "-")

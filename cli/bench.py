@@ -19,6 +19,8 @@ from cli.generate import local_pipeline
 from specdec import models, security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
+DEFAULT_DRAFTERS = "model,ngram,llamacpp"
+
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser(
@@ -34,7 +36,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument(
         "--quick", action="store_true", help="a small run: first 2 prompts (of --kinds), 32 tokens, greedy, k in {2, 4}"
     )
-    b.add_argument("--drafters", default="model,ngram,llamacpp", help="comma list of model, ngram, llamacpp")
+    b.add_argument("--drafters", default=DEFAULT_DRAFTERS, help="comma list of model, ngram, llamacpp")
     b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")
     b.add_argument(
@@ -104,6 +106,13 @@ def add_bench_parser(sub) -> None:
         metavar="SECONDS",
         help="with --concurrency: each client sends requests back to back for SECONDS (a steady load, where "
         "adaptive lookahead has measured both regimes) instead of one wave of requests",
+    )
+    b.add_argument(
+        "--structured",
+        action="store_true",
+        help="the structured-output benchmark (bench/structured.py) instead: the target alone and speculation at "
+        "the first of --ks, without and with a JSON schema, per --temperatures (first --drafters, default the "
+        "pair's): tokens/s, speedup, acceptance, the grammar masks' ms per token",
     )
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
@@ -198,6 +207,24 @@ def bench(args) -> int:
             out=config.out,
         )
         print(network.format_table(network.run(nc)))
+        return 0
+    if args.structured:
+        from bench import structured  # as bench.run: torch and the models
+
+        sc = structured.StructuredConfig(
+            drafter=config.drafters[0] if args.drafters != DEFAULT_DRAFTERS else "auto",
+            k=config.ks[0],
+            temperatures=config.temperatures,
+            max_tokens=config.max_tokens,
+            max_prompts=config.max_prompts,
+            repeats=config.repeats,
+            target=config.target,
+            draft=config.draft,
+            out=config.out,
+        )
+        if args.quick:
+            sc = structured.quick(sc)
+        print(structured.format_table(structured.run(sc)))
         return 0
     if args.concurrency:
         from bench import concurrency  # as bench.run: torch and the models

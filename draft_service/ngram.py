@@ -4,7 +4,8 @@ The last n committed tokens (n from max_n down to min_n) are searched for earlie
 sequence; the tokens that followed their most recent earlier occurrence are proposed. No
 model, no distributions: proposals are deterministic, so the rule sees a draft probability
 of 1 for each (a point mass), which keeps its output exact. With no match it proposes
-nothing and the round is plain target decoding.
+nothing and the round is plain target decoding. Under a constraint (structured output) it
+proposes only the tokens the session's grammar allows, up to the first it forbids.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def propose(
     Under the invariant rule (`noise_seed`) a proposal is only token ids: the target accepts
     those equal to its own sample, whatever proposed them."""
     assumed = list(assumed)
-    drafts = lookup(session.tokens + assumed, k)
+    drafts = allowed(session, assumed, lookup(session.tokens + assumed, k))
     if params.greedy or noise_seed is not None or not drafts:
         session.proposal_rows = None
         return drafts, []
@@ -55,6 +56,19 @@ def propose(
     rows[torch.arange(len(held)), torch.tensor(held)] = 1.0
     session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, len(session.tokens), held
     return drafts, [1.0] * len(drafts)
+
+
+def allowed(session: Session, assumed: list[int], drafts: list[int]) -> list[int]:
+    """Structured output: the drafts the session's grammar allows after `assumed`, up to the first
+    it forbids (the target would reject it for sure: its row gives it no mass)."""
+    grammar = session.constraint
+    if grammar is None or not drafts:
+        return drafts
+    taken = grammar.push(assumed)
+    try:
+        return drafts[: grammar.valid_prefix(drafts)] if taken == len(assumed) else []
+    finally:
+        grammar.pop()
 
 
 class TokenizerBackend:
@@ -102,7 +116,7 @@ def propose_tree(
 ):
     """n-gram lookup cannot branch: its tree is the chain it finds (at most min(depth, nodes)
     tokens), each a point mass, its rows one-hot (sampling)."""
-    drafts = lookup(session.tokens, min(depth, nodes))
+    drafts = allowed(session, [], lookup(session.tokens, min(depth, nodes)))
     proposal = TreeProposal(drafts, list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
     if drafts and not params.greedy and noise_seed is None:
         rows = torch.zeros(len(drafts), engine.backend.vocab_size)

@@ -42,19 +42,29 @@ def propose(
     drafts: list[int] = []
     token_probs: list[float] = []
     rows = []
-    for i in range(k):
-        logits = (yield engine.forward(session, assumed + drafts, 1))[0]
-        if params.greedy:
-            token = int(torch.argmax(logits))
-        elif coupled:
-            position = len(session.tokens) + len(assumed) + i
-            [token] = rule.coupled_tokens(probs_from_logits(logits[None], params), noise_seed, [position])
-        else:
-            row = probs_from_logits(logits[None], params)[0]
-            token = rule.sample(row.cpu().numpy(), uniforms[i])
-            token_probs.append(float(row[token]))
-            rows.append(row)
-        drafts.append(token)
+    grammar = session.constraint  # structured output: each row masked, each drafted token advancing it
+    try:
+        if grammar is None or grammar.push(assumed) == len(assumed):  # else: nothing the grammar allows
+            for i in range(k):
+                logits = (yield engine.forward(session, assumed + drafts, 1))[0]
+                if grammar is not None:
+                    logits = grammar.apply(logits[None], grammar.masks())[0]
+                if params.greedy:
+                    token = int(torch.argmax(logits))
+                elif coupled:
+                    position = len(session.tokens) + len(assumed) + i
+                    [token] = rule.coupled_tokens(probs_from_logits(logits[None], params), noise_seed, [position])
+                else:
+                    row = probs_from_logits(logits[None], params)[0]
+                    token = rule.sample(row.cpu().numpy(), uniforms[i])
+                    token_probs.append(float(row[token]))
+                    rows.append(row)
+                drafts.append(token)
+                if grammar is not None and (not grammar.push([token]) or grammar.stopped()):
+                    break  # the grammar ended (EOS drawn): nothing follows it
+    finally:
+        if grammar is not None:
+            grammar.pop()
     if not coupled:
         keep_rows(session, len(assumed), torch.stack(rows) if rows else None, drafts)
     return drafts, token_probs
@@ -131,6 +141,7 @@ def propose_tree(
     room for the expanded nodes, expands one node a depth, its best: a spine with runners-up."""
     coupled = noise_seed is not None and not params.greedy
     floor = len(session.tokens)
+    grammar = session.constraint  # structured output: each expanded node's row masked at its path
     logits = yield engine.forward(session, [], 1)  # the root's row: after the committed tokens
     branch = getattr(engine.backend, "trees", False) and engine.fits(session, floor + depth * TREE_EXPAND)
     expand = TREE_EXPAND if branch else 1
@@ -147,6 +158,8 @@ def propose_tree(
     for d in range(depth):
         level = len(drawn)
         for slot, (node, row) in enumerate(zip(frontier, logits, strict=True)):
+            if grammar is not None:
+                row = grammar.apply(row[None], grammar.mask_after(_path(drawn, node)))[0]
             probs = torch.softmax(row.float(), dim=-1) if params.greedy else probs_from_logits(row[None], params)[0]
             if params.greedy:
                 top = torch.topk(probs, min(TREE_BRANCHES, probs.shape[-1]))

@@ -42,6 +42,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
 
         def run(session):  # on the model worker
             start = time.perf_counter()
+            masked = session.constraint.seconds if session.constraint is not None else 0.0
             extra = len(request.assumed_tokens) + request.k
             what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
             self.engine.open_round(session, request.append_tokens, extra, what)
@@ -78,6 +79,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 step_tokens=sum(f.step_tokens for f in steps),
                 threads=min((f.step_threads for f in steps), default=0),
                 forward_seconds=sum(f.seconds for f in steps),
+                mask_seconds=session.constraint.seconds - masked if session.constraint is not None else 0.0,
             )
             if request.tree_nodes:
                 response.token_ids[:], response.token_probs[:] = result.tokens, result.probs

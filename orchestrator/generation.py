@@ -7,6 +7,7 @@ host needs no model files.
 
 from __future__ import annotations
 
+import math
 import random
 import tempfile
 import time
@@ -18,7 +19,7 @@ from orchestrator.availability import Availability
 from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.trees import PairTrees
-from specdec import validation
+from specdec import grammar, validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
@@ -73,6 +74,7 @@ class Chunk:
     stats: orchestrator_pb2.GenerateStats | None = None
     spans: list[tuple[int, bool]] = field(default_factory=list)  # (characters, drafted): see TextSpan
     rounds: tuple[int, int, int] = (0, 0, 0)  # rounds, drafts proposed, drafts accepted: see RoundCounts
+    logprobs: list[orchestrator_pb2.TokenLogprob] = field(default_factory=list)  # one a token, if asked for
 
 
 def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> list[int]:
@@ -152,7 +154,17 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
             f"max_new_tokens {max_new} + a prompt of {prompt_len} tokens exceeds the model context of "
             f"{pair.max_context}: at most {pair.max_context - prompt_len} new tokens fit"
         )
+    constraint = None
+    if request.HasField("constraint"):  # refused here, naming the field, before a session opens
+        grammar.grammar_of(request.constraint)
+        constraint = request.constraint
+    logprobs = None
+    if request.HasField("logprobs"):
+        validation.logprobs(request.logprobs, "logprobs")
+        logprobs = request.logprobs
     return LoopConfig(
+        constraint=constraint,
+        logprobs=logprobs,
         sampling=SamplingParams.from_proto(s),
         max_new_tokens=max_new,
         lookahead=lookahead,
@@ -219,6 +231,7 @@ def generate(
     emitted = 0  # characters of text already sent
     text = ""
     pending_ids: list[int] = []
+    pending_logprobs: list[orchestrator_pb2.TokenLogprob] = []  # the same tokens', when asked for
     finish = ""
     marks: list[tuple[int, bool]] = []  # (end in `text`, drafted) of each round's spans not yet sent
     counts = (0, 0, 0)  # rounds, proposed, accepted since the last chunk
@@ -228,6 +241,7 @@ def generate(
             if not active():
                 raise Cancelled("the client cancelled or its deadline passed")
             pending_ids += step.token_ids
+            pending_logprobs += token_logprobs(tok, step) if config.logprobs is not None else []
             finish = step.finish_reason
             text = tok.decode(loop.generated, skip_special_tokens=True)
             marks += _round_marks(tok, loop.generated, step, len(text))
@@ -238,6 +252,7 @@ def generate(
                 # Keep tokens up to the one that completes the stop string, text before it.
                 keep = _tokens_through_stop(tok, loop.generated, len(step.token_ids), stop_strings, search_from)
                 pending_ids = pending_ids[: len(pending_ids) - (len(loop.generated) - keep)]
+                pending_logprobs = pending_logprobs[: len(pending_ids)] if pending_logprobs else []
                 loop.truncate(keep)
                 text, finish = text[:cut], "stop"
             if finish:
@@ -247,14 +262,33 @@ def generate(
             if text.endswith("\ufffd"):
                 ready = min(ready, len(text.rstrip("\ufffd")))
             if ready > emitted and pending_ids:
-                yield Chunk(pending_ids, text[emitted:ready], spans=_spans(marks, emitted, ready), rounds=counts)
+                spans = _spans(marks, emitted, ready)
+                yield Chunk(pending_ids, text[emitted:ready], spans=spans, rounds=counts, logprobs=pending_logprobs)
                 marks = [m for m in marks if m[0] > ready]
-                emitted, pending_ids, counts = ready, [], (0, 0, 0)
+                emitted, pending_ids, pending_logprobs, counts = ready, [], [], (0, 0, 0)
     finally:
         rounds.close()  # closes the sessions even when the client went away
     wall = time.perf_counter() - start
     spans = _spans(marks, emitted, len(text))
-    yield Chunk(pending_ids, text[emitted:], finish, _stats(loop, len(ids), wall, config.seed), spans, counts)
+    stats = _stats(loop, len(ids), wall, config.seed)
+    yield Chunk(pending_ids, text[emitted:], finish, stats, spans, counts, pending_logprobs)
+
+
+def token_logprobs(tok, step) -> list[orchestrator_pb2.TokenLogprob]:
+    """A round's tokens' log probabilities (Round.logprobs) as TokenLogprob, each token's text
+    decoded alone."""
+
+    def entry(token: int, logprob: float, top=()) -> orchestrator_pb2.TokenLogprob:
+        text = tok.decode([token])
+        return orchestrator_pb2.TokenLogprob(
+            token_id=token, token=text, token_bytes=text.encode(), logprob=logprob, top=[entry(*t) for t in top]
+        )
+
+    # the most likely tokens that have a probability (a mask or top-k leaves fewer than asked for)
+    return [
+        entry(t, lp, [x for x in top if x[1] > -math.inf])
+        for t, (lp, top) in zip(step.token_ids, step.logprobs, strict=True)
+    ]
 
 
 def _round_marks(tok, generated: list[int], step, text_len: int) -> list[tuple[int, bool]]:
@@ -319,4 +353,6 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_forward_seconds=s.draft_forward_seconds,
         target_forward_seconds=s.target_forward_seconds,
         rounds_without_draft=s.rounds_without_draft,
+        draft_mask_seconds=s.draft_mask_seconds,
+        target_mask_seconds=s.target_mask_seconds,
     )

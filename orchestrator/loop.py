@@ -65,6 +65,7 @@ import grpc
 import numpy as np
 
 from orchestrator import RULES
+from orchestrator import logprobs as token_logprobs
 from orchestrator.availability import Availability
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
 from orchestrator.trees import PairTrees, TreeAcceptance
@@ -130,6 +131,9 @@ class LoopConfig:
     stop_token_ids: frozenset[int] = frozenset()
     rule: str = "leviathan"  # one of RULES
     tree_nodes: int = 0  # > 0: each round a draft tree of this many tokens at most, depth <= lookahead
+    # Structured output: the grammar both services hold with the session (OpenSessionRequest.constraint)
+    constraint: model_pb2.Constraint | None = None
+    logprobs: int | None = None  # report each token's log probability, with this many top tokens
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -167,6 +171,8 @@ class LoopStats:
     recoveries: int = 0  # sessions re-opened after a service lost them
     rounds_without_draft: int = 0  # rounds that wanted drafts and went without them: the draft was lost
     overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
+    draft_mask_seconds: float = 0.0  # structured output: the draft's grammar masks
+    target_mask_seconds: float = 0.0  # the target's
 
     def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
         """What a Propose reports: its tokens, its compute, its forwards and their threads."""
@@ -174,12 +180,14 @@ class LoopStats:
         self.draft_compute_seconds += proposal.compute_seconds
         self.draft_forward_seconds += proposal.forward_seconds
         self.draft_core_seconds += proposal.forward_seconds * proposal.threads
+        self.draft_mask_seconds += proposal.mask_seconds
 
     def add_scores(self, scores: model_pb2.ScoreResponse) -> None:
         """What a Score reports: its compute, its forward and its threads."""
         self.target_compute_seconds += scores.compute_seconds
         self.target_forward_seconds += scores.forward_seconds
         self.target_core_seconds += scores.forward_seconds * scores.threads
+        self.target_mask_seconds += scores.mask_seconds
 
 
 @dataclass
@@ -194,6 +202,8 @@ class Round:
     # bonus token (none when a continuation's first token took the bonus position).
     committed: int = 0
     without_draft: bool = False  # it would have drafted, but the draft was lost (LoopStats.rounds_without_draft)
+    # LoopConfig.logprobs set: each token's (orchestrator.logprobs.Entry)
+    logprobs: list[token_logprobs.Entry] = field(default_factory=list)
 
 
 @dataclass
@@ -328,6 +338,11 @@ class SpeculativeLoop:
         self._draft_incarnation = 0  # the draft's sessions after losses take ids of their own
         self._draft_refused = False  # the draft refused this generation: no re-open
         self._draft_was_lost = False  # ... and once lost, its rounds no longer wait for it (see First token)
+        # Structured output: what opens each service's session besides its tokens (its grammar, which
+        # the tokens after the prompt advance when a session is re-opened mid-generation).
+        self._session_fields = {}
+        if config.constraint is not None:
+            self._session_fields = {"constraint": config.constraint, "prompt_length": len(self.prompt)}
 
     @property
     def _overlapping(self) -> bool:
@@ -393,7 +408,10 @@ class SpeculativeLoop:
         once (UNAVAILABLE) if the target does not answer within FAIL_FAST seconds; else a lost
         service is waited for."""
         request = model_pb2.OpenSessionRequest(
-            session_id=side.session_id, prompt_token_ids=tokens, threads=self._threads(side, concurrent)
+            session_id=side.session_id,
+            prompt_token_ids=tokens,
+            threads=self._threads(side, concurrent),
+            **self._session_fields,
         )
         with self._prefilling():
             try:
@@ -402,7 +420,7 @@ class SpeculativeLoop:
                 if side is self.draft:  # rounds go without it (_draft_ready)
                     raise
                 if not (new and lost.gone):
-                    side.stub.reopen(side.session_id, tokens, timeout=self._timeout())  # wait for it
+                    side.stub.reopen(side.session_id, tokens, timeout=self._timeout(), **self._session_fields)
                     self.target_health.found()
                 else:  # a connection gone stale, a service moved (a Ray actor): found again at once, or failed
                     try:
@@ -599,7 +617,7 @@ class SpeculativeLoop:
         if lost.gone:
             health.lost(str(lost))
         committed = self.prompt + self.generated
-        side.stub.reopen(side.session_id, committed, timeout=self._timeout())
+        side.stub.reopen(side.session_id, committed, timeout=self._timeout(), **self._session_fields)
         health.found()
         side.length, side.pending = len(committed), []
         if draft:
@@ -681,6 +699,7 @@ class SpeculativeLoop:
                     accept_uniforms=accept_u,
                     noise_seed=cfg.noise_seed,
                     threads=self._threads(self.target, concurrent=beside),
+                    logprobs=cfg.logprobs,
                 ),
             )
         except BaseException:
@@ -782,7 +801,10 @@ class SpeculativeLoop:
         self.stats.round_seconds += time.perf_counter() - start
         if measure and self.policy is not None:  # a chain's round, for an adaptive choice of trees
             self.trees.choice.update(cfg.sampling.greedy, False, len(committed), time.perf_counter() - start)
-        return self._commit(committed, proposed=proposed, accepted=accepted)
+        logprobs = None
+        if cfg.logprobs is not None:
+            logprobs = token_logprobs.chain(scores, committed, min(accepted, k), None if cfg.coupled else target_row)
+        return self._commit(committed, proposed=proposed, accepted=accepted, logprobs=logprobs)
 
     def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
         """A round over a draft tree (tree_nodes > 0): the draft proposes a tree of depth
@@ -810,6 +832,7 @@ class SpeculativeLoop:
             sampling=self._sampling,
             noise_seed=cfg.noise_seed,
             threads=self._threads(self.target, concurrent=False),
+            logprobs=cfg.logprobs,
         )
         if not cfg.coupled:  # the Leviathan rule: the target walks the tree with the draft's rows
             request.draft_rows.extend(proposal.node_rows)
@@ -832,7 +855,9 @@ class SpeculativeLoop:
             self.stats.add_proposal(proposal)
             self.stats.add_scores(scores)
         self.stats.round_seconds += time.perf_counter() - start
-        return self._commit([tokens[i] for i in path] + [last], proposed=len(tokens), accepted=len(path))
+        logprobs = token_logprobs.tree(scores, path, parents, cfg.coupled) if cfg.logprobs is not None else None
+        committed = [tokens[i] for i in path] + [last]
+        return self._commit(committed, proposed=len(tokens), accepted=len(path), logprobs=logprobs)
 
     def _tree_request(self, depth: int, draws: _Draws) -> model_pb2.ProposeRequest:
         cfg = self.config
@@ -848,7 +873,7 @@ class SpeculativeLoop:
             threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
         )
 
-    def _commit(self, committed: list[int], proposed: int, accepted: int) -> Round:
+    def _commit(self, committed: list[int], proposed: int, accepted: int, logprobs=None) -> Round:
         cfg = self.config
         ruled = len(committed)
         stops = cfg.stop_token_ids
@@ -870,7 +895,7 @@ class SpeculativeLoop:
         s.accepted_tokens += accepted
         s.committed_tokens += ruled
         s.generated_tokens = len(self.generated)
-        return Round(committed, proposed, accepted, finish, ruled)
+        return Round(committed, proposed, accepted, finish, ruled, logprobs=(logprobs or [])[: len(committed)])
 
     def truncate(self, keep: int) -> None:
         """End the generation at its first `keep` tokens (a stop string found in the text):

@@ -9,10 +9,12 @@ check and TLS of the HTTP port, and the uvicorn server in a thread (serve_http).
 It generates nothing itself. Each request goes to the orchestrator's own gRPC API over loopback,
 so admission (429), drain (503), auth, limits, validation and stop handling are the gRPC
 server's: one loop, two front doors. A 429 says only that the server is full (OpenAI's clients
-retry it). This module refuses up front only what the gRPC API has no field for (n > 1,
-penalties, logprobs, tools, ...), so that no parameter is silently ignored; what OpenAI's API
-bounds tighter than the gRPC API (temperature in [0, 2]); and a body over MAX_BODY_BYTES (413,
-counted while the body is read, before anything reaches the gRPC hop). A request sets a
+retry it). Structured output (response_format; vLLM's structured_outputs and guided_*) becomes
+GenerateRequest.constraint, logprobs / top_logprobs GenerateRequest.logprobs. This module refuses
+up front only what the gRPC API has no field for (n > 1, penalties, tools, ...), so that no
+parameter is silently ignored; what OpenAI's API bounds tighter than the gRPC API (temperature
+in [0, 2]); and a body over MAX_BODY_BYTES (413, counted while the body is read, before anything
+reaches the gRPC hop). A request sets a
 GenerateRequest field only when the client gave the parameter.
 
 A client that goes away cancels its gRPC call, streamed or not, and the orchestrator closes the
@@ -24,7 +26,9 @@ stream call in a generator that cannot be cancelled.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import tempfile
 import threading
 import time
@@ -48,6 +52,7 @@ from orchestrator.server import MAX_REQUEST_BYTES
 from specdec import security
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.validation import MAX_LOGPROBS
 
 STATIC = Path(__file__).parent / "static"
 PAGE_FILES = ("playground.html", "playground.js")  # the playground, served as they are
@@ -91,8 +96,6 @@ NEUTRAL = {
     "best_of": 1,
     "presence_penalty": 0,
     "frequency_penalty": 0,
-    "logprobs": False,
-    "top_logprobs": 0,
     "logit_bias": {},
     "echo": False,
     "suffix": "",
@@ -100,13 +103,24 @@ NEUTRAL = {
     "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "response_format": {"type": "text"},
 }
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+# Structured output: OpenAI's response_format, and the extras vLLM names (structured_outputs, guided_*),
+# each to the Constraint field it sets.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+CONSTRAINTS = {"response_format", "structured_outputs", *GUIDED}
+COMMON |= CONSTRAINTS
 ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besides COMMON)
-    "chat": ("messages", {"messages", "max_completion_tokens", "speculation"}),
-    "completions": ("prompt", {"prompt", "speculation"}),
+    "chat": ("messages", {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs"}),
+    "completions": ("prompt", {"prompt", "speculation", "logprobs"}),
 }
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -126,8 +140,11 @@ class APIError(Exception):
         return JSONResponse(self.body(), self.status)
 
     @classmethod
-    def from_rpc(cls, err: grpc.RpcError, endpoint: str, max_tokens: str = "max_tokens") -> APIError:
-        """`max_tokens`: the name the client gave max_new_tokens (max_completion_tokens in chat)."""
+    def from_rpc(
+        cls, err: grpc.RpcError, endpoint: str, max_tokens: str = "max_tokens", constraint: str = "response_format"
+    ) -> APIError:
+        """`max_tokens`: the name the client gave max_new_tokens (max_completion_tokens in chat);
+        `constraint`: the parameter that set the request's constraint."""
         status, kind = STATUS.get(err.code(), (500, "server_error"))
         message, param = err.details() or err.code().name, None
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
@@ -135,6 +152,8 @@ class APIError(Exception):
         if status == 400:
             field = message.split(" ", 1)[0].rstrip(":")
             param = {**PARAMS, "max_new_tokens": max_tokens}.get(field)
+            if field.startswith("constraint"):
+                param = constraint
             if param == "prompt":
                 param = ENDPOINTS[endpoint][0]
             if param:
@@ -187,7 +206,14 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.stop_strings.extend(stop)
     if "speculation" in body:
         _set_speculation(request.speculation, body["speculation"])
-    return request, {**_stream_options(body), "max_tokens": max_name}
+    constraint = _set_constraint(request.constraint, body)
+    if constraint is None:
+        request.ClearField("constraint")
+    logprobs = _logprobs(body, endpoint)
+    if logprobs is not None:
+        request.logprobs = logprobs
+    options = {**_stream_options(body), "max_tokens": max_name, "constraint": constraint or "response_format"}
+    return request, {**options, "logprobs": logprobs is not None}
 
 
 def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
@@ -242,6 +268,89 @@ def _set_speculation(msg, value) -> None:
             if not isinstance(value[name], bool):
                 raise APIError(400, f"speculation.{name} must be true or false", f"speculation.{name}")
             setattr(msg, name, value[name])
+
+
+def _set_constraint(msg: model_pb2.Constraint, body: dict) -> str | None:
+    """Fill the request's Constraint from whichever parameter sets one (at most one may); the
+    parameter's name, or None (response_format {"type": "text"} sets none)."""
+    given = [name for name in sorted(CONSTRAINTS) if name in body]
+    if given and given[0] == "response_format" and body["response_format"] == {"type": "text"}:
+        given = given[1:]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: one constraint a request ({given[0]} is given too)", given[1])
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name in GUIDED:
+        _constraint_kind(msg, GUIDED[name], value, name)
+    elif name == "structured_outputs":
+        kinds = set(value) & set(STRUCTURED) if isinstance(value, dict) else set()
+        if not isinstance(value, dict) or len(kinds) != 1 or set(value) - set(STRUCTURED):
+            raise APIError(400, f"structured_outputs takes one of {', '.join(STRUCTURED)}", name)
+        [kind] = kinds
+        _constraint_kind(msg, STRUCTURED[kind], value[kind], f"{name}.{kind}")
+    else:
+        _response_format(msg, value)
+    return name
+
+
+def _response_format(msg, value) -> None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object" and set(value) == {"type"}:
+        msg.json_object = True
+    elif kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
+        spec = value["json_schema"]
+        if "schema" not in spec or set(spec) - {"name", "description", "schema", "strict"}:
+            raise APIError(
+                400, "response_format.json_schema takes name, description, schema and strict", "response_format"
+            )
+        _constraint_kind(msg, "json_schema", spec["schema"], "response_format")
+    else:
+        raise APIError(
+            400, 'response_format is {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name", "schema", "strict"}}', "response_format"
+        )  # fmt: skip
+
+
+def _constraint_kind(msg, kind: str, value, param: str) -> None:
+    """Constraint.<kind> from a parameter's value: a JSON schema as an object (or its JSON text),
+    a choice as a list of strings, the others as a string."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            msg.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            msg.json_schema = json.dumps(value)
+        else:
+            raise APIError(400, f"{param} must be a JSON schema (an object)", param)
+    elif kind == "json_object":
+        if value is not True:
+            raise APIError(400, f"{param} must be true", param)
+        msg.json_object = True
+    elif kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise APIError(400, f"{param} must be a non-empty list of non-empty strings", param)
+        msg.choice.choices.extend(value)
+    elif not isinstance(value, str) or not value:
+        raise APIError(400, f"{param} must be a non-empty string", param)
+    else:
+        setattr(msg, kind, value)
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """GenerateRequest.logprobs: chat's logprobs (true) with top_logprobs, completions' logprobs (a
+    count); None when not asked for."""
+    if endpoint == "completions":
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
+    wanted = body.get("logprobs", False)
+    if not isinstance(wanted, bool):
+        raise APIError(400, "logprobs must be true or false", "logprobs")
+    if "top_logprobs" in body:
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if not wanted:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return top
+    return 0 if wanted else None
 
 
 def _stream_options(body: dict) -> dict:
@@ -301,11 +410,27 @@ class Completion:
     model: str
     id: str
     created: int
+    logprobs: bool = False  # the client asked for them
 
     @classmethod
-    def start(cls, endpoint: str, model: str) -> Completion:
+    def start(cls, endpoint: str, model: str, logprobs: bool = False) -> Completion:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), logprobs)
+
+    def _logprobs(self, entries, offset: int = 0) -> dict | None:
+        """A choice's `logprobs` in the endpoint's shape (None unless asked for); `offset`: where the
+        tokens' text starts in the completion (completions' text_offset)."""
+        if not self.logprobs:
+            return None
+        if self.endpoint == "chat":
+            return {"content": [_token_logprob(e, top=True) for e in entries], "refusal": None}
+        offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=offset))[:-1]
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{t.token: _finite(t.logprob) for t in e.top if t.logprob > -math.inf} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -316,16 +441,17 @@ class Completion:
             choice, kind = {"message": {"role": "assistant", "content": r.text}}, "chat.completion"
         else:
             choice, kind = {"text": r.text}, "text_completion"
-        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": r.finish_reason}
+        choice = {"index": 0, **choice, "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason}
         return self._object(kind, [choice], usage=usage(r.stats), specdec=speculation_stats(r.stats))
 
-    def chunk(self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool) -> dict:
+    def chunk(self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool, offset: int = 0) -> dict:
         if self.endpoint == "chat":
             delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
             choice, kind = {"delta": delta}, "chat.completion.chunk"
         else:
             choice, kind = {"text": c.text}, "text_completion"
-        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": c.finish_reason or None}
+        logprobs = self._logprobs(c.logprobs, offset)
+        choice = {"index": 0, **choice, "logprobs": logprobs, "finish_reason": c.finish_reason or None}
         r = c.rounds
         extension = {
             "spans": [[s.length, s.drafted] for s in c.spans],
@@ -340,6 +466,21 @@ class Completion:
     def usage_chunk(self, stats: orchestrator_pb2.GenerateStats) -> dict:
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
         return self._object(kind, [], usage=usage(stats))
+
+
+LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token with no probability (JSON has no -inf)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > -math.inf else LOWEST_LOGPROB
+
+
+def _token_logprob(entry: orchestrator_pb2.TokenLogprob, top: bool = False) -> dict:
+    """A token's entry of chat's logprobs.content (with its top_logprobs)."""
+    out = {"token": entry.token, "logprob": _finite(entry.logprob), "bytes": list(entry.token_bytes)}
+    if top:
+        out["top_logprobs"] = [_token_logprob(t) for t in entry.top if t.logprob > -math.inf]
+    return out
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -369,27 +510,28 @@ class Gateway:
             generate, options = generate_request(await read_json(request), endpoint, self.model)
         except APIError as err:
             return err.response()
-        completion = Completion.start(endpoint, self.model)
+        completion = Completion.start(endpoint, self.model, options["logprobs"])
         metadata = self.telemetry.trace_metadata()
         if not options["stream"]:
             call = self.stub.Generate.future(generate, metadata=metadata)
             try:
                 return JSONResponse(completion.response(await _wait(request, call, call.result)))
             except grpc.RpcError as err:
-                return APIError.from_rpc(err, endpoint, options["max_tokens"]).response()
+                return APIError.from_rpc(err, endpoint, options["max_tokens"], options["constraint"]).response()
         call = self.stub.GenerateStream(generate, metadata=metadata)
         try:  # the first chunk before answering: a refusal (400, 429, 503) is then a status
             first = await _wait(request, call, lambda: next(call, None))
         except grpc.RpcError as err:
-            return APIError.from_rpc(err, endpoint, options["max_tokens"]).response()
+            return APIError.from_rpc(err, endpoint, options["max_tokens"], options["constraint"]).response()
         return EventSourceResponse(self._events(call, first, completion, options), ping=15)
 
     async def _events(self, call, chunk, completion: Completion, options: dict):
         include_usage = options["include_usage"]
         try:
-            first = True
+            first, offset = True, 0
             while chunk is not None:
-                yield json.dumps(completion.chunk(chunk, first, include_usage))
+                yield json.dumps(completion.chunk(chunk, first, include_usage, offset))
+                offset += sum(len(e.token) for e in chunk.logprobs)
                 if chunk.finish_reason:
                     if include_usage:
                         yield json.dumps(completion.usage_chunk(chunk.stats))
@@ -398,7 +540,9 @@ class Gateway:
                 chunk = await _next(call)
             yield "[DONE]"
         except grpc.RpcError as err:  # after the status line went out: an error event
-            yield json.dumps(APIError.from_rpc(err, completion.endpoint, options["max_tokens"]).body())
+            yield json.dumps(
+                APIError.from_rpc(err, completion.endpoint, options["max_tokens"], options["constraint"]).body()
+            )
         finally:
             call.cancel()  # a client gone away: the orchestrator frees the sessions at the next round
 

@@ -103,8 +103,9 @@ class ResilientStub:
         stub = self._live_stub(deadline)
         return stub.Describe(model_pb2.DescribeRequest(), timeout=max(_left(deadline), 0.1))
 
-    def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None) -> None:
-        """Wait for the service, then open `session_id` afresh holding `token_ids`."""
+    def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None, **fields) -> None:
+        """Wait for the service, then open `session_id` afresh holding `token_ids` (`fields`: more of
+        OpenSessionRequest's, as the session was opened with: its constraint)."""
         wait = self.config.wait_seconds
         if timeout is not None:
             wait = min(timeout - min(self.config.answer_margin, timeout / 10), wait)
@@ -121,7 +122,7 @@ class ResilientStub:
                 except grpc.RpcError as err:
                     if err.code() != grpc.StatusCode.NOT_FOUND:
                         raise
-                request = model_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=token_ids)
+                request = model_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=token_ids, **fields)
                 stub.OpenSession(request, timeout=_left(deadline))
                 self.reopens += 1
                 log.warning(

@@ -165,14 +165,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return self.telemetry.requests(chunks)
 
     def Generate(self, request, context):
-        ids, text = [], []
+        ids, text, logprobs = [], [], []
         last = None
         for chunk in self._chunks(request, context):
             ids += chunk.token_ids
             text.append(chunk.text)
+            logprobs += chunk.logprobs
             last = chunk
         return orchestrator_pb2.GenerateResponse(
-            token_ids=ids, text="".join(text), finish_reason=last.finish_reason, stats=last.stats
+            token_ids=ids, text="".join(text), finish_reason=last.finish_reason, stats=last.stats, logprobs=logprobs
         )
 
     def GenerateStream(self, request, context):
@@ -218,6 +219,7 @@ def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
         text=chunk.text,
         finish_reason=chunk.finish_reason,
         stats=chunk.stats,
+        logprobs=chunk.logprobs,
         spans=[orchestrator_pb2.TextSpan(length=n, drafted=d) for n, d in chunk.spans],
         rounds=orchestrator_pb2.RoundCounts(
             rounds=chunk.rounds[0], draft_tokens=chunk.rounds[1], accepted_tokens=chunk.rounds[2]

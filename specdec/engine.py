@@ -90,6 +90,8 @@ class Session:
     # The cache's positions from tree.floor on hold a draft tree (a target's verify), `cached`
     # its nodes flattened; the next commit keeps the accepted path (kvcache.Tree, compact).
     tree: Tree | None = None
+    # Structured output: the grammar's matcher (specdec.grammar.Matcher), kept at the committed tokens.
+    constraint: Any = None
 
 
 @dataclass
@@ -190,22 +192,25 @@ class SessionEngine:
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------
-    def open(self, session_id: str, prompt: list[int], context=None, threads: int | None = None) -> int:
-        """Open a session holding `prompt` (prefilled by threads of at most `threads`)."""
+    def open(
+        self, session_id: str, prompt: list[int], context=None, threads: int | None = None, constraint=None
+    ) -> int:
+        """Open a session holding `prompt` (prefilled by threads of at most `threads`); `constraint`:
+        its grammar's matcher, at the end of `prompt` (specdec.grammar.Matcher)."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads), context)
+        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads, constraint), context)
 
-    def _open(self, session_id: str, prompt: list[int], threads: int | None = None) -> Generator:
+    def _open(self, session_id: str, prompt: list[int], threads: int | None = None, constraint=None) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
-        session = Session(tokens=prompt, cache=None, threads=threads)
+        session = Session(tokens=prompt, cache=None, threads=threads, constraint=constraint)
         self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:
@@ -286,6 +291,8 @@ class SessionEngine:
             return
         self.check_tokens(token_ids, "append_tokens")
         self.check_room(len(session.tokens) + len(token_ids), "append_tokens")
+        if session.constraint is not None:  # refused before any change if the grammar forbids one
+            session.constraint.commit(token_ids, "append_tokens")
         agreed = _agreed(session)
         session.tokens.extend(token_ids)
         if session.tree is not None:
@@ -299,6 +306,8 @@ class SessionEngine:
         if not 1 <= to_length <= len(session.tokens):
             raise OutOfRange(f"to_length {to_length} is outside 1..{len(session.tokens)} (the session length)")
         del session.tokens[to_length:]
+        if session.constraint is not None:
+            session.constraint.rollback(to_length)
         self._settle_tree(session)
         self._crop(session, to_length - 1)  # the last one is fed again
 

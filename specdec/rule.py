@@ -33,7 +33,8 @@ def accepted_length(draft_token_probs, target_token_probs, accept_uniforms) -> i
     target = np.asarray(target_token_probs, dtype=np.float64)
     u = np.asarray(accept_uniforms, dtype=np.float64)
     assert draft.shape == target.shape == u.shape and draft.ndim == 1, (draft.shape, target.shape, u.shape)
-    rejected = np.flatnonzero(u * draft > target)
+    # A token with no target mass is rejected even at u = 0 (a grammar forbids it: never output).
+    rejected = np.flatnonzero((u * draft > target) | (target <= 0))
     return int(rejected[0]) if rejected.size else len(draft)
 
 
@@ -242,7 +243,7 @@ def tree_walk(parents, tokens, target_rows, draft_rows, accept_uniforms, final_u
         accepted = None
         for child in children:
             x = tokens[child]
-            if accept_uniforms[child] * draft[x] <= target[x]:
+            if target[x] > 0 and accept_uniforms[child] * draft[x] <= target[x]:
                 accepted = child
                 break
             target = residual(target, draft)

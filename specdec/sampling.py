@@ -62,3 +62,14 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def logprobs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 log probabilities of the law a token is drawn from:
+    the log of probs_from_logits (temperature, top-k, top-p; a dropped token -inf); greedy, whose
+    law is a point mass, reports the model's own log-softmax (temperature 1)."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    if params.top_k == 0 and params.top_p >= 1.0:  # the log-softmax itself: exact far into the tail
+        return torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    return torch.log(probs_from_logits(logits, params))

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec import placement, validation
+from specdec import grammar, placement, validation
 from specdec.engine import SessionEngine
-from specdec.errors import Cancelled, NotFound, SpecdecError
+from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
 from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
 from specdec.v1 import model_pb2
 
@@ -195,7 +195,8 @@ class SessionServicer:
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
         threads = validation.threads(request)
-        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads)
+        constraint = self._constraint(request)
+        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, constraint)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
@@ -203,6 +204,18 @@ class SessionServicer:
                 self.engine.close(sid, context)
             raise Cancelled("the caller stopped waiting for OpenSession; the session was closed")
         return model_pb2.OpenSessionResponse(length=length)
+
+    def _constraint(self, request) -> grammar.Matcher | None:
+        """The session's grammar matcher, built here, off the model worker (compiling a grammar, or
+        a vocabulary's first token table, takes milliseconds to a second)."""
+        if not request.HasField("constraint"):
+            return None
+        tokens = list(request.prompt_token_ids)
+        prompt_length = request.prompt_length if request.HasField("prompt_length") else len(tokens)
+        if not 0 <= prompt_length <= len(tokens):
+            raise InvalidArgument(f"prompt_length must be in 0..{len(tokens)}, got {prompt_length}")
+        self.engine.check_tokens(tokens, "prompt_token_ids")
+        return grammar.Matcher.open(self.engine.backend, request.constraint, tokens, prompt_length)
 
     def Append(self, request, context):
         validation.token_ids(request.token_ids, self.engine.backend.vocab_size, "token_ids")

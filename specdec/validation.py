@@ -22,6 +22,7 @@ TREE_BRANCHES = 4  # children an expanded node of a draft tree may have (draws a
 TREE_EXPAND = 4  # nodes of a draft tree expanded a depth at most
 TREE_DRAWS = TREE_BRANCHES * TREE_EXPAND  # a draft tree's uniforms a depth (sampling mode)
 TREE_BUCKETS = 5  # draft-probability buckets of ProposeRequest.tree_acceptance
+MAX_LOGPROBS = 20  # most likely tokens a position reports at most (OpenAI's top_logprobs bound)
 
 
 def sampling(msg, field: str = "sampling") -> None:
@@ -78,6 +79,13 @@ def threads(request) -> int | None:
     return request.threads
 
 
+def logprobs(n: int, field: str) -> None:
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise InvalidArgument(
+            f"{field} must be in 0..{MAX_LOGPROBS} (the most likely tokens a position reports), got {n}"
+        )
+
+
 def tree_nodes(n: int, field: str) -> None:
     if not 0 <= n <= MAX_TREE_NODES:
         raise InvalidArgument(f"{field} must be in 0..{MAX_TREE_NODES} (0: a chain), got {n}")
@@ -125,6 +133,8 @@ def score_request(request, vocab_size: int) -> None:
     threads(request)
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
+    if request.HasField("logprobs"):
+        logprobs(request.logprobs, "logprobs")
     if request.draft_parent_ids:
         score_tree(request, vocab_size)
         return

@@ -5,7 +5,8 @@ Scoring runs on the engine's model worker, batched with other sessions' forwards
 Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the target
 probability of each draft token, and the one row the rule needs: with the caller's
 acceptance uniforms the service evaluates the same pure rule the orchestrator runs and
-returns the row at the first rejected position (or the bonus row).
+returns the row at the first rejected position (or the bonus row). Structured output: the rows
+are masked by the session's grammar first (specdec.grammar), so the rule sees masked rows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from specdec import rule
 from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.grammar import apply
+from specdec.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
 
 
 @dataclass
@@ -35,6 +37,32 @@ class Scores:
     forward_seconds: float = 0.0  # seconds of the batched forward
     accepted_nodes: list[int] = field(default_factory=list)  # a tree, Leviathan: the accepted path
     final_token: int = 0  # ... and the round's last token
+    mask_seconds: float = 0.0  # structured output: computing and applying the grammar's masks
+    logprobs: Logprobs | None = None  # asked for (ScoreRequest.logprobs)
+
+
+@dataclass
+class Logprobs:
+    """Log probabilities of a Score (ScoreResponse's fields), as sampling.logprobs_from_logits gives them."""
+
+    draft_tokens: list[float]  # [n] each draft token's, in the row that scores it
+    own: list[tuple[int, float]]  # [rows] the target's own token of each row and its log probability
+    top: list[tuple[list[int], list[float]]]  # [rows] the row's most likely tokens, most likely first
+    final_token: float = 0.0  # a tree, Leviathan: the last token's
+
+
+def logprobs_of(logits, params: SamplingParams, draft_ids, draft_rows, own, top: int) -> Logprobs:
+    """logits [rows, vocab] (masked); draft token i is scored in row draft_rows[i]; own: [rows] the
+    target's own tokens (None: the argmax of each row)."""
+    logp = logprobs_from_logits(logits, params)
+    own = torch.argmax(logp, dim=-1).tolist() if own is None else own
+    rows = torch.arange(logp.shape[0], device=logp.device)
+    own_lp = logp[rows, torch.tensor(own, device=logp.device)].tolist()
+    ids = torch.tensor(draft_ids, dtype=torch.long, device=logp.device)
+    drafted = logp[torch.tensor(draft_rows, dtype=torch.long, device=logp.device), ids].tolist() if draft_ids else []
+    best = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+    tops = list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return Logprobs(drafted, list(zip(own, own_lp, strict=True)), tops)
 
 
 def score(
@@ -45,26 +73,41 @@ def score(
     draft_token_probs: list[float],
     accept_uniforms: list[float],
     noise_seed: int | None = None,
+    logprobs: int | None = None,
 ) -> Generator[Forward, torch.Tensor, Scores]:
     """A request for the engine's worker (yields its one forward). `noise_seed` (sampling): the
-    invariant rule, `argmax` then holds the target's Gumbel-max sample at each position."""
+    invariant rule, `argmax` then holds the target's Gumbel-max sample at each position.
+    Structured output: the k + 1 rows are masked by the session's grammar (its masks computed in
+    one pass); `logprobs`: report log probabilities with that many top tokens a row."""
     k = len(draft_ids)
     coupled = noise_seed is not None and not params.greedy
     # checked at the edge (specdec.validation)
     assert params.greedy or coupled or len(draft_token_probs) == len(accept_uniforms) == k, (k, len(accept_uniforms))
+    grammar = session.constraint
+    spent = grammar.seconds if grammar is not None else 0.0
+    masks = grammar.masks(draft_ids) if grammar is not None else None  # [k + 1, words]
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
+    logits = apply(grammar, logits, masks)
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
-        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
-    probs = probs_from_logits(logits, params)
-    if coupled:
-        positions = range(len(session.tokens), len(session.tokens) + k + 1)
-        return Scores(rule.coupled_tokens(probs, noise_seed, list(positions)), [], 0, None, *step)
-    rows = torch.arange(k, device=probs.device)
-    at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
-    n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
-    return Scores([], at, n, probs[n].cpu().numpy(), *step)
+        scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
+        own = scores.argmax
+    else:
+        probs = probs_from_logits(logits, params)
+        if coupled:
+            positions = range(len(session.tokens), len(session.tokens) + k + 1)
+            scores = Scores(rule.coupled_tokens(probs, noise_seed, list(positions)), [], 0, None, *step)
+            own = scores.argmax
+        else:
+            rows = torch.arange(k, device=probs.device)
+            at = probs[rows, torch.tensor(draft_ids, dtype=torch.long, device=probs.device)].tolist()
+            n = rule.accepted_length(draft_token_probs, at, accept_uniforms)
+            scores, own = Scores([], at, n, probs[n].cpu().numpy(), *step), None
+    if logprobs is not None:
+        scores.logprobs = logprobs_of(logits, params, draft_ids, list(range(k)), own, logprobs)
+    scores.mask_seconds = grammar.seconds - spent if grammar is not None else 0.0
+    return scores
 
 
 @dataclass(frozen=True)
@@ -95,25 +138,43 @@ def score_tree(
     params: SamplingParams,
     noise_seed: int | None = None,
     walk: TreeRule | None = None,
+    logprobs: int | None = None,
 ) -> Generator[Forward, torch.Tensor, Scores]:
     """Verify a draft tree in one forward. Greedy: `argmax` holds the target's argmax at the root
     and after each node (n + 1); the invariant rule (`noise_seed`): its Gumbel-max sample there,
     each keyed by the position it is at in the sequence (the node's depth); the Leviathan rule
-    (`walk`): the target walks the tree (rule.tree_walk) and returns the path and last token."""
+    (`walk`): the target walks the tree (rule.tree_walk) and returns the path and last token.
+    Structured output: each row masked by the session's grammar at its path."""
+    grammar = session.constraint
+    spent = grammar.seconds if grammar is not None else 0.0
+    masks = grammar.tree_masks(draft_ids, parents) if grammar is not None else None  # [n + 1, words]
     forward = engine.forward_tree(session, draft_ids, parents)
     logits = yield forward  # [n + 1, vocab]: after the committed tokens, then after each node
+    logits = apply(grammar, logits, masks)
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
+    own = None
     if params.greedy:
-        return Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
-    probs = probs_from_logits(logits, params)
-    if noise_seed is not None:
+        scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
+        own = scores.argmax
+    elif noise_seed is not None:
+        probs = probs_from_logits(logits, params)
         depth = [0] * len(parents)
         for i, parent in enumerate(parents):
             depth[i] = 1 if parent < 0 else depth[parent] + 1
         positions = [len(session.tokens) + d for d in (0, *depth)]
-        return Scores(rule.coupled_tokens(probs, noise_seed, positions), [], 0, None, *step)
-    assert walk is not None  # checked at the edge
-    path, last = rule.tree_walk(
-        parents, draft_ids, probs.cpu().numpy(), walk.draft_rows, walk.accept_uniforms, walk.final_uniform
-    )
-    return Scores([], [], 0, None, *step, accepted_nodes=path, final_token=last)
+        scores = Scores(rule.coupled_tokens(probs, noise_seed, positions), [], 0, None, *step)
+        own = scores.argmax
+    else:
+        assert walk is not None  # checked at the edge
+        probs = probs_from_logits(logits, params)
+        path, last = rule.tree_walk(
+            parents, draft_ids, probs.cpu().numpy(), walk.draft_rows, walk.accept_uniforms, walk.final_uniform
+        )
+        scores = Scores([], [], 0, None, *step, accepted_nodes=path, final_token=last)
+    if logprobs is not None:
+        scores.logprobs = logprobs_of(logits, params, draft_ids, [p + 1 for p in parents], own, logprobs)
+        if walk is not None:  # the Leviathan rule drew the last token here
+            row = scores.accepted_nodes[-1] + 1 if scores.accepted_nodes else 0
+            scores.logprobs.final_token = float(logprobs_from_logits(logits[row : row + 1], params)[0, last])
+    scores.mask_seconds = grammar.seconds - spent if grammar is not None else 0.0
+    return scores

@@ -28,13 +28,16 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
             params = SamplingParams.from_proto(request.sampling)
             noise_seed = request.noise_seed if request.HasField("noise_seed") else None
+            logprobs = request.logprobs if request.HasField("logprobs") else None
             if request.draft_parent_ids:
                 walk = None
                 if not params.greedy and noise_seed is None:
                     rows = scorer.draft_rows(map(wire.decode_row, request.draft_rows), request.draft_row_nodes)
                     walk = scorer.TreeRule(rows, list(request.accept_uniforms), request.final_uniform)
                 ids, parents = list(request.draft_token_ids), list(request.draft_parent_ids)
-                scores = yield from scorer.score_tree(self.engine, session, ids, parents, params, noise_seed, walk)
+                scores = yield from scorer.score_tree(
+                    self.engine, session, ids, parents, params, noise_seed, walk, logprobs
+                )
             else:
                 scores = yield from scorer.score(
                     self.engine,
@@ -44,8 +47,9 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                     list(request.draft_token_probs),
                     list(request.accept_uniforms),
                     noise_seed,
+                    logprobs,
                 )
-            return model_pb2.ScoreResponse(
+            response = model_pb2.ScoreResponse(
                 argmax_token_ids=scores.argmax,
                 draft_token_target_probs=scores.draft_token_probs,
                 row_position=scores.row_position,
@@ -59,7 +63,15 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                 forward_seconds=scores.forward_seconds,
                 accepted_nodes=scores.accepted_nodes,
                 final_token=scores.final_token,
+                mask_seconds=scores.mask_seconds,
             )
+            if scores.logprobs is not None:
+                lp = scores.logprobs
+                response.draft_token_logprobs[:] = lp.draft_tokens
+                response.final_token_logprob = lp.final_token
+                for (token, logprob), (ids, values) in zip(lp.own, lp.top, strict=True):
+                    response.row_logprobs.add(own_token=token, own_logprob=logprob, top_ids=ids, top_logprobs=values)
+            return response
 
         threads = validation.threads(request)
         return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)

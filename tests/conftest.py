@@ -12,6 +12,7 @@ from specdec.backend import HFBackend
 from specdec.models import ModelSpec
 
 CHARS = string.ascii_lowercase + string.digits + " .,!?\n"
+JSON_CHARS = CHARS + '{}[]":-_\\'  # enough for JSON (structured output's tests)
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -19,11 +20,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(extra_tokens: int = 0):
+def make_tokenizer(extra_tokens: int = 0, chars: str = CHARS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
     for i in range(extra_tokens):
         vocab[f"<x{i}>"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -34,7 +35,9 @@ def make_tokenizer(extra_tokens: int = 0):
     return fast
 
 
-def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2, like=None, noise=0.0) -> str:
+def make_tiny_model(
+    path, seed: int, extra_tokens: int = 0, layers: int = 2, like=None, noise=0.0, chars: str = CHARS
+) -> str:
     """A randomly initialised Llama with a character tokenizer, saved to `path`.
 
     With `like` (a model path), a copy of that model with Gaussian noise of relative size
@@ -42,7 +45,7 @@ def make_tiny_model(path, seed: int, extra_tokens: int = 0, layers: int = 2, lik
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = make_tokenizer(extra_tokens)
+    tok = make_tokenizer(extra_tokens, chars)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=32,

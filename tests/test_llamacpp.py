@@ -4,11 +4,16 @@
 - Sampling: against a stand-in target with a known Markov law on a few tokens of the same
   49152-token vocabulary, the loop's output passes the chi-square test. (The draft is the
   real GGUF model; it puts mass everywhere, so the rule must reject and recover correctly.)
+- Under a JSON schema (structured output) its masked views draft the schema, greedy output
+  the target alone's.
 - Its numbers are a session's own: bit for bit the same whatever shares its steps.
 """
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -21,6 +26,7 @@ from specdec.backend import HFBackend
 from specdec.engine import SessionEngine
 from specdec.llamacpp import LlamaCppBackend
 from specdec.sampling import SamplingParams
+from specdec.v1 import model_pb2
 from target_service.server import TargetServicer
 from tests.standins import Direct, SupportMarkovBackend
 from tests.stats import markov_chisquare
@@ -56,6 +62,40 @@ def test_greedy_equals_target_only(llama_draft):
         plain = run(draft, target, prompt, greedy, 40, k=4, speculate=False)
         assert spec.generated == plain.generated
         assert spec.stats.accepted_tokens / spec.stats.draft_tokens > 0.5
+
+
+def test_greedy_under_a_json_schema_equals_target_only(llama_draft):
+    """Structured output with the llama.cpp draft, whose logits are views of llama.cpp's buffers:
+    masked (never in place), its drafts follow the schema and the output is the target alone's."""
+    draft, backend = llama_draft
+    target_backend = HFBackend(models.ModelSpec())
+    target = Direct(TargetServicer(SessionEngine(target_backend, "target")))
+    tok = target_backend.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 12}, "warm": {"type": "boolean"}},
+        "required": ["colour", "warm"],
+        "additionalProperties": False,
+    }
+    constraint = model_pb2.Constraint(json_schema=json.dumps(schema))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour as JSON."}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if not isinstance(prompt, list) else prompt)
+    outputs = []
+    for speculate in (True, False):
+        stops = frozenset(target_backend.eos_token_ids)
+        config = LoopConfig(
+            SamplingParams(), 48, lookahead=4, speculate=speculate, constraint=constraint, stop_token_ids=stops
+        )
+        loop = SpeculativeLoop(draft, target, prompt, config)
+        rounds = list(loop.rounds())
+        assert rounds[-1].finish_reason == "stop"  # the schema's end
+        outputs.append(loop.generated)
+        if speculate:
+            assert loop.stats.accepted_tokens / loop.stats.draft_tokens > 0.5 and loop.stats.draft_mask_seconds > 0
+    assert outputs[0] == outputs[1]
+    jsonschema.validate(json.loads(tok.decode(outputs[0])), schema)
 
 
 def test_distribution_through_the_loop(llama_draft):

@@ -5,6 +5,7 @@ the limit, and clients that go away mid-stream or while a non-streaming request 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -43,14 +44,21 @@ def start_http(p, **kw):
     return serve_http(address, "127.0.0.1", 0, ClientSecurity(), model=MODEL, services=services, **kw)
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_backends):
-    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+@contextlib.contextmanager
+def http_pipeline(draft_backend, target_backend):
+    """The three services and the HTTP front door: (pipeline, HTTP server)."""
+    with pipeline(draft_backend, target_backend) as p:
         http = start_http(p)
         try:
             yield p, http
         finally:
             http.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_backends):
+    with http_pipeline(tiny_backends["draft"], tiny_backends["target"]) as both:
+        yield both
 
 
 def client_for(http, api_key: str = "unused", **kw) -> openai.OpenAI:
@@ -184,8 +192,8 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"n": 2}, 400, "n"),
     ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty"),
     ("chat", {"frequency_penalty": 1}, 400, "frequency_penalty"),
-    ("chat", {"logprobs": True}, 400, "logprobs"),
-    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("chat", {"logprobs": "yes"}, 400, "logprobs"),
+    ("completions", {"logprobs": 21}, 400, "logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("completions", {"best_of": 2}, 400, "best_of"),
     ("chat", {"repetition_penalty": 1.1}, 400, "repetition_penalty"),

@@ -5,6 +5,7 @@ reply, checks the shaded rounds and the statistics, and saves a screenshot
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 
@@ -89,6 +90,9 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
             reply = generate(tree_nodes="6")
             tree_text = browser.execute_script("return arguments[0].textContent", reply)
             tree_drafted = len(reply.find_elements(By.CSS_SELECTOR, ".round > .drafted"))
+            # A JSON schema: the reply is JSON that follows it (the tiny tokenizer has digits, no braces).
+            reply = generate(tree_nodes="0", schema='{"type": "integer", "minimum": 0, "maximum": 999}')
+            number = browser.execute_script("return arguments[0].textContent", reply)
         finally:
             http.stop()
         # The page shows what the gRPC API returns for the same request (greedy: the same text).
@@ -103,3 +107,4 @@ def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_b
     assert stats["tokens"] == str(MAX_TOKENS)
     assert stats["acceptance"] == f"{100 * ref.stats.acceptance_rate:.1f} %"
     assert tree_text == text and tree_drafted
+    assert number.isdigit() and 0 <= json.loads(number) <= 999

@@ -44,6 +44,17 @@ function requestBody(model) {
   // A tree's accepted path is a round's drafted span, shaded as a chain's accepted drafts are.
   if (number("tree_nodes") > 0) body.speculation.tree_nodes = number("tree_nodes");
   if (number("seed") > 0) body.seed = number("seed");
+  // Structured output: the reply follows the schema (OpenAI's response_format), the draft too.
+  const schema = $("schema").value.trim();
+  if (schema) {
+    let parsed;
+    try {
+      parsed = JSON.parse(schema);
+    } catch (err) {
+      throw new Error("JSON schema: " + err.message);
+    }
+    body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: parsed, strict: true } };
+  }
   return body;
 }
 

@@ -26,15 +26,39 @@ class ProbRow(_message.Message):
     values: bytes
     def __init__(self, vocab_size: _Optional[int] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "threads")
+    __slots__ = ("session_id", "prompt_token_ids", "threads", "constraint", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     threads: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("length",)
@@ -75,7 +99,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds")
+    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds", "mask_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +111,7 @@ class ProposeResponse(_message.Message):
     ROW_NODES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     length: int
@@ -98,7 +123,8 @@ class ProposeResponse(_message.Message):
     row_nodes: _containers.RepeatedScalarFieldContainer[int]
     threads: int
     forward_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    mask_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
     __slots__ = ("session", "position", "token_id")
@@ -111,7 +137,7 @@ class ProposalRowRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads")
+    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads", "logprobs")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +150,7 @@ class ScoreRequest(_message.Message):
     DRAFT_ROW_NODES_FIELD_NUMBER: _ClassVar[int]
     FINAL_UNIFORM_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -136,10 +163,23 @@ class ScoreRequest(_message.Message):
     draft_row_nodes: _containers.RepeatedScalarFieldContainer[int]
     final_uniform: float
     threads: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class RowLogprobs(_message.Message):
+    __slots__ = ("own_token", "own_logprob", "top_ids", "top_logprobs")
+    OWN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    own_token: int
+    own_logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, own_token: _Optional[int] = ..., own_logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "accepted_nodes", "final_token", "threads", "forward_seconds")
+    __slots__ = ("argmax_token_ids", "draft_token_target_probs", "row_position", "row", "length", "compute_seconds", "step_tokens", "step_sessions", "accepted_nodes", "final_token", "threads", "forward_seconds", "mask_seconds", "draft_token_logprobs", "row_logprobs", "final_token_logprob")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     ROW_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +192,10 @@ class ScoreResponse(_message.Message):
     FINAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_target_probs: _containers.RepeatedScalarFieldContainer[float]
     row_position: int
@@ -164,7 +208,11 @@ class ScoreResponse(_message.Message):
     final_token: int
     threads: int
     forward_seconds: float
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., final_token: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    mask_seconds: float
+    draft_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    row_logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
+    final_token_logprob: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., draft_token_target_probs: _Optional[_Iterable[float]] = ..., row_position: _Optional[int] = ..., row: _Optional[_Union[ProbRow, _Mapping]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., step_tokens: _Optional[int] = ..., step_sessions: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., final_token: _Optional[int] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., mask_seconds: _Optional[float] = ..., draft_token_logprobs: _Optional[_Iterable[float]] = ..., row_logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., final_token_logprob: _Optional[float] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session", "token_ids")

@@ -54,7 +54,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation")
+    __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation", "constraint", "logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -75,10 +77,26 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     speculation: SpeculationParams
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat_template: _Optional[bool] = ..., sampling: _Optional[_Union[_model_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+    constraint: _model_pb2.Constraint
+    logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat_template: _Optional[bool] = ..., sampling: _Optional[_Union[_model_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., constraint: _Optional[_Union[_model_pb2.Constraint, _Mapping]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "token_bytes", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds", "rounds_without_draft")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds", "rounds_without_draft", "draft_mask_seconds", "target_mask_seconds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +119,8 @@ class GenerateStats(_message.Message):
     DRAFT_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -123,19 +143,23 @@ class GenerateStats(_message.Message):
     draft_forward_seconds: float
     target_forward_seconds: float
     rounds_without_draft: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ...) -> None: ...
+    draft_mask_seconds: float
+    target_mask_seconds: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., draft_mask_seconds: _Optional[float] = ..., target_mask_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stats")
+    __slots__ = ("token_ids", "text", "finish_reason", "stats", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     stats: GenerateStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TextSpan(_message.Message):
     __slots__ = ("length", "drafted")
@@ -156,20 +180,22 @@ class RoundCounts(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stats", "spans", "rounds")
+    __slots__ = ("token_ids", "text", "finish_reason", "stats", "spans", "rounds", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     stats: GenerateStats
     spans: _containers.RepeatedCompositeFieldContainer[TextSpan]
     rounds: RoundCounts
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TextSpan, _Mapping]]] = ..., rounds: _Optional[_Union[RoundCounts, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TextSpan, _Mapping]]] = ..., rounds: _Optional[_Union[RoundCounts, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ServiceStatus(_message.Message):
     __slots__ = ("role", "address", "available", "reason", "seconds", "losses")
