@@ -156,7 +156,7 @@ class Door:
         self.model = await asyncio.wait_for(self.pairs.model_name.remote(), config.start_timeout)
 
     def __serve_build_asgi_app__(self):
-        api = openai_api.app(self.own, self.model, self.config.server_security.token, self.telemetry, {})
+        api = openai_api.app(self.own, self.model, self.config.server_security.token, self.telemetry)
 
         async def asgi(scope, receive, send):
             if scope["type"] == "http" and scope["path"] == "/health":

@@ -38,10 +38,8 @@ SERVICES = ("orchestrator", "draft", "target")
 
 
 def start_http(p, **kw):
-    services = {name: grpc.insecure_channel(p.addresses[name]) for name in ("draft", "target")}
     kw.setdefault("server_security", ServerSecurity())
-    address = p.addresses["orchestrator"]
-    return serve_http(address, "127.0.0.1", 0, ClientSecurity(), model=MODEL, services=services, **kw)
+    return serve_http(p.addresses["orchestrator"], "127.0.0.1", 0, ClientSecurity(), model=MODEL, **kw)
 
 
 @contextlib.contextmanager
