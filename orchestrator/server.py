@@ -31,12 +31,15 @@ def connect(
 ) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
-    A draft and target must share a vocabulary (same size, same token -> id map); a
-    mismatched pair is refused with a message that names both models. With no draft
-    address the orchestrator serves target-only decoding. `security` sets TLS, the client
-    certificate and the bearer token for both channels; `telemetry` instruments them. An
-    address is HOST:PORT, or a function returning the service's current one (a service that
-    moves when it restarts); the stubs find a restarted service again (orchestrator.recovery).
+    A draft and target must share a tokenizer (the same token -> id map); a pair whose tokenizers
+    differ is refused with a message that names both models and tokens that differ. Output layers
+    of different sizes (one tokenizer, embeddings padded to different row counts) share the
+    smaller's rows: every session on the pair is opened over them (OpenSessionRequest.vocab_size),
+    so neither side draws past them and the rule sees rows of that size. With no draft address the
+    orchestrator serves target-only decoding. `security` sets TLS, the client certificate and the
+    bearer token for both channels; `telemetry` instruments them. An address is HOST:PORT, or a
+    function returning the service's current one (a service that moves when it restarts); the
+    stubs find a restarted service again (orchestrator.recovery).
     """
     security = security or ClientSecurity()
     telemetry = telemetry or disabled()
@@ -47,24 +50,33 @@ def connect(
 
     target = ResilientStub(model_pb2_grpc.TargetServiceStub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
+    tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     draft = None
     max_context = target_info.max_context
+    vocab_size = target_info.vocab_size
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         draft = ResilientStub(model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait_seconds)
         draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
-        check_pair(draft_info, target_info)
+        vocab_size = check_pair(
+            draft_info,
+            target_info,
+            tokenizer,
+            lambda: load_tokenizer(draft.GetTokenizer(model_pb2.GetTokenizerRequest())),
+        )
+        for stub, info in ((draft, draft_info), (target, target_info)):
+            if vocab_size < info.vocab_size:
+                stub.vocab_size = vocab_size
         max_context = min(max_context, draft_info.max_context)
         curves = _curves(draft_info.step_costs, "sessions")
         profile = curves[max(curves)] if curves else {}  # at its own threads
         sharing = shared_cores(draft_info, target_info)
-    tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     return ModelPair(
         draft=draft,
         target=target,
         tokenizer=tokenizer,
         max_context=max_context,
-        vocab_size=target_info.vocab_size,
+        vocab_size=vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
         costs=PairCosts(profile, sharing),
@@ -95,14 +107,37 @@ def _curves(costs, size: str) -> dict[int, dict[int, float]]:
     return out
 
 
-def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
-    if draft.vocab_size != target.vocab_size or draft.tokenizer_digest != target.tokenizer_digest:
+def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, tokenizer, draft_tokenizer) -> int:
+    """The vocabulary size the pair shares: the smaller output layer's rows (past them, rows padded
+    beyond the tokenizer). FailedPrecondition where the tokenizers differ (naming tokens that do), or
+    where a token of their tokenizer (`tokenizer`, the target's) is a target row past the draft's
+    output layer. `draft_tokenizer()`: the draft's, fetched only to say how the two differ."""
+    names = f"draft model {draft.model_name!r} and target model {target.model_name!r}"
+    if draft.tokenizer_digest != target.tokenizer_digest:
+        differ = vocabulary_difference(draft_tokenizer().get_vocab(), tokenizer.get_vocab())
         raise FailedPrecondition(
-            f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, tokenizer "
-            f"{draft.tokenizer_digest[:12]}) and target model {target.model_name!r} (vocab "
-            f"{target.vocab_size}, tokenizer {target.tokenizer_digest[:12]}) do not share a "
-            "vocabulary; speculative decoding needs the same tokenizer on both sides"
+            f"{names} do not share a vocabulary (tokenizers {draft.tokenizer_digest[:12]} and "
+            f"{target.tokenizer_digest[:12]}): {differ}; speculative decoding needs the same tokenizer on both sides"
         )
+    shared = min(draft.vocab_size, target.vocab_size)
+    cut = sorted(i for i in tokenizer.get_vocab().values() if shared <= i < target.vocab_size)
+    if cut:  # tokens the target draws that no session on the pair could: its law would change
+        raise FailedPrecondition(
+            f"{names} share a tokenizer whose token ids {cut[0]}..{cut[-1]} are rows of the target's output "
+            f"layer ({target.vocab_size} rows) past the draft's ({shared}): the pair cannot draw them"
+        )
+    return shared
+
+
+def vocabulary_difference(draft: dict[str, int], target: dict[str, int], shown: int = 5) -> str:
+    """How two token -> id maps differ, for a person: how many tokens, and the first few."""
+    differ = sorted(set(draft) ^ set(target) | {t for t in set(draft) & set(target) if draft[t] != target[t]})
+    differ.sort(key=lambda t: min(draft.get(t, 1 << 62), target.get(t, 1 << 62)))
+    examples = ", ".join(
+        f"{t!r} (draft {draft.get(t, 'none')}, target {target.get(t, 'none')})" for t in differ[:shown]
+    )
+    more = f" and {len(differ) - shown} more" if len(differ) > shown else ""
+    return f"{len(differ)} tokens differ: {examples}{more}"
 
 
 def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:

@@ -90,6 +90,8 @@ class Session:
     # The cache's positions from tree.floor on hold a draft tree (a target's verify), `cached`
     # its nodes flattened; the next commit keeps the accepted path (kvcache.Tree, compact).
     tree: Tree | None = None
+    # The rows its logits have: the vocabulary the pair shares (OpenSessionRequest.vocab_size); 0: all.
+    vocab_size: int = 0
 
 
 @dataclass
@@ -182,6 +184,8 @@ class SessionEngine:
             else:
                 logits = batch(items)
             seconds = time.perf_counter() - t0
+        # A session over a shared vocabulary smaller than the model's never sees the rows past it.
+        logits = [rows[:, : f.session.vocab_size or None] for f, rows in zip(forwards, logits, strict=True)]
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
@@ -190,22 +194,27 @@ class SessionEngine:
         return logits
 
     # -- lifecycle ---------------------------------------------------------------------
-    def open(self, session_id: str, prompt: list[int], context=None, threads: int | None = None) -> int:
-        """Open a session holding `prompt` (prefilled by threads of at most `threads`)."""
+    def open(
+        self, session_id: str, prompt: list[int], context=None, threads: int | None = None, vocab_size: int = 0
+    ) -> int:
+        """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
+        over the first `vocab_size` rows (0: all)."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
+        if not 0 <= vocab_size <= self.backend.vocab_size:
+            raise InvalidArgument(f"vocab_size {vocab_size} is outside 1..{self.backend.vocab_size} (the model's rows)")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads), context)
+        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads, vocab_size), context)
 
-    def _open(self, session_id: str, prompt: list[int], threads: int | None = None) -> Generator:
+    def _open(self, session_id: str, prompt: list[int], threads: int | None = None, vocab_size: int = 0) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
-        session = Session(tokens=prompt, cache=None, threads=threads)
+        session = Session(tokens=prompt, cache=None, threads=threads, vocab_size=vocab_size)
         self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec import placement, validation
 from specdec.engine import SessionEngine
-from specdec.errors import Cancelled, NotFound, SpecdecError
+from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
 from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
 from specdec.v1 import model_pb2
 
@@ -195,7 +195,10 @@ class SessionServicer:
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
         threads = validation.threads(request)
-        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads)
+        vocab = request.vocab_size if request.HasField("vocab_size") else 0
+        if request.HasField("vocab_size") and vocab < 1:
+            raise InvalidArgument(f"vocab_size must be at least 1, not {vocab}")
+        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, vocab)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):

@@ -27,14 +27,16 @@ class ProbRow(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "threads")
+    __slots__ = ("session_id", "prompt_token_ids", "threads", "vocab_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     threads: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("length",)
