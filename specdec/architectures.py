@@ -54,9 +54,12 @@ def _falcon(config) -> str | None:
     return None
 
 
-def _chunked(config) -> str | None:
+def _generic(config) -> str | None:
+    """Features transformers switches on by config across families that the masks do not reproduce."""
     if getattr(config, "attention_chunk_size", None):
         return "chunked attention"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (an encoder, e.g. EmbeddingGemma)"
     return None
 
 
@@ -76,6 +79,18 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family(windows="all", packed=True),
     "granite": Family(packed=True, head=("divide",)),
     "cohere": Family(packed=True, head=("scale",)),
+    "cohere2": Family(windows="types", packed=True, head=("scale",)),
+    "exaone4": Family(windows="types", packed=True),
+    "granitemoe": Family(packed=True, moe=True, head=("divide",)),
+    "glm": Family(packed=True),
+    "glm4": Family(packed=True),
+    "helium": Family(packed=True),
+    "internlm3": Family(packed=True),
+    "ernie4_5": Family(packed=True),
+    "arcee": Family(packed=True),
+    "gpt_bigcode": Family(packed=True),
+    "gptj": Family(packed=True),
+    "codegen": Family(packed=True),
     "gpt_neox": Family(),
     "gpt2": Family(),
     "falcon": Family(check=_falcon),
@@ -169,7 +184,7 @@ def _refusal(config) -> str | None:
     family = FAMILIES[kind]
     if family.windows == "types" and SLIDING in types and getattr(config, "sliding_window", None) is None:
         return "sliding-window layers without a sliding_window"
-    for check in (_chunked, family.check):
+    for check in (_generic, family.check):
         reason = check(config) if check is not None else None
         if reason:
             return reason

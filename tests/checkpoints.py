@@ -59,6 +59,18 @@ CONFIGS = {
     "starcoder2": dict(sliding_window=WINDOW, use_bias=True),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "cohere": dict(logit_scale=0.5, use_qk_norm=True),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+    "exaone4": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, logits_scaling=4.0, embedding_multiplier=2.0),
+    "glm": {},  # partial rotary, interleaved
+    "glm4": {},  # post-norms
+    "helium": dict(head_dim=8),
+    "internlm3": {},
+    "ernie4_5": {},
+    "arcee": {},  # ReLU^2 MLP
+    "gpt_bigcode": {},  # multi-query attention, learned positions
+    "gptj": dict(rotary_dim=4),  # parallel attention and MLP, partial rotary
+    "codegen": dict(rotary_dim=4),
 }
 
 

@@ -47,6 +47,7 @@ SEQUENCES = [
 ]
 PROMPTS = [SEQUENCES[0][:14], SEQUENCES[1]]  # 14 and 8 tokens: both past the window
 NEW_TOKENS = 20
+LIMITS = SessionLimits(max_sessions=4)  # a draft profiles its steps of 1-4 sessions at start, not 1-16
 
 
 def test_every_family_has_a_tiny_config():
@@ -95,38 +96,43 @@ def static_backend(path) -> GraphBackend:
 @pytest.mark.parametrize("kind", sorted(architectures.FAMILIES))
 def test_forwards_equal_the_models_own(root, kind):
     path = tiny_checkpoint(root / f"{kind}-alone", kind)
-    model = reference(path)
+    model, memo = reference(path), {}
+
+    def own(tokens: list[int]) -> torch.Tensor:  # a causal model: a prefix's logits are the whole's
+        if tuple(tokens) not in memo:
+            memo[tuple(tokens)] = own_logits(model, tokens)
+        return memo[tuple(tokens)]
+
     eager = HFBackend(ModelSpec(path, "cpu", "float32"))
     assert eager.packed == architectures.FAMILIES[kind].packed  # the packed path runs where the table says
-    chain, tree = SEQUENCES[0], ([20, 21, 22, 23, 24, 25], [-1, -1, 0, 0, 2, 1])
+    chain, other = SEQUENCES[0], SEQUENCES[0][:15] + [3, 4, 5, 6, 7]
+    tokens, parents = [20, 21, 22, 23, 24, 25], [-1, -1, 0, 0, 2, 1]
     for backend in (eager, static_backend(path)):
         # a chain: a prefill chunk, a verify block, one token, a rollback and another continuation
         slot = backend.new_cache()
         backend.forward(slot, chain[:12], 1)
-        close(backend.forward(slot, chain[12:16], 4), own_logits(model, chain[:16])[12:16])
-        close(backend.forward(slot, chain[16:17], 1), own_logits(model, chain[:17])[16:])
+        close(backend.forward(slot, chain[12:16], 4), own(chain)[12:16])
+        close(backend.forward(slot, chain[16:17], 1), own(chain)[16:17])
         backend.crop(slot, 15)
-        other = chain[:15] + [3, 4, 5, 6, 7]
-        close(backend.forward(slot, other[15:], 3), own_logits(model, other)[-3:])
+        close(backend.forward(slot, other[15:], 3), own(other)[-3:])
         backend.release(slot)
         # a ragged batch: prefills of different lengths, then blocks of different widths, packed and padded
-        for packed in {False, backend.packed}:
+        packs = backend.packed
+        for packed in (False, True) if packs else (False,):
             backend.packed = packed
             slots = [backend.new_cache() for _ in SEQUENCES]
-            cuts = [(0, 10, 2), (0, 5, 1), (0, 2, 2)], [(10, 14, 3), (5, 6, 1), (2, 5, 3)]
-            for step in cuts:
+            for step in [(0, 10, 2), (0, 5, 1), (0, 2, 2)], [(10, 14, 3), (5, 6, 1), (2, 5, 3)]:
                 items = [(s, seq[a:z], n) for s, seq, (a, z, n) in zip(slots, SEQUENCES, step, strict=True)]
                 for got, seq, (_, z, n) in zip(backend.forward_batch(items), SEQUENCES, step, strict=True):
-                    close(got, own_logits(model, seq[:z])[z - n :])
+                    close(got, own(seq)[z - n : z])
             for s in slots:
                 backend.release(s)
-        backend.packed = eager.packed if backend is eager else backend.packed
+        backend.packed = packs
         # a draft tree: each node sees the chain and its ancestors, at its depth's position
         engine = SessionEngine(backend, "target")
         engine.open("t", chain[:14])
-        tokens, parents = tree
 
-        def verify(session, tokens=tokens, parents=parents, engine=engine):
+        def verify(session, engine=engine):
             logits = yield engine.forward_tree(session, tokens, parents)
             return logits
 
@@ -138,7 +144,7 @@ def test_forwards_equal_the_models_own(root, kind):
             while at >= 0:
                 path_tokens.insert(0, tokens[at])
                 at = parents[at]
-            close(got[node + 1 : node + 2], own_logits(model, chain[:14] + path_tokens)[-1:])
+            close(got[node + 1 : node + 2], own(chain[:14] + path_tokens)[-1:])
     # greedy decoding over the slot cache is the model's own generate
     slot, prompt = eager.new_cache(), PROMPTS[0]
     logits, out = eager.forward(slot, prompt, 1), []
@@ -163,7 +169,7 @@ def test_greedy_through_the_services_equals_generate(root, kind):
     draft = tiny_checkpoint(root / f"{kind}-draft", kind, seed=1, like=target)
     want = [own_greedy(reference(target), p) for p in PROMPTS]
     spec = ModelSpec(target, "cpu", "float32")
-    with pipeline(HFBackend(ModelSpec(draft, "cpu", "float32")), HFBackend(spec)) as p:
+    with pipeline(HFBackend(ModelSpec(draft, "cpu", "float32")), HFBackend(spec), limits=LIMITS) as p:
 
         def generate(prompt, **speculation) -> list[int]:
             return list(p.orchestrator.Generate(request(prompt, **speculation), timeout=120).token_ids)

@@ -27,6 +27,7 @@ import torch
 from orchestrator.server import check_pair
 from specdec.backend import HFBackend
 from specdec.errors import FailedPrecondition
+from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.v1 import model_pb2, orchestrator_pb2
@@ -38,6 +39,7 @@ from tests.stats import markov_chisquare
 TOKENS = len(make_tokenizer())  # 45
 TARGET_ROWS, DRAFT_ROWS = 64, 48
 PROMPTS = [[1, 10, 7, 14, 14, 17, 39, 20, 21], [1, 22, 3, 19, 31]]
+LIMITS = SessionLimits(max_sessions=4)  # a draft profiles its steps of 1-4 sessions at start, not 1-16
 
 
 def backend(path) -> HFBackend:
@@ -77,7 +79,7 @@ def test_a_padded_pair_decodes_as_the_target_and_draws_only_shared_rows(padded):
             ].tolist()
             for p in PROMPTS
         ]
-    with pipeline(draft, target) as p:
+    with pipeline(draft, target, limits=LIMITS) as p:
         for speculation in ({"lookahead": 4}, {"lookahead": 3, "tree_nodes": 6}):
             got = [list(p.orchestrator.Generate(request(prompt, **speculation)).token_ids) for prompt in PROMPTS]
             assert got == want, speculation
@@ -116,7 +118,7 @@ def test_the_law_of_a_padded_soft_capped_pair_is_the_targets_over_the_shared_row
     cap = target.model.config.final_logit_softcapping
     shared = probs_from_logits((torch.tanh(raw / cap) * cap)[:DRAFT_ROWS, :DRAFT_ROWS], sampling).double().numpy()
     uncapped = probs_from_logits(raw[:DRAFT_ROWS, :DRAFT_ROWS], sampling).double().numpy()
-    with pipeline(draft, target) as p:
+    with pipeline(draft, target, limits=LIMITS) as p:
         proto = sampling.to_proto()
         starts = [3 + i % 40 for i in range(24)]
         with ThreadPoolExecutor(4) as pool:
