@@ -46,10 +46,12 @@ PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed for
 class HFBackend:
     """A transformers causal LM over a slot KV cache (specdec.kvcache): a slot per session,
     the forwards of several sessions batched into one, the logits computed only at the
-    positions asked for.
+    positions asked for. What it computes is the model's own: specdec.architectures says which
+    architectures, and what the masks and the output layer reproduce of each; any other is
+    refused when it loads.
 
-    A batch of rows of different widths is packed where the model allows it
-    (PACKED_MODEL_TYPES): the rows' new tokens one after another in a single sequence, each at
+    A batch of rows of different widths is packed where the architecture allows it
+    (architectures.Family.packed): the rows' new tokens one after another in a single sequence, each at
     its own position, attention per group of rows of one width over their slots
     (kvcache.PackedView), so a step costs the tokens it feeds. Padded to the widest row
     instead, a step cost rows x the widest: a prompt's prefill chunk beside decode rows made

@@ -185,7 +185,10 @@ class SessionEngine:
                 logits = batch(items)
             seconds = time.perf_counter() - t0
         # A session over a shared vocabulary smaller than the model's never sees the rows past it.
-        logits = [rows[:, : f.session.vocab_size or None] for f, rows in zip(forwards, logits, strict=True)]
+        logits = [
+            rows[..., : f.session.vocab_size] if f.session.vocab_size else rows
+            for f, rows in zip(forwards, logits, strict=True)
+        ]
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
