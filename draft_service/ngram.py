@@ -52,7 +52,7 @@ def propose(
         session.proposal_rows = None
         return drafts, []
     held = assumed + drafts
-    rows = torch.zeros(len(held), engine.backend.vocab_size)
+    rows = torch.zeros(len(held), session.vocab_size or engine.backend.vocab_size)
     rows[torch.arange(len(held)), torch.tensor(held)] = 1.0
     session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, len(session.tokens), held
     return drafts, [1.0] * len(drafts)
@@ -119,7 +119,7 @@ def propose_tree(
     drafts = allowed(session, [], lookup(session.tokens, min(depth, nodes)))
     proposal = TreeProposal(drafts, list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
     if drafts and not params.greedy and noise_seed is None:
-        rows = torch.zeros(len(drafts), engine.backend.vocab_size)
+        rows = torch.zeros(len(drafts), session.vocab_size or engine.backend.vocab_size)
         rows[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
         proposal.rows = dict(zip(range(-1, len(drafts) - 1), rows, strict=True))
     return proposal

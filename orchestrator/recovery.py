@@ -10,6 +10,10 @@ and its handle says where), then opens the session again by prefilling the commi
 The loop re-runs the failed round from that state with the same random draws, so nothing
 is lost, duplicated or redrawn.
 
+The stub also carries what every session opened through it holds: the vocabulary the pair
+shares (`vocab_size`, OpenSessionRequest.vocab_size, set where the pair's output layers differ
+in size), on its first open and on every re-open.
+
 Waiting is bounded by the request's deadline (less a margin to answer in), or by
 `RecoveryConfig.wait_seconds` when the request has none, with exponential backoff between
 attempts; a service that does not come back in time is a clear UNAVAILABLE naming it and its
@@ -66,6 +70,7 @@ class ResilientStub:
         self.name = name
         self.config = config or RecoveryConfig()
         self.reopens = 0  # sessions re-opened after a loss, for status and tests
+        self.vocab_size = 0  # the pair's shared vocabulary, where smaller than the service's (0: its own)
         self._stub_class = stub_class
         self._resolve = address if callable(address) else (lambda _timeout: address)
         self._channel_factory = channel_factory
@@ -86,6 +91,8 @@ class ResilientStub:
             stub = self._stub
             if stub is None:
                 raise SessionLost(self, f"{self.name} service at {self.address}: not connected yet")
+            if method == "OpenSession" and self.vocab_size:
+                request = _with_vocab(request, self.vocab_size)
             try:
                 return getattr(stub, method)(request, **kwargs)
             except grpc.RpcError as err:
@@ -123,7 +130,7 @@ class ResilientStub:
                     if err.code() != grpc.StatusCode.NOT_FOUND:
                         raise
                 request = model_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=token_ids, **fields)
-                stub.OpenSession(request, timeout=_left(deadline))
+                stub.OpenSession(_with_vocab(request, self.vocab_size), timeout=_left(deadline))
                 self.reopens += 1
                 log.warning(
                     "%s service at %s: session %s re-opened at length %d after %.2f s",
@@ -173,3 +180,13 @@ class ResilientStub:
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
+
+
+def _with_vocab(request: model_pb2.OpenSessionRequest, vocab_size: int) -> model_pb2.OpenSessionRequest:
+    """The request over the pair's shared vocabulary (a copy; 0: as it is)."""
+    if not vocab_size:
+        return request
+    out = model_pb2.OpenSessionRequest()
+    out.CopyFrom(request)
+    out.vocab_size = vocab_size
+    return out

@@ -34,16 +34,20 @@ def connect(
 ) -> ModelPair:
     """Stubs for both services, after checking they can speculate together.
 
-    A draft and target must share a vocabulary (same size, same token -> id map); a
-    mismatched pair is refused with a message that names both models. With no draft
-    address the orchestrator serves target-only decoding. `security` sets TLS, the client
-    certificate and the bearer token for both channels; `telemetry` instruments them. An
-    address is HOST:PORT, or a function returning the service's current one (a service that
-    moves when it restarts); the stubs find a restarted service again (orchestrator.recovery).
+    A draft and target must share a tokenizer (the same token -> id map); a pair whose tokenizers
+    differ is refused with a message that names both models and tokens that differ. Output layers
+    of different sizes (one tokenizer, embeddings padded to different row counts) share the
+    smaller's rows: every session on the pair is opened over them (OpenSessionRequest.vocab_size),
+    so neither side draws past them and the rule sees rows of that size. With no draft address the
+    orchestrator serves target-only decoding. `security` sets TLS, the client certificate and the
+    bearer token for both channels; `telemetry` instruments them. An address is HOST:PORT, or a
+    function returning the service's current one (a service that moves when it restarts); the
+    stubs find a restarted service again (orchestrator.recovery).
 
     The target must answer within `wait_seconds`. The draft is an accelerator: one that does not
     answer within DRAFT_START_WAIT seconds (or `wait_seconds`, if shorter) leaves the pair serving
-    target-only, degraded, until the draft answers and is checked (orchestrator.availability).
+    target-only, degraded, until the draft answers and is checked (orchestrator.availability); one
+    attached so must cover the target's rows (sessions opened before it hold them all).
     """
     security = security or ClientSecurity()
     telemetry = telemetry or disabled()
@@ -55,34 +59,46 @@ def connect(
     target = ResilientStub(model_pb2_grpc.TargetServiceStub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     target_health = Availability("target", lambda: target.address, target.probe, recovery)
+    tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     draft, draft_health = None, Availability("draft")
     max_context = target_info.max_context
+    vocab_size = target_info.vocab_size
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         wait = min(wait_seconds, DRAFT_START_WAIT)
         draft = ResilientStub(
             model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait, optional=True
         )
-        draft_health = Availability(
-            "draft", lambda: draft.address, draft.probe, recovery, check=lambda info: pair_mismatch(info, target_info)
-        )
+
+        def draft_tokenizer():
+            return load_tokenizer(draft.GetTokenizer(model_pb2.GetTokenizerRequest()))
+
+        def attach(info) -> str:  # a draft found after the start: it must cover the target's rows
+            mismatch = pair_mismatch(info, target_info, tokenizer, draft_tokenizer)
+            if not mismatch and info.vocab_size < target_info.vocab_size:
+                mismatch = f"the draft's output layer ({info.vocab_size} rows) is smaller than the target's: restart"
+            return mismatch
+
+        draft_health = Availability("draft", lambda: draft.address, draft.probe, recovery, check=attach)
         try:
             draft_info = draft.Describe(model_pb2.DescribeRequest(), timeout=wait)
         except (SessionLost, grpc.RpcError) as err:
             draft_health.lost(f"not answering at start ({_reason(err)})")
         else:
-            check_pair(draft_info, target_info)
+            vocab_size = check_pair(draft_info, target_info, tokenizer, draft_tokenizer)
+            for stub, info in ((draft, draft_info), (target, target_info)):
+                if vocab_size < info.vocab_size:
+                    stub.vocab_size = vocab_size
             max_context = min(max_context, draft_info.max_context)
             curves = _curves(draft_info.step_costs, "sessions")
             profile = curves[max(curves)] if curves else {}  # at its own threads
             sharing = shared_cores(draft_info, target_info)
-    tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
     return ModelPair(
         draft=draft,
         target=target,
         tokenizer=tokenizer,
         max_context=max_context,
-        vocab_size=target_info.vocab_size,
+        vocab_size=vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
         costs=PairCosts(profile, sharing),
@@ -119,21 +135,45 @@ def _curves(costs, size: str) -> dict[int, dict[int, float]]:
     return out
 
 
-def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
-    mismatch = pair_mismatch(draft, target)
-    if mismatch:
-        raise FailedPrecondition(mismatch)
-
-
-def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> str:
-    """Why the two cannot speculate together; "" when they can."""
-    if draft.vocab_size != target.vocab_size or draft.tokenizer_digest != target.tokenizer_digest:
-        return (
-            f"draft model {draft.model_name!r} (vocab {draft.vocab_size}, tokenizer "
-            f"{draft.tokenizer_digest[:12]}) and target model {target.model_name!r} (vocab "
-            f"{target.vocab_size}, tokenizer {target.tokenizer_digest[:12]}) do not share a "
-            "vocabulary; speculative decoding needs the same tokenizer on both sides"
+def check_pair(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, tokenizer, draft_tokenizer) -> int:
+    """The vocabulary size the pair shares: the smaller output layer's rows (past them, rows padded
+    beyond the tokenizer). FailedPrecondition where the tokenizers differ (naming tokens that do), or
+    where a token of their tokenizer (`tokenizer`, the target's) is a target row past the draft's
+    output layer. `draft_tokenizer()`: the draft's, fetched only to say how the two differ."""
+    names = f"draft model {draft.model_name!r} and target model {target.model_name!r}"
+    if draft.tokenizer_digest != target.tokenizer_digest:
+        differ = vocabulary_difference(draft_tokenizer().get_vocab(), tokenizer.get_vocab())
+        raise FailedPrecondition(
+            f"{names} do not share a vocabulary (tokenizers {draft.tokenizer_digest[:12]} and "
+            f"{target.tokenizer_digest[:12]}): {differ}; speculative decoding needs the same tokenizer on both sides"
         )
+    shared = min(draft.vocab_size, target.vocab_size)
+    cut = sorted(i for i in tokenizer.get_vocab().values() if shared <= i < target.vocab_size)
+    if cut:  # tokens the target draws that no session on the pair could: its law would change
+        raise FailedPrecondition(
+            f"{names} share a tokenizer whose token ids {cut[0]}..{cut[-1]} are rows of the target's output "
+            f"layer ({target.vocab_size} rows) past the draft's ({shared}): the pair cannot draw them"
+        )
+    return shared
+
+
+def vocabulary_difference(draft: dict[str, int], target: dict[str, int], shown: int = 5) -> str:
+    """How two token -> id maps differ, for a person: how many tokens, and the first few."""
+    differ = sorted(set(draft) ^ set(target) | {t for t in set(draft) & set(target) if draft[t] != target[t]})
+    differ.sort(key=lambda t: min(draft.get(t, 1 << 62), target.get(t, 1 << 62)))
+    examples = ", ".join(
+        f"{t!r} (draft {draft.get(t, 'none')}, target {target.get(t, 'none')})" for t in differ[:shown]
+    )
+    more = f" and {len(differ) - shown} more" if len(differ) > shown else ""
+    return f"{len(differ)} tokens differ: {examples}{more}"
+
+
+def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, tokenizer, draft_tokenizer) -> str:
+    """Why the two cannot speculate together (check_pair's refusal); "" when they can."""
+    try:
+        check_pair(draft, target, tokenizer, draft_tokenizer)
+    except FailedPrecondition as err:
+        return err.message
     return ""
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import tempfile
 import threading
@@ -33,21 +34,24 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec import models
-from specdec.kvcache import PackedView, Slot, SlotCache, causal_mask, compact
+from specdec import architectures, models
+from specdec.errors import FailedPrecondition
+from specdec.kvcache import PackedView, Slot, SlotCache, causal_visible, compact
 
 PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed forward runs (see HFBackend)
-PACKED_MODEL_TYPES = {"llama"}  # attention plain causal: no sliding window, soft-capping or sinks
 
 
 class HFBackend:
     """A transformers causal LM over a slot KV cache (specdec.kvcache): a slot per session,
     the forwards of several sessions batched into one, the logits computed only at the
-    positions asked for.
+    positions asked for. What it computes is the model's own: specdec.architectures says which
+    architectures, and what the masks and the output layer reproduce of each; any other is
+    refused when it loads.
 
-    A batch of rows of different widths is packed where the model allows it
-    (PACKED_MODEL_TYPES): the rows' new tokens one after another in a single sequence, each at
+    A batch of rows of different widths is packed where the architecture allows it
+    (architectures.Family.packed): the rows' new tokens one after another in a single sequence, each at
     its own position, attention per group of rows of one width over their slots
     (kvcache.PackedView), so a step costs the tokens it feeds. Padded to the widest row
     instead, a step cost rows x the widest: a prompt's prefill chunk beside decode rows made
@@ -65,22 +69,52 @@ class HFBackend:
         self.spec = spec
         self.model, self.tokenizer = models.load(spec)
         config = self.model.config
+        self.arch = architectures.describe(self.model)
         self.name = spec.model
         self.dtype = spec.dtype
         self.device = torch.device(spec.device)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dtype = next(self.model.parameters()).dtype
-        self.kv = SlotCache(config.num_hidden_layers, kv_heads, head_dim, dtype, self.device)
-        self.packed = _packable(config)
+        parameters = inspect.signature(self.model.base_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"  # transformers renames it
+        layers, kv_heads, head_dim, dtype = self._cache_shape()
+        self.kv = SlotCache(layers, kv_heads, head_dim, dtype, self.device)
+        # Packed forwards replace the model's attention: only where it is SDPA (not eager, e.g. Gemma 2's soft-capping).
+        self.packed = self.arch.packed and config._attn_implementation == "sdpa"
         if self.packed:
             _register_packed_attention()
             config._attn_implementation = PACKED_ATTENTION
         self._lock = threading.Lock()
+
+    @torch.inference_mode()
+    def _cache_shape(self) -> tuple[int, int, int, torch.dtype]:
+        """(layers, kv heads, head dim, dtype) of the keys and values the model writes, read off a
+        one-token forward: the config's names for them differ by architecture (and GQA, multi-query
+        or fused heads change them). Refused where a layer writes none, or layers differ."""
+        shapes = _Shapes()
+        one = torch.ones(1, 1, 1, dtype=torch.bool, device=self.device)
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model.base_model(
+            input_ids=zero,
+            attention_mask=self.arch.mask(one, zero, zero, next(self.model.parameters()).dtype),
+            position_ids=zero,
+            use_cache=True,
+            **{self._cache_arg: shapes},
+        )
+        layers = self.model.config.num_hidden_layers
+        kinds = set(shapes.seen.values())
+        if sorted(shapes.seen) != list(range(layers)) or len(kinds) != 1:
+            raise FailedPrecondition(
+                f"architecture {self.arch.model_type!r}: its layers' keys and values do not fit one slot cache "
+                f"(written by layers {sorted(shapes.seen)} of {layers}, shapes {sorted(map(str, kinds))})"
+            )
+        [(kv_heads, key_dim, value_dim, dtype)] = kinds
+        if key_dim != value_dim:
+            raise FailedPrecondition(
+                f"architecture {self.arch.model_type!r}: keys of {key_dim} and values of {value_dim} per head"
+            )
+        return layers, kv_heads, key_dim, dtype
 
     def new_cache(self) -> Slot:
         with self._lock:
@@ -115,7 +149,7 @@ class HFBackend:
             hidden = picked(self._hidden(slots, blocks, [trees[i] for i in order]), blocks, wanted)
         else:
             hidden = self._last_hidden(slots, blocks, wanted)
-        logits = self.model.get_output_embeddings()(hidden).float()  # [sum n_logits, vocab]
+        logits = self.arch.logits(self.model, hidden)  # [sum n_logits, vocab]
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         start = 0
         for i, (slot, tokens, n) in zip(order, rows, strict=True):
@@ -130,16 +164,15 @@ class HFBackend:
         widths = [len(tokens) for tokens in blocks]
         if not self.packed or min(widths) == max(widths):  # rows of one width: padding costs nothing
             return picked(self._hidden(slots, blocks), blocks, wanted)
-        view = PackedView(self.kv, slots, widths)
+        view = PackedView(self.kv, slots, widths, self.arch.windows)
         ids = torch.tensor([t for tokens in blocks for t in tokens], device=self.device)
-        hidden = self.model.base_model(
+        hidden = self._base(
             input_ids=ids[None],
             attention_mask=_NO_MASK,  # 4D, so transformers builds none: PackedView.attend masks
             position_ids=view.positions[None],
-            past_key_values=view,
-            use_cache=True,
+            cache=view,
             packed=view,  # reaches the attention (_packed_attention)
-        ).last_hidden_state[0]  # [T, hidden]
+        )[0]  # [T, hidden]
         ends = torch.cumsum(torch.tensor(widths), 0)
         at = torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), wanted, strict=True)])
         return hidden[at.to(self.device)]
@@ -153,23 +186,28 @@ class HFBackend:
         ids = torch.zeros(len(blocks), width, dtype=torch.long)
         for b, tokens in enumerate(blocks):  # right-padded; a pad's outputs are never read
             ids[b, : len(tokens)] = torch.tensor(tokens)
-        mask = causal_mask(view.positions, view.kv_length, self.kv.dtype)
-        positions = view.positions
-        for b, tree in enumerate(trees or ()):
-            if tree is not None:
-                if positions is view.positions:
-                    positions = positions.clone()
-                rotary, visible = tree.row(slots[b].length, width, view.kv_length)
-                positions[b] = torch.tensor(rotary, device=self.device)
-                hidden_keys = ~visible.to(self.device)
-                mask[b, 0] = torch.zeros_like(mask[b, 0]).masked_fill(hidden_keys, torch.finfo(self.kv.dtype).min)
-        return self.model.base_model(
+        positions = view.positions  # each query's place in the sequence: a tree's node, its depth's
+        keys = torch.arange(view.kv_length, device=self.device)  # ... and each key's
+        visible = causal_visible(positions, view.kv_length)
+        if any(tree is not None for tree in trees or ()):
+            positions, visible = positions.clone(), visible.clone()
+            keys = keys.expand(len(blocks), -1).clone()
+            for b, tree in enumerate(trees):
+                if tree is not None:
+                    rotary, visible[b] = tree.row(slots[b].length, width, view.kv_length)
+                    positions[b] = torch.tensor(rotary, device=self.device)
+                    if self.arch.sliding:
+                        keys[b] = torch.tensor(tree.positions(view.kv_length), device=self.device)
+        return self._base(
             input_ids=ids.to(self.device),
-            attention_mask=mask,
+            attention_mask=self.arch.mask(visible, positions, keys, self.kv.dtype),
             position_ids=positions,
-            past_key_values=view,
-            use_cache=True,
-        ).last_hidden_state  # [B, width, hidden]
+            cache=view,
+        )  # [B, width, hidden]
+
+    def _base(self, cache, **inputs) -> torch.Tensor:
+        """The model's decoder over a cache view: the last hidden states."""
+        return self.model.base_model(use_cache=True, **{self._cache_arg: cache}, **inputs).last_hidden_state
 
     def crop(self, cache: Slot, keep: int) -> None:
         cache.length = min(cache.length, keep)
@@ -196,8 +234,18 @@ def picked(hidden: torch.Tensor, blocks: list[list[int]], wanted: list[int]) -> 
 _NO_MASK = torch.zeros(1, 1, 1, 1)
 
 
-def _packable(config) -> bool:
-    return config.model_type in PACKED_MODEL_TYPES and getattr(config, "sliding_window", None) is None
+class _Shapes:
+    """past_key_values of a forward that records the shape of what each layer writes."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple] = {}  # layer -> (kv heads, key dim, value dim, dtype)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        self.seen[layer] = (keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+        return keys, values
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -206,12 +254,16 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     packed = kwargs.pop("packed", None)
     if packed is not None:
         return packed.attend(module.layer_idx, query, scaling), None
+    if attention_mask is _NO_MASK:  # a packed forward whose view the model did not pass down: no mask at all
+        raise RuntimeError(f"{type(module).__name__}: a packed forward did not reach the attention")
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 @functools.cache
 def _register_packed_attention() -> None:
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    # The model's own masks, as for SDPA, where it builds them (its forward or generate outside the backend).
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:

@@ -92,6 +92,8 @@ class Session:
     tree: Tree | None = None
     # Structured output: the grammar's matcher (specdec.grammar.Matcher), kept at the committed tokens.
     constraint: Any = None
+    # The rows its logits have: the vocabulary the pair shares (OpenSessionRequest.vocab_size); 0: all.
+    vocab_size: int = 0
 
 
 @dataclass
@@ -184,6 +186,11 @@ class SessionEngine:
             else:
                 logits = batch(items)
             seconds = time.perf_counter() - t0
+        # A session over a shared vocabulary smaller than the model's never sees the rows past it.
+        logits = [
+            rows[..., : f.session.vocab_size] if f.session.vocab_size else rows
+            for f, rows in zip(forwards, logits, strict=True)
+        ]
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
@@ -193,24 +200,37 @@ class SessionEngine:
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(
-        self, session_id: str, prompt: list[int], context=None, threads: int | None = None, constraint=None
+        self,
+        session_id: str,
+        prompt: list[int],
+        context=None,
+        threads: int | None = None,
+        constraint=None,
+        vocab_size: int = 0,
     ) -> int:
-        """Open a session holding `prompt` (prefilled by threads of at most `threads`); `constraint`:
-        its grammar's matcher, at the end of `prompt` (specdec.grammar.Matcher)."""
+        """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
+        over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
+        `prompt` (specdec.grammar.Matcher)."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
             raise InvalidArgument("prompt_token_ids must not be empty")
+        if not 0 <= vocab_size <= self.backend.vocab_size:
+            raise InvalidArgument(f"vocab_size {vocab_size} is outside 1..{self.backend.vocab_size} (the model's rows)")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        return self.worker.call(session_id, lambda: self._open(session_id, list(prompt), threads, constraint), context)
+        return self.worker.call(
+            session_id, lambda: self._open(session_id, list(prompt), threads, constraint, vocab_size), context
+        )
 
-    def _open(self, session_id: str, prompt: list[int], threads: int | None = None, constraint=None) -> Generator:
+    def _open(
+        self, session_id: str, prompt: list[int], threads: int | None = None, constraint=None, vocab_size: int = 0
+    ) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
-        session = Session(tokens=prompt, cache=None, threads=threads, constraint=constraint)
+        session = Session(tokens=prompt, cache=None, threads=threads, constraint=constraint, vocab_size=vocab_size)
         self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:

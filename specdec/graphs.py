@@ -19,7 +19,7 @@ vLLM and gpt-fast do:
   sized logits of every padded column would cost more than the launches they save);
 - every row attends over `[:length]` of its slot with a mask: the committed keys before its
   window's start, and within a window of TREE_WINDOW positions after it the keys its `seen` row
-  allows (window_mask). A chain sees the window's columns up to its own; a draft tree's node (the
+  allows (window_visible). A chain sees the window's columns up to its own; a draft tree's node (the
   target's verify, the draft's extend_tree) sees its ancestors, at its depth's rotary position,
   so one graph serves both; a tree past the window runs eager. A slice of the static block keeps
   its address. Why KV-length buckets and not one graph over the
@@ -33,6 +33,10 @@ vLLM and gpt-fast do:
   padding never touches a session's keys; their outputs are never read. Rollback stays a length.
 Anything outside the buckets (a prompt's prefill chunk wider than the widest, more rows than
 the largest batch, a length past the largest) runs HFBackend's eager forward on the same cache.
+The static forwards take the architecture's masks (specdec.architectures: a layer's sliding window
+is measured in the keys' places in the sequence, a tree's nodes at their depths'). An architecture
+whose forward cannot be captured (MoE routers: the experts a token goes to are read back to the
+host) is served eager on CUDA, all its forwards HFBackend's, with one log line saying so.
 
 Why no torch.compile: the launch overhead is what a small model loses on a GPU (fp32
 SmolLM2-135M, H100: one token 36.7 ms eager, 3.3 ms compiled with CUDA graphs), and graphs of
@@ -76,7 +80,7 @@ from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 KV_MEMORY_FRACTION = 0.4
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 # Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
-# step's mask covers this many keys more than its width (specdec.graphs.window_mask).
+# step's mask covers this many keys more than its width (specdec.graphs.window_visible).
 TREE_WINDOW = MAX_TREE_NODES
 
 
@@ -172,6 +176,16 @@ class GraphBackend(HFBackend):
             self.kv.nbytes,
         )
         self._owner = threading.get_ident()
+        if cuda and not self.arch.graphs:  # the KV cache stays fixed; every forward runs HFBackend's
+            built.mode = "eager"
+            self._ready = True
+            print(
+                f"specdec: {self.name}: architecture {self.arch.model_type!r} served eager, no CUDA graphs: its MoE "
+                "router reads the routing back to the host, which a capture cannot hold",
+                file=sys.stderr,
+                flush=True,
+            )
+            return built
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         t0 = time.perf_counter()
         # Largest first: the smaller graphs' activations then fit in the pool's blocks the larger freed.
@@ -209,16 +223,21 @@ class GraphBackend(HFBackend):
         if self.built is None:
             raise RuntimeError(f"{type(self).__name__}.prepare(limits) must run before a forward")
         b = self.built
+        if not b.graphs:  # served eager (prepare)
+            return None
         batch = bucket(len(blocks), b.batches)
         width = bucket(max(len(tokens) for tokens in blocks), b.widths)
         length = bucket(max(s.length + len(t) for s, t in zip(slots, blocks, strict=True)), b.lengths)
         if batch is None or width is None or length is None:
             return None
-        # One host array of ids, write positions, slots, rotary positions and window starts, and the
-        # windows' masks: two copies to the device. A pad cell writes the pad slot at its column's
-        # index (a position within every slot) and sees its window's first key (no row all masked).
+        # One host array of ids, write positions, slots, rotary positions and window starts, the
+        # windows' masks, and the places in the sequence of the windows' keys (a tree's node: its
+        # depth's; what a sliding window measures): three copies to the device. A pad cell writes the
+        # pad slot at its column's index (a position within every slot) and sees its window's first
+        # key (no row all masked).
         host = np.zeros((5, batch, width), dtype=np.int64)
         seen = np.zeros((batch, width, TREE_WINDOW + width), dtype=bool)
+        places = np.broadcast_to(np.arange(TREE_WINDOW + width), (batch, TREE_WINDOW + width)).copy()
         host[1] = host[3] = np.arange(width)
         host[2] = self._pad
         seen[:, :, 0] = True
@@ -233,6 +252,7 @@ class GraphBackend(HFBackend):
             host[1, row, :w] += start
             host[2, row, :w] = slot.index
             host[4, row] = low
+            places[row] += low
             if tree is None:  # a chain: the window starts at the block, causal within it
                 host[3, row, :w] = host[1, row, :w]
                 seen[row, :w, :width] = lower[:w]
@@ -240,12 +260,15 @@ class GraphBackend(HFBackend):
                 rotary, visible = tree.row(start, w, start + w)
                 host[3, row, :w] = rotary
                 seen[row, :w, : start + w - low] = visible[:, low:].numpy()
+                places[row, : start + w - low] = [tree.depth(j) for j in range(low, start + w)]
         key = (batch, width, length)
         step = self._steps.get(key) or self._build(key)
         if step.graph is not None and threading.get_ident() != self._owner:
             raise RuntimeError("CUDA graphs are replayed on the thread that captured them (the model worker)")
         b.hits[key] += 1
-        return step.run(torch.from_numpy(host), torch.from_numpy(seen))  # [batch, width, hidden]
+        return step.run(
+            torch.from_numpy(host), torch.from_numpy(seen), torch.from_numpy(places)
+        )  # [batch, width, hidden]
 
     def _build(self, key: tuple[int, int, int]) -> _Step:
         if self._ready:
@@ -259,65 +282,75 @@ class GraphBackend(HFBackend):
         inputs = torch.zeros(5, batch, width, dtype=torch.long, device=self.device)
         seen = torch.zeros(batch, width, TREE_WINDOW + width, dtype=torch.bool, device=self.device)
         seen[:, :, 0] = True
+        places = torch.arange(TREE_WINDOW + width, device=self.device).expand(batch, -1).clone()
         # An eager run before the first capture of a (batch, width): the lazy initialisation a first
         # launch does (module loading, kernel selection) must not happen under capture. Lengths
         # change only the attention's shapes; a run before every capture took 10.1 s of 126 graphs'
         # capture where this takes 5.8 (fp32, one H100).
         warm = not any(k[:2] == key[:2] for k in self._steps)
-        step = _Step(forward, inputs, seen, self._pad, self._pool, warm)
+        step = _Step(forward, (inputs, seen, places), self._pad, self._pool, warm)
         self._steps[key] = step
         return step
 
-    def _static_forward(self, inputs: torch.Tensor, seen: torch.Tensor, length: int) -> torch.Tensor:
+    def _static_forward(
+        self, inputs: torch.Tensor, seen: torch.Tensor, places: torch.Tensor, length: int
+    ) -> torch.Tensor:
         """inputs: [5, B, W] (ids, write positions, slots, rotary positions, each row's window start);
         seen: [B, W, TREE_WINDOW + W], whether a column sees each key of its row's window (keys before
-        the window: all; past it: none) -> the last hidden states, [B, W, hidden]."""
+        the window: all; past it: none); places: [B, TREE_WINDOW + W], the window's keys' places in
+        the sequence (keys before it: their own) -> the last hidden states, [B, W, hidden]."""
         ids, writes, slots, rotary, low = inputs
-        return self.model.base_model(
+        visible, keys = window_visible(low[:, 0], seen, places, length)
+        return self._base(
             input_ids=ids,
-            attention_mask=window_mask(low[:, 0], seen, length, self.kv.dtype),
+            attention_mask=self.arch.mask(visible, rotary, keys, self.kv.dtype),
             position_ids=rotary,
-            past_key_values=StaticView(self.kv, slots, writes, length),
-            use_cache=True,
-        ).last_hidden_state
+            cache=StaticView(self.kv, slots, writes, length),
+        )
 
 
-def window_mask(low: torch.Tensor, seen: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention mask [B, 1, W, length] of rows whose keys before low[b] are all seen,
-    those from it by seen[b, column, key - low[b]], and those past the window none."""
+def window_visible(
+    low: torch.Tensor, seen: torch.Tensor, places: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which keys [B, W, length] each column of rows whose keys before low[b] are all seen, those from
+    it by seen[b, column, key - low[b]] and those past the window none, sees; and each key's place in
+    the sequence [B, length] (in the window: places[b, key - low[b]], else its own)."""
     window = seen.shape[-1]
-    at = torch.arange(length, device=low.device) - low[:, None]  # [B, length]: a key's place in its window
-    inside = seen.gather(-1, at.clamp(0, window - 1)[:, None, :].expand(-1, seen.shape[1], -1))
-    visible = (at < 0)[:, None, :] | (inside & (at < window)[:, None, :])
-    mask = torch.zeros(visible.shape, dtype=dtype, device=low.device)
-    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+    own = torch.arange(length, device=low.device)
+    at = own - low[:, None]  # [B, length]: a key's place in its window
+    inside = (at >= 0) & (at < window)
+    index = at.clamp(0, window - 1)
+    keys = torch.where(inside, places.gather(-1, index), own)
+    gathered = seen.gather(-1, index[:, None, :].expand(-1, seen.shape[1], -1))
+    visible = (at < 0)[:, None, :] | (gathered & inside[:, None, :])
+    return visible, keys
 
 
 class _Step:
     """One static forward: its input buffers, and on CUDA its captured graph and output."""
 
-    def __init__(self, forward, inputs: torch.Tensor, seen: torch.Tensor, pad: int, pool, warm: bool = True):
+    def __init__(self, forward, buffers: tuple[torch.Tensor, ...], pad: int, pool, warm: bool = True):
         self.forward = forward
-        self.inputs, self.seen = inputs, seen  # [5, batch, width], [batch, width, window]
-        self.inputs[2] = pad  # a warm-up run writes only the pad slot
+        self.buffers = buffers  # inputs [5, batch, width], seen [batch, width, window], places [batch, window]
+        buffers[0][2] = pad  # a warm-up run writes only the pad slot
         self.graph = None
-        if inputs.device.type != "cuda":
+        if buffers[0].device.type != "cuda":
             return
         if warm:  # off the capturing stream, as torch's docs do before a capture
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                forward(self.inputs, self.seen)
+                forward(*self.buffers)
             torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = forward(self.inputs, self.seen)
+            self.output = forward(*self.buffers)
 
-    def run(self, inputs: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        self.inputs.copy_(inputs)
-        self.seen.copy_(seen)
+    def run(self, *host: torch.Tensor) -> torch.Tensor:
+        for buffer, values in zip(self.buffers, host, strict=True):
+            buffer.copy_(values)
         if self.graph is None:
-            return self.forward(self.inputs, self.seen)
+            return self.forward(*self.buffers)
         self.graph.replay()
         return self.output
 
@@ -329,6 +362,11 @@ class StaticView:
     def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, length: int):
         self.cache, self.slots, self.positions, self.length = cache, slots, positions, length
         self.rows = slots[:, 0]  # a row's first column is never a pad column
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """The positions attended (a model reads it only to make positions or masks of its own,
+        which a static forward passes it)."""
+        return self.length
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
         """keys, values: [B, kv_heads, W, head_dim] -> [B, kv_heads, length, head_dim] each."""

@@ -137,19 +137,24 @@ class Tree:
     floor: int
     parents: tuple[int, ...]
 
+    def depth(self, position: int) -> int:
+        """A slot position's place in the sequence: a node's is its parent's + 1, any other its own."""
+        place = position
+        hops = 0
+        while self.floor <= place < self.floor + len(self.parents):
+            place = self.parents[place - self.floor]
+            hops += 1
+        return place + hops
+
+    def positions(self, kv_length: int) -> list[int]:
+        """Each of slot positions 0..kv_length - 1's place in the sequence (the key positions a
+        sliding window is measured in)."""
+        return [self.depth(j) for j in range(kv_length)]
+
     def row(self, start: int, width: int, kv_length: int) -> tuple[list[int], torch.Tensor]:
-        """For a block written at start..start + width - 1: each position's rotary position and
-        which of positions 0..kv_length - 1 it sees ([width, kv_length] bool). Positions below
-        the floor, or past the tree (a pad's), are causal."""
-        rotary: dict[int, int] = {}
-
-        def depth(position: int) -> int:
-            if position < self.floor or position >= self.floor + len(self.parents):
-                return position
-            if position not in rotary:
-                rotary[position] = depth(self.parents[position - self.floor]) + 1
-            return rotary[position]
-
+        """For a block written at start..start + width - 1: each position's rotary position (its
+        place in the sequence, Tree.depth) and which of positions 0..kv_length - 1 it sees
+        ([width, kv_length] bool). Positions below the floor, or past the tree (a pad's), are causal."""
         visible = torch.zeros(width, kv_length, dtype=torch.bool)
         for t in range(width):
             position = start + t
@@ -161,7 +166,7 @@ class Tree:
             while node >= self.floor:
                 visible[t, node] = True
                 node = self.parents[node - self.floor]
-        return [depth(start + t) for t in range(width)], visible
+        return [self.depth(start + t) for t in range(width)], visible
 
 
 def compact(cache: SlotCache, slot: Slot, keep: int, sources: list[int]) -> None:
@@ -174,11 +179,24 @@ def compact(cache: SlotCache, slot: Slot, keep: int, sources: list[int]) -> None
     slot.length = keep + len(sources)
 
 
-def causal_mask(positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention mask of a batched forward: [B, 1, width, kv_length], 0 where row
-    b's query at positions[b, t] may see key j (j <= its position), the dtype's minimum elsewhere."""
-    visible = torch.arange(kv_length, device=positions.device) <= positions[:, :, None]  # [B, width, kv]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+def causal_visible(positions: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Which keys each query of a batched forward sees, causally: [B, width, kv_length], row b's
+    query at positions[b, t] seeing key j iff j <= its position."""
+    return torch.arange(kv_length, device=positions.device) <= positions[:, :, None]
+
+
+def within(visible: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """visible [B, W, kv] narrowed to the keys in each query's sliding window (transformers' `kv > q -
+    window`): queries [B, W] and keys [B, kv] or [kv] are positions in the sequence (a tree's node: its
+    depth's). None: unchanged."""
+    if window is None:
+        return visible
+    return visible & (keys[..., None, :] > queries[..., :, None] - window)
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, W, kv] bool -> the additive attention mask [B, 1, W, kv]: 0 where visible, the dtype's minimum elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
 
@@ -197,9 +215,15 @@ class BatchView:
         starts = torch.tensor([s.length for s in slots], device=device)
         self.positions = starts[:, None] + torch.arange(width, device=device)  # [B, width]
         self.kv_length = max(s.length for s in slots) + width
+        self.width = width
         lo = min(index)
         # Consecutive slots in order: a view of the block, no gather.
         self.span = slice(lo, lo + len(index)) if index == list(range(lo, lo + len(index))) else None
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """The longest row's cached positions before this forward (a model reads it only to make
+        positions or masks of its own, which a forward here passes it)."""
+        return self.kv_length - self.width
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
         """keys, values: [B, kv_heads, width, head_dim] -> [B, kv_heads, kv_length, head_dim] each."""
@@ -216,10 +240,11 @@ class PackedView:
 
     `update` writes each token's keys and values at its row's slot and position; `attend` (the
     attention of a layer, called in place of transformers' own) attends, for each group of rows
-    of the same width, the group's queries over its slots, each row up to its own positions.
+    of the same width, the group's queries over its slots, each row up to its own positions and
+    within the layer's sliding window (`windows`: each layer's, None for full attention).
     """
 
-    def __init__(self, cache: SlotCache, slots: list[Slot], widths: list[int]):
+    def __init__(self, cache: SlotCache, slots: list[Slot], widths: list[int], windows=None):
         self.cache = cache
         device = cache.device
         cache.reserve(max(s.length + w for s, w in zip(slots, widths, strict=True)))
@@ -230,14 +255,21 @@ class PackedView:
         index = torch.tensor([s.index for s in slots])
         self.token_slots = index[rows].to(device)
         self.positions = (starts[rows] + offsets).to(device)  # [T]
-        self.groups = []  # (slot indices [B], token indices [B, w], mask [B, 1, w, kv], kv): rows of width w
+        self.windows = windows or [None] * cache.layers
+        self.groups = []  # (slot indices [B], token indices [B, w], positions [B, w], kv): rows of width w
         for width in sorted(set(widths)):
             members = torch.tensor([r for r, w in enumerate(widths) if w == width])
             tokens = first[members][:, None] + torch.arange(width)
             positions = starts[members][:, None] + torch.arange(width)
-            kv = int(positions.max()) + 1
-            mask = causal_mask(positions.to(device), kv, cache.dtype)
-            self.groups.append((index[members].to(device), tokens.to(device), mask, kv))
+            self.groups.append(
+                (index[members].to(device), tokens.to(device), positions.to(device), int(positions.max()) + 1)
+            )
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}  # (group, window) -> [B, 1, w, kv]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """The longest row's cached positions before this forward (a model reads it only to make
+        positions or masks of its own, which a forward here passes it)."""
+        return max(int(positions[:, 0].max()) for _, _, positions, _ in self.groups)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
         """keys, values: [1, kv_heads, T, head_dim], written at each token's slot and position."""
@@ -245,16 +277,24 @@ class PackedView:
             store[self.token_slots, :, self.positions] = new[0].transpose(0, 1).to(store.dtype)
         return keys, values
 
+    def _mask(self, group: int, window: int | None) -> torch.Tensor:
+        if (group, window) not in self._masks:
+            _, _, positions, kv = self.groups[group]
+            keys = torch.arange(kv, device=positions.device)
+            visible = within(causal_visible(positions, kv), positions, keys, window)
+            self._masks[group, window] = additive(visible, self.cache.dtype)
+        return self._masks[group, window]
+
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query: [1, heads, T, head_dim] -> the attention output, [1, T, heads, head_dim]."""
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        for slots, tokens, mask, kv in self.groups:
+        for g, (slots, tokens, _, kv) in enumerate(self.groups):
             q = query[0][:, tokens].transpose(0, 1)  # [B, heads, w, head_dim]
             k = keys.index_select(0, slots)[:, :, :kv].to(q.dtype)
             v = values.index_select(0, slots)[:, :, :kv].to(q.dtype)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+                q, k, v, attn_mask=self._mask(g, self.windows[layer]), scale=scaling, enable_gqa=True
             )
             out[0, tokens] = o.transpose(1, 2)
         return out

@@ -217,6 +217,7 @@ def _get_ready(engine: SessionEngine, backend) -> None:
     lookahead): a draft's batched steps at every thread count a request may ask for, and a
     target's verify forwards where it has more than one (its cores shared with the draft's).
     On the bare backend: no request pays for it, no span records it."""
+    backend.tokenizer_digest()  # Describe's: a GGUF's tokenizer is converted here (once), not under a caller's Describe
     warm_up(backend, engine.limits)
     cores = engine.cores
     if engine.role == "draft":

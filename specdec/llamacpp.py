@@ -40,6 +40,7 @@ allow (set_threads: llama_set_n_threads, no new threads: the OpenMP team of the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,10 +81,10 @@ class LlamaCppBackend:
 
         if spec.model in models.ALIASES:
             self.path = default_file()
-            self.tokenizer = AutoTokenizer.from_pretrained(models.resolve(spec.model))
+            self._tokenizer = lambda: AutoTokenizer.from_pretrained(models.resolve(spec.model))
         elif spec.model.endswith(".gguf") and Path(spec.model).is_file():
             self.path = Path(spec.model)
-            self.tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            self._tokenizer = functools.partial(models.gguf_tokenizer, self.path)
         else:
             raise ValueError(f"the llamacpp backend needs a .gguf file or '{models.DEFAULT_ALIAS}', not {spec.model!r}")
         self.name = f"llama.cpp:{self.path.name}"
@@ -103,6 +104,9 @@ class LlamaCppBackend:
         params.n_ubatch = UBATCH_TOKENS
         params.n_seq_max = MAX_SEQUENCES
         params.kv_unified = False
+        # Sliding-window layers (Gemma 2/3) keep every cell, not the window's: a rollback then leaves
+        # the keys the window needs again (llama.cpp's smaller SWA cache drops them as it goes).
+        params.swa_full = True
         if file_type == 0:
             # An F32 model computes as the fp32 transformers target does: F32 keys and values, and
             # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
@@ -116,6 +120,12 @@ class LlamaCppBackend:
         self.vocab_size = int(self._model.n_vocab())
         self.max_context = min(n_ctx, int(self._model.n_ctx_train()))
         self.eos_token_ids = [int(self._model.token_eos())]
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The transformers tokenizer (the services' GetTokenizer and digest): loaded when first
+        asked for; a GGUF's is converted once and cached (models.gguf_tokenizer)."""
+        return self._tokenizer()
 
     def new_cache(self) -> Slot:
         if not self._free:
@@ -189,6 +199,7 @@ class LlamaCppBackend:
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.tokenizer)
 
+    @functools.cache  # noqa: B019 - one backend per process
     def tokenizer_digest(self) -> str:
         return vocab_digest(self.tokenizer)
 

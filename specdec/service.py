@@ -195,8 +195,11 @@ class SessionServicer:
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
         threads = validation.threads(request)
+        vocab = request.vocab_size if request.HasField("vocab_size") else 0
+        if request.HasField("vocab_size") and vocab < 1:
+            raise InvalidArgument(f"vocab_size must be at least 1, not {vocab}")
         constraint = self._constraint(request)
-        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, constraint)
+        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, constraint, vocab)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):

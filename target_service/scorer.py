@@ -120,10 +120,15 @@ class TreeRule:
     final_uniform: float
 
 
-def draft_rows(rows, nodes) -> dict[int, np.ndarray]:
-    """ScoreRequest.draft_rows (decoded, wire.decode_row) by node, each a distribution."""
+def draft_rows(rows, nodes, vocab_size: int) -> dict[int, np.ndarray]:
+    """ScoreRequest.draft_rows (decoded, wire.decode_row) by node, each a distribution over the
+    session's `vocab_size` rows."""
     out = {}
     for node, row in zip(nodes, rows, strict=True):
+        if row.shape != (vocab_size,):
+            raise InvalidArgument(
+                f"draft_rows: the row of node {node} is over {row.size} tokens, the session's {vocab_size}"
+            )
         if not (np.isfinite(row).all() and (row >= 0).all() and row.sum() > 0):
             raise InvalidArgument(f"draft_rows: the row of node {node} is not a distribution")
         out[int(node)] = row

@@ -32,7 +32,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             if request.draft_parent_ids:
                 walk = None
                 if not params.greedy and noise_seed is None:
-                    rows = scorer.draft_rows(map(wire.decode_row, request.draft_rows), request.draft_row_nodes)
+                    vocab = session.vocab_size or self.engine.backend.vocab_size
+                    rows = scorer.draft_rows(map(wire.decode_row, request.draft_rows), request.draft_row_nodes, vocab)
                     walk = scorer.TreeRule(rows, list(request.accept_uniforms), request.final_uniform)
                 ids, parents = list(request.draft_token_ids), list(request.draft_parent_ids)
                 scores = yield from scorer.score_tree(

@@ -18,6 +18,7 @@ from specdec.errors import FailedPrecondition
 from specdec.models import ModelSpec
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
+from tests.conftest import make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +130,20 @@ def test_mismatched_pair_is_refused(tiny_models, tiny_backends):
         with pytest.raises(FailedPrecondition) as err:
             connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
         assert tiny_models["other_vocab"] in err.value.message and tiny_models["target"] in err.value.message
+        # which tokens differ: the draft's five extra ones (conftest.make_tokenizer), the first named
+        assert "5 tokens differ: '<x0>' (draft 45, target none)" in err.value.message
     finally:
         draft_server.stop(None)
         target_server.stop(None)
     same_size = model_pb2.ModelInfo(model_name="a", vocab_size=5, tokenizer_digest="x")
+    tokenizer = make_tokenizer()
     with pytest.raises(FailedPrecondition):
-        check_pair(same_size, model_pb2.ModelInfo(model_name="b", vocab_size=5, tokenizer_digest="y"))
+        check_pair(
+            same_size,
+            model_pb2.ModelInfo(model_name="b", vocab_size=5, tokenizer_digest="y"),
+            tokenizer,
+            make_tokenizer,
+        )
 
 
 def test_cli_generate_json_starts_three_processes(tiny_models):
