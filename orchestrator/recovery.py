@@ -43,8 +43,9 @@ Address = str | Callable[[float], str]
 # (address, seconds to wait for it) -> a connected channel; raises ConnectionError.
 ChannelFactory = Callable[[str, float], grpc.Channel]
 
-# A call failing with one of these means the service, or its copy of the session, is gone.
-LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+# A call failing with one of these means the service, or its copy of the session, is gone. A
+# server that stops cancels the calls it was running: CANCELLED (the orchestrator cancels none).
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
 
 
 class ResilientStub:
@@ -97,7 +98,7 @@ class ResilientStub:
                 return getattr(stub, method)(request, **kwargs)
             except grpc.RpcError as err:
                 if err.code() in LOST:
-                    gone = err.code() == grpc.StatusCode.UNAVAILABLE
+                    gone = err.code() != grpc.StatusCode.NOT_FOUND
                     raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}", gone) from err
                 raise
 
