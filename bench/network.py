@@ -11,6 +11,8 @@ on the same prompts (greedy, client wall time, prefill included):
 - alone, no link: the target alone with the orchestrator beside it (RTT 0): the user's baseline;
 - alone: the target alone across the link;
 - seq k, overlap k: the split across the link, sequential and overlapped rounds, per fixed k;
+- overlap+cache k: overlapped rounds with the speculation cache (orchestrator.speculation_cache:
+  the draft also prepares the next round for the likeliest rejections), with its hit rate;
 - adaptive: adaptive lookahead, which measures the waits the link adds and prices them.
 Reported: tokens/s (median over prompts x repeats), the ratio to the no-link baseline, the
 ratio to the same row at the first RTT given (usually 0), acceptance and tokens a round, and
@@ -67,13 +69,15 @@ def one_core_hosts(config: NetworkConfig) -> tuple[Placement, Placement]:
     return draft, target
 
 
-def rows_for(config: NetworkConfig) -> list[tuple[str, str, bool]]:
-    """(row name, k as bench.run takes it, overlap) of the rows run across the link."""
-    rows = [("alone", "-", False)]
+def rows_for(config: NetworkConfig) -> list[tuple[str, str, bool, bool]]:
+    """(row name, k as bench.run takes it, overlap, speculation cache) of the rows run across the link."""
+    rows = [("alone", "-", False, False)]
     for k in config.ks:
-        rows += [(f"{'overlap' if o else 'seq'} k={k}", str(k), o) for o in config.overlap]
+        rows += [(f"{'overlap' if o else 'seq'} k={k}", str(k), o, False) for o in config.overlap]
+        if True in config.overlap:
+            rows.append((f"overlap+cache k={k}", str(k), True, True))
     if config.adaptive:
-        rows.append(("adaptive", "adaptive", True))
+        rows.append(("adaptive", "adaptive", True, True))
     return rows
 
 
@@ -115,9 +119,9 @@ def run(config: NetworkConfig, log=print) -> dict:
                 try:
                     stub = _stub(orchestrator.port)
                     results["rtts"][str(rtt)] = cells = {}
-                    for name, k, overlap in rows_for(config):
-                        _specdec_generate(stub, ids[0], bench, 0.0, k, overlap)  # warm-up: the costs, the link
-                        cells[name] = _row(stub, ids, bench, k, overlap, config.repeats)
+                    for name, k, overlap, cache in rows_for(config):
+                        _specdec_generate(stub, ids[0], bench, 0.0, k, overlap, cache=cache)  # warm-up
+                        cells[name] = _row(stub, ids, bench, k, overlap, config.repeats, cache)
                         log(f"network: RTT {rtt:g} ms, {name}: {cells[name]['tokens_per_second']:.2f} tok/s")
                 finally:
                     orchestrator.stop(None)
@@ -134,8 +138,10 @@ def _stub(port: int):
     return orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
-def _row(stub, ids: list[list[int]], bench: BenchConfig, k: str, overlap: bool, repeats: int) -> dict:
-    runs = [_specdec_generate(stub, x, bench, 0.0, k, overlap) for _ in range(repeats) for x in ids]
+def _row(
+    stub, ids: list[list[int]], bench: BenchConfig, k: str, overlap: bool, repeats: int, cache: bool = False
+) -> dict:
+    runs = [_specdec_generate(stub, x, bench, 0.0, k, overlap, cache=cache) for _ in range(repeats) for x in ids]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in runs if r.get(key) is not None]
@@ -146,6 +152,8 @@ def _row(stub, ids: list[list[int]], bench: BenchConfig, k: str, overlap: bool, 
         "round_tokens_per_second": median("round_tokens_per_second"),
         "acceptance_rate": median("acceptance_rate"),
         "tokens_per_round": median("tokens_per_round"),
+        "cache_hit_rate": median("cache_hit_rate"),
+        "cache_hits_per_round": median("cache_hits_per_round"),
     }
 
 
@@ -154,8 +162,8 @@ def format_table(results: dict) -> str:
     rtts = list(results["rtts"])
     first = results["rtts"][rtts[0]]
     header = ["RTT ms", "row", "tok/s", "x alone, no link", f"x RTT {float(rtts[0]):g}", "accept", "tok/round"]
-    header.append("rounds tok/s")
-    lines = [header, ["-", "alone, no link", f"{base:.2f}", "1.00x", "-", "-", "-", "-"]]
+    header += ["rounds tok/s", "cache hits"]
+    lines = [header, ["-", "alone, no link", f"{base:.2f}", "1.00x", "-", "-", "-", "-", "-"]]
     for rtt, cells in results["rtts"].items():
         for name, cell in cells.items():
             tps = cell["tokens_per_second"]
@@ -171,7 +179,14 @@ def format_table(results: dict) -> str:
                     "-" if accept is None else f"{accept:.3f}",
                     "-" if per_round is None else f"{per_round:.2f}",
                     "-" if rounds is None else f"{rounds:.2f}",
+                    _hits(cell),
                 ]
             )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in lines)
+
+
+def _hits(cell: dict) -> str:
+    """The speculation cache's hits: of its branches, and a round."""
+    rate, per_round = cell.get("cache_hit_rate"), cell.get("cache_hits_per_round")
+    return "-" if rate is None else f"{rate:.2f} ({per_round:.2f}/round)"

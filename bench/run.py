@@ -142,12 +142,15 @@ def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: 
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
 def _specdec_generate(
     stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0,
-    constraint=None,
+    constraint=None, cache: bool | None = None,
 ) -> dict:  # fmt: skip
-    """One generation through the orchestrator (`constraint`: a model_pb2.Constraint, structured output)."""
+    """One generation through the orchestrator (`constraint`: a model_pb2.Constraint, structured output;
+    `cache`: the speculation cache on or off, None: the orchestrator's default)."""
     from specdec.v1 import model_pb2, orchestrator_pb2
 
     spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap)
+    if cache is not None:
+        spec.cache = cache
     if k == "adaptive":
         spec.lookahead, spec.adaptive = max(config.ks), True
     elif k != "-":
@@ -199,6 +202,8 @@ def _specdec_generate(
         "target_threads": s.target_core_seconds / s.target_forward_seconds if s.target_forward_seconds else None,
     }
     run |= {
+        "cache_hit_rate": s.cache_hits / s.cache_branches if s.cache_branches else None,
+        "cache_hits_per_round": s.cache_hits / rounds if s.cache_branches else None,
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
         "tokens_per_round": s.mean_accepted_length,
         "drafts_per_round": s.draft_tokens / rounds,

@@ -73,6 +73,8 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
     )
     if args.no_overlap:
         speculation.overlap = False
+    if args.no_speculation_cache:
+        speculation.cache = False
     if args.rule is not None:
         speculation.rule = orchestrator_pb2.Rule.Value(f"RULE_{args.rule.upper()}")
     if args.tree is not None:

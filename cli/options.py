@@ -198,6 +198,14 @@ def add_overlap_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
         help=f"sequential rounds for {whose}: the draft waits while the target verifies (default: overlapped, "
         "the draft proposes the next round meanwhile; output unchanged)",
     )
+    whose = "this request" if client else "requests that do not say (speculation.cache)"
+    p.add_argument(
+        "--no-speculation-cache",
+        action="store_true",
+        help=f"no speculation cache for {whose}: in overlapped rounds (greedy, the invariant rule) the draft "
+        "also prepares the next round for the likeliest rejections while the target verifies (default: on; "
+        "output unchanged)",
+    )
 
 
 def add_server_security_flags(p: argparse.ArgumentParser) -> None:

@@ -228,6 +228,7 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
         orchestrator=OrchestratorConfig(
             admission=options.admission_limits(args),
             overlap=not args.no_overlap,
+            speculation_cache=not args.no_speculation_cache,
             rule=args.rule,
             tree_nodes=args.tree,
             http_port=args.http_port,

@@ -97,7 +97,12 @@ def orchestrator(args) -> int:
     from deploy import hosting  # the orchestrator imports transformers for its tokenizer
 
     config = OrchestratorConfig(
-        admission=admission, overlap=not args.no_overlap, rule=args.rule, tree_nodes=args.tree, http_port=args.http_port
+        admission=admission,
+        overlap=not args.no_overlap,
+        rule=args.rule,
+        tree_nodes=args.tree,
+        http_port=args.http_port,
+        speculation_cache=not args.no_speculation_cache,
     )
     orchestrator = hosting.start_orchestrator(
         args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
@@ -129,6 +134,7 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         overlap=not args.no_overlap,
+        speculation_cache=not args.no_speculation_cache,
         rule=args.rule,
         tree_nodes=args.tree,
         session_limits=options.session_limits(args),

@@ -72,6 +72,7 @@ class OrchestratorConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
     overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset
+    speculation_cache: bool = True  # the speculation cache for requests that leave speculation.cache unset
     rule: str = "leviathan"  # the sampling rule of requests that leave speculation.rule unset (RULES)
     tree_nodes: int = 0  # draft trees for requests that leave speculation.tree_nodes unset; 0: chains
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port

@@ -129,7 +129,7 @@ def start_orchestrator(
         security,
         telemetry=telemetry,
         admission=config.admission,
-        defaults=RequestDefaults(config.overlap, config.rule, config.tree_nodes),
+        defaults=RequestDefaults(config.overlap, config.rule, config.tree_nodes, config.speculation_cache),
     )
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:

@@ -91,6 +91,7 @@ class PipelineConfig:
     restart: RestartPolicy = RestartPolicy()
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
     overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
+    speculation_cache: bool = True  # ... and speculation.cache
     rule: str = "leviathan"  # ... and speculation.rule
     tree_nodes: int = 0  # ... and speculation.tree_nodes
     draft_placement: Placement = Placement()
@@ -163,6 +164,7 @@ class LocalPipeline:
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + ([] if cfg.overlap else ["--no-overlap"])
+                + ([] if cfg.speculation_cache else ["--no-speculation-cache"])
                 + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)],
             )
             self._wait("orchestrator")

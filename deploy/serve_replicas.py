@@ -77,7 +77,9 @@ class Pair:
             telemetry=self.telemetry,
             recovery=orchestrator.recovery,
         )
-        self.defaults = RequestDefaults(orchestrator.overlap, orchestrator.rule, orchestrator.tree_nodes)
+        self.defaults = RequestDefaults(
+            orchestrator.overlap, orchestrator.rule, orchestrator.tree_nodes, orchestrator.speculation_cache
+        )
         # A generation blocks its thread for its whole length: one each, as many as Serve lets in.
         self.pool = ThreadPoolExecutor(orchestrator.admission.max_concurrent + 2, "specdec-pair")
 

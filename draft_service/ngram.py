@@ -41,6 +41,7 @@ def propose(
     uniforms: list[float],
     assumed: list[int] = (),
     noise_seed: int | None = None,
+    alternatives: list | None = None,
 ) -> tuple[list[int], list[float]]:
     """At most k tokens after the committed ones and `assumed`; draft probs of 1 (sampling
     mode), one-hot rows for ProposalRow (the assumed tokens' too: they are point masses).

@@ -28,11 +28,14 @@ def propose(
     uniforms: list[float],
     assumed: list[int] = (),
     noise_seed: int | None = None,
+    alternatives: list | None = None,
 ) -> Generator[Forward, torch.Tensor, tuple[list[int], list[float]]]:
     """Propose k tokens after the committed sequence and `assumed` (tokens taken as given, not
     committed: an overlapped round's continuation): (token ids, draft probs of them).
     `noise_seed` (sampling): the invariant rule, each token the Gumbel-max sample of its row
     with the noise of its position (specdec.rule.coupled_tokens); no probs, no rows kept.
+    `alternatives` (greedy or the invariant rule): a list that gets, for each token, (the runner-up
+    at its position, the token's probability, the runner-up's): the orchestrator's speculation cache.
 
     A request for the engine's worker: each draft step is one forward, batched with the
     steps of the other sessions proposing at the same time."""
@@ -59,6 +62,8 @@ def propose(
                     token = rule.sample(row.cpu().numpy(), uniforms[i])
                     token_probs.append(float(row[token]))
                     rows.append(row)
+                if alternatives is not None and (params.greedy or coupled):
+                    alternatives.append(runner_up(logits, params, token))
                 drafts.append(token)
                 if grammar is not None and (not grammar.push([token]) or grammar.stopped()):
                     break  # the grammar ended (EOS drawn): nothing follows it
@@ -68,6 +73,15 @@ def propose(
     if not coupled:
         keep_rows(session, len(assumed), torch.stack(rows) if rows else None, drafts)
     return drafts, token_probs
+
+
+def runner_up(logits: torch.Tensor, params: SamplingParams, token: int) -> tuple[int, float, float]:
+    """(the most probable token but `token`, `token`'s probability, its): the draft's second guess at
+    a position (greedy: at temperature 1; sampling: after the request's transform)."""
+    probs = torch.softmax(logits.float(), -1) if params.greedy else probs_from_logits(logits[None], params)[0]
+    top = torch.topk(probs, 2)
+    second = int(top.indices[1]) if int(top.indices[0]) == token else int(top.indices[0])
+    return second, float(probs[token]), float(probs[second])
 
 
 def keep_rows(session: Session, offset: int, rows: torch.Tensor | None, tokens: list[int]) -> None:

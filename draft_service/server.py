@@ -48,6 +48,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
             self.engine.open_round(session, request.append_tokens, extra, what)
             params = SamplingParams.from_proto(request.sampling)
             noise_seed = request.noise_seed if request.HasField("noise_seed") else None
+            alternatives = [] if request.alternatives else None  # (runner-up, probabilities) a token
             if request.tree_nodes:
                 proposal = self.drafter.propose_tree(
                     self.engine,
@@ -68,6 +69,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                     list(request.uniforms),
                     list(request.assumed_tokens),
                     noise_seed,
+                    alternatives,
                 )
             steps: list = []  # the forwards of the proposal, as they ran (batched with others')
             result = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal
@@ -89,6 +91,10 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                     response.node_rows.append(wire.encode_row(row.float().cpu().numpy()))
             else:
                 response.token_ids[:], response.token_probs[:] = result
+                for second, top, second_prob in alternatives or ():
+                    response.runner_up_ids.append(second)
+                    response.top_probs.append(top)
+                    response.runner_up_probs.append(second_prob)
             return response
 
         threads = validation.threads(request)

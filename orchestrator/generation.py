@@ -18,6 +18,7 @@ from pathlib import Path
 from orchestrator.availability import Availability
 from orchestrator.lookahead import PairCosts
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.speculation_cache import CacheRates
 from orchestrator.trees import PairTrees
 from specdec import grammar, validation
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
@@ -59,6 +60,8 @@ class ModelPair:
         default_factory=lambda: (Availability("draft"), Availability("target")), compare=False
     )
     draft_timeout: float | None = None  # seconds a draft call may take (RecoveryConfig.draft_timeout)
+    # What the generations on the pair measure for the speculation cache (orchestrator.speculation_cache).
+    cache_rates: CacheRates = field(default_factory=CacheRates, compare=False)
 
     def close(self) -> None:
         """Stop probing lost services (the orchestrator stops)."""
@@ -123,6 +126,7 @@ class RequestDefaults:
     overlap: bool = True  # speculation.overlap
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
     tree_nodes: int = 0  # speculation.tree_nodes (0: chains)
+    cache: bool = True  # speculation.cache: the speculation cache (orchestrator.speculation_cache)
 
 
 # SpeculationParams.rule -> the loop's rule; RULE_UNSPECIFIED takes the orchestrator's default
@@ -173,6 +177,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         overlap=spec.overlap if spec.HasField("overlap") else defaults.overlap,
         rule=_rule(spec.rule, defaults.rule),
         tree_nodes=_tree_nodes(pair, spec, defaults.tree_nodes),
+        cache=spec.cache if spec.HasField("cache") else defaults.cache,
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
@@ -226,6 +231,7 @@ def generate(
         trees=pair.trees,
         health=pair.health,
         draft_timeout=pair.draft_timeout,
+        cache_rates=pair.cache_rates,
     )
     tok = pair.tokenizer
     emitted = 0  # characters of text already sent
@@ -353,6 +359,8 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         draft_forward_seconds=s.draft_forward_seconds,
         target_forward_seconds=s.target_forward_seconds,
         rounds_without_draft=s.rounds_without_draft,
+        cache_branches=s.cache_branches,
+        cache_hits=s.cache_hits,
         draft_mask_seconds=s.draft_mask_seconds,
         target_mask_seconds=s.target_mask_seconds,
     )

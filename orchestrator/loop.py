@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from orchestrator import RULES
+from orchestrator import RULES, speculation_cache
 from orchestrator import logprobs as token_logprobs
 from orchestrator.availability import Availability
 from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
@@ -134,6 +135,7 @@ class LoopConfig:
     # Structured output: the grammar both services hold with the session (OpenSessionRequest.constraint)
     constraint: model_pb2.Constraint | None = None
     logprobs: int | None = None  # report each token's log probability, with this many top tokens
+    cache: bool = False  # the speculation cache (orchestrator.speculation_cache), where it serves
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -169,6 +171,8 @@ class LoopStats:
     round_seconds: float = 0.0  # in rounds, prefill excluded
     wire_bytes: int = 0  # serialized round messages, both directions
     recoveries: int = 0  # sessions re-opened after a service lost them
+    cache_branches: int = 0  # proposals the speculation cache prepared for rejections
+    cache_hits: int = 0  # ... and those a round used
     rounds_without_draft: int = 0  # rounds that wanted drafts and went without them: the draft was lost
     overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
     draft_mask_seconds: float = 0.0  # structured output: the draft's grammar masks
@@ -215,6 +219,17 @@ class _Proposal:
     uniforms: list[float]  # sampling: the uniforms that drew them
     lost: bool = False  # a continuation whose rows a restarted draft service lost: proposed again
     report: model_pb2.ProposeResponse | None = None  # the service's reply (its costs), when proposed now
+    # The speculation cache: each token's (draft's runner-up there, its probability, the runner-up's)
+    alts: list[tuple[int, float, float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, response: model_pb2.ProposeResponse, uniforms: list[float]) -> _Proposal:
+        alts = list(zip(response.runner_up_ids, response.top_probs, response.runner_up_probs, strict=True))
+        return cls(list(response.token_ids), list(response.token_probs), list(uniforms), report=response, alts=alts)
+
+    def after(self, n: int) -> _Proposal:
+        """Its tokens past the first n (a continuation's, once its first is committed)."""
+        return _Proposal(self.tokens[n:], self.probs[n:], self.uniforms[n:], alts=self.alts[n:])
 
 
 @dataclass(frozen=True)
@@ -289,13 +304,15 @@ class SpeculativeLoop:
         trees: PairTrees | None = None,
         health: tuple[Availability, Availability] | None = None,
         draft_timeout: float | None = None,
+        cache_rates: speculation_cache.CacheRates | None = None,
     ):
         """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
         the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
         `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise.
         `health`: the draft's and the target's availability, shared by the pair's generations
         (orchestrator.availability); None: this generation's own, up. `draft_timeout`: seconds a draft
-        call may take before the round goes on without it (None: the deadline)."""
+        call may take before the round goes on without it (None: the deadline). `cache_rates`: what
+        the pair's generations measured for the speculation cache; None: this generation's own."""
         self.trees = trees or PairTrees()
         # Under the Leviathan rule a tree's shape decides which uniform meets which token, so it
         # learns from this generation's rounds alone (a seed then replays it); greedy and
@@ -332,6 +349,8 @@ class SpeculativeLoop:
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
         self.draft_health, self.target_health = health or (Availability("draft"), Availability("target"))
+        self.cache_rates = cache_rates or speculation_cache.CacheRates()
+        self._spare = speculation_cache.Spare()  # the draft's time to spare in overlapped rounds
         self.draft_timeout = draft_timeout
         self._draft_lost = False  # this generation's draft session is gone: re-opened once the draft is up
         self._without_draft = False  # from a loss until the re-opened session is ready
@@ -644,14 +663,86 @@ class SpeculativeLoop:
                     assumed_tokens=assumed,
                     noise_seed=self.config.noise_seed,
                     threads=self._threads(self.draft, concurrent),
+                    alternatives=self._caching,
                 ),
             )
         with self._stats_lock:
             self.stats.add_proposal(proposal)
         self.draft.length, self.draft.pending = proposal.length, []
-        return _Proposal(
-            list(proposal.token_ids), list(proposal.token_probs), list(uniforms[:k]), report=proposal
-        ), seconds
+        return _Proposal.of(proposal, uniforms[:k]), seconds
+
+    @property
+    def _caching(self) -> bool:
+        """Whether the speculation cache serves this generation: overlapped chains whose output does
+        not depend on their drafts (greedy, the invariant rule): see orchestrator.speculation_cache."""
+        cfg = self.config
+        return cfg.cache and cfg.coupled and self.overlap and not cfg.tree_nodes
+
+    def _continue(self, k: int, uniforms, drafts: _Proposal):
+        """An overlapped round's continuation: k drafts past `drafts` (taken as accepted), then, with
+        the speculation cache, the proposals for the likeliest rejections that the draft has time for
+        while the target verifies: (continuation, its seconds, [(Branch, a call future)])."""
+        after, seconds = self._propose(k, uniforms, drafts.tokens, concurrent=True)
+        return after, seconds, self._branch(drafts, after) if self._caching else []
+
+    def _branch(self, drafts: _Proposal, after: _Proposal) -> list:
+        """Issue the cache's proposals for this round's likeliest rejections (at a draft, or at the
+        continuation's first token, tested at the bonus position): they commit nothing on the draft
+        (its cache keeps a tail of each), so one no longer wanted is simply cancelled."""
+        k = len(drafts.tokens)
+        if len(drafts.alts) != k or not after.alts or not after.tokens:
+            return []
+        alts = drafts.alts + after.alts[:1]
+        chosen = speculation_cache.branches(
+            [a[1] for a in alts], [a[0] for a in alts], self.cache_rates, self._spare.fanout(k), k
+        )
+        issued = []
+        for branch in chosen:
+            # the next round's k, as a fresh proposal's: what fits before the bonus position
+            n = min(k, self.config.max_new_tokens - len(self.generated) - (branch.accepted + 1) - 1)
+            if n < 1:
+                continue
+            request = model_pb2.ProposeRequest(
+                session=self.draft.ref(),
+                k=n,
+                sampling=self._sampling,
+                assumed_tokens=drafts.tokens[: branch.accepted] + [branch.token],
+                noise_seed=self.config.noise_seed,
+                threads=self._threads(self.draft, concurrent=True),
+                alternatives=True,
+            )
+            issued.append((branch, self._draft_future(request)))
+        return issued
+
+    def _draft_future(self, request):
+        """A draft call that can be cancelled (a gRPC stub's future; an in-process stub's on the pool)."""
+        method = self.draft.stub.Propose
+        timeout = min(t for t in (self._timeout(), self.draft_timeout, math.inf) if t is not None)
+        timeout = None if math.isinf(timeout) else timeout
+        if hasattr(method, "future"):
+            return method.future(request, timeout=timeout)
+        return _CONTINUATIONS.submit(method, request, timeout=timeout)
+
+    def _take_branch(self, issued: list, rejection: int | None, token: int) -> _Proposal | None:
+        """The next round's drafts, if the cache prepared this round's outcome (a rejection after
+        `rejection` accepted tokens, `token` the target's there); the other proposals cancelled."""
+        hit = None
+        if rejection is not None:
+            hit = next((f for b, f in issued if b.accepted == rejection and b.token == token), None)
+        for _, future in issued:
+            if future is not hit:
+                future.cancel()
+        self.stats.cache_branches += len(issued)
+        if hit is None:
+            return None
+        try:
+            response = hit.result(timeout=self._timeout())
+        except Exception:  # noqa: BLE001 - a branch that failed (a lost draft) is a miss
+            return None
+        with self._stats_lock:
+            self.stats.add_proposal(response)
+        self.stats.cache_hits += 1
+        return _Proposal.of(response, [])
 
     def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config
@@ -683,9 +774,7 @@ class SpeculativeLoop:
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
-            continuation = _CONTINUATIONS.submit(
-                ctx.run, self._propose, k_next + 1, draws.continuation, drafts.tokens, concurrent=True
-            )
+            continuation = _CONTINUATIONS.submit(ctx.run, self._continue, k_next + 1, draws.continuation, drafts)
         beside = continuation is not None or self._draft_opening is not None  # a continuation, the draft's prefill
         try:
             scores, target_time = self._call(
@@ -704,14 +793,18 @@ class SpeculativeLoop:
             )
         except BaseException:
             _wait_quietly(continuation, self._timeout())
+            if continuation is not None and continuation.done() and continuation.exception() is None:
+                for _, future in continuation.result()[2]:  # the cache's branches: this round is re-run
+                    future.cancel()
             raise
         self.stats.add_scores(scores)
         self.target.length, self.target.pending = scores.length, []  # applied, whatever the draft does
-        after = None
+        after, issued = None, []
         if continuation is not None:  # a lost draft's: the round goes on without it
             waited = time.perf_counter()
             try:
-                after, continued = continuation.result(timeout=self._timeout())
+                after, continued, issued = continuation.result(timeout=self._timeout())
+                self._spare.update(target_time, continued, k_next + 1)
             except (SessionLost, grpc.RpcError) as err:
                 if not self._draft_failed(err):
                     raise
@@ -729,10 +822,11 @@ class SpeculativeLoop:
             target_row = wire.decode_row(scores.row)
         proposed = k
         committed = drafts.tokens[:accepted]
-        passed = False
+        passed = tested = False
         if accepted == k and after is not None and after.tokens:
             first = after.tokens[0]
             proposed += 1
+            tested = True
             if cfg.coupled:
                 passed = first == target_token
             else:
@@ -741,7 +835,7 @@ class SpeculativeLoop:
                 accepted += 1
                 committed.append(first)
                 if len(after.tokens) > 1:
-                    next_carried = _Proposal(after.tokens[1:], after.probs[1:], after.uniforms[1:])
+                    next_carried = after.after(1)
         if not passed:
             if cfg.coupled:
                 last = target_token
@@ -769,6 +863,14 @@ class SpeculativeLoop:
 
                 last = rule.final_token(accepted, proposed, target_row, draft_row, draws.final)
             committed.append(last)
+        if after is not None and self._caching:  # the speculation cache: this round's outcome, measured
+            rejection = accepted if not passed and (accepted < k or tested) else None
+            token = last if not passed else -1  # the target's token at the rejection
+            alts = drafts.alts + (after.alts[:1] if tested else [])
+            if len(drafts.alts) == k and len(alts) == k + tested:
+                self.cache_rates.update([a[1] for a in alts], [a[0] for a in alts], accepted, token)
+            if issued:
+                next_carried = self._take_branch(issued, rejection, token) or next_carried
         self._carried = next_carried
         self.stats.draft_seconds += draft_time
         self.stats.target_seconds += target_time

@@ -102,6 +102,13 @@ class ResilientStub:
                     raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}", gone) from err
                 raise
 
+        def future(request, **kwargs):  # a call that can be cancelled: a grpc.Future (its errors as they are)
+            stub = self._stub
+            if stub is None:
+                raise SessionLost(self, f"{self.name} service at {self.address}: not connected yet")
+            return getattr(stub, method).future(request, **kwargs)
+
+        call.future = future
         return call
 
     def probe(self, timeout: float) -> model_pb2.ModelInfo:

@@ -221,7 +221,7 @@ def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
     results = json.loads((tmp_path / "network.json").read_text())
     assert set(results["rtts"]) == {"0.0", "10.0"} and results["baseline"]["tokens_per_second"] > 0
     for cells in results["rtts"].values():
-        assert set(cells) == {"alone", "overlap k=2", "seq k=2", "adaptive"}
+        assert set(cells) == {"alone", "overlap k=2", "overlap+cache k=2", "seq k=2", "adaptive"}
         assert all(cell["tokens_per_second"] > 0 for cell in cells.values())
         assert cells["seq k=2"]["acceptance_rate"] > 0
     assert "alone, no link" in out.stdout and "overlap k=2" in out.stdout

@@ -77,7 +77,7 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "tree_nodes", "tree_acceptance", "threads")
+    __slots__ = ("session", "append_tokens", "k", "sampling", "uniforms", "assumed_tokens", "noise_seed", "tree_nodes", "tree_acceptance", "threads", "alternatives")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class ProposeRequest(_message.Message):
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -98,10 +99,11 @@ class ProposeRequest(_message.Message):
     tree_nodes: int
     tree_acceptance: _containers.RepeatedScalarFieldContainer[float]
     threads: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ...) -> None: ...
+    alternatives: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., noise_seed: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_acceptance: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ..., alternatives: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds", "mask_seconds")
+    __slots__ = ("token_ids", "token_probs", "length", "compute_seconds", "steps", "step_tokens", "parent_ids", "node_rows", "row_nodes", "threads", "forward_seconds", "runner_up_ids", "top_probs", "runner_up_probs", "mask_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,9 @@ class ProposeResponse(_message.Message):
     ROW_NODES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_PROBS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_PROBS_FIELD_NUMBER: _ClassVar[int]
     MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -125,8 +130,11 @@ class ProposeResponse(_message.Message):
     row_nodes: _containers.RepeatedScalarFieldContainer[int]
     threads: int
     forward_seconds: float
+    runner_up_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_probs: _containers.RepeatedScalarFieldContainer[float]
+    runner_up_probs: _containers.RepeatedScalarFieldContainer[float]
     mask_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., parent_ids: _Optional[_Iterable[int]] = ..., node_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., row_nodes: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., runner_up_ids: _Optional[_Iterable[int]] = ..., top_probs: _Optional[_Iterable[float]] = ..., runner_up_probs: _Optional[_Iterable[float]] = ..., mask_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposalRowRequest(_message.Message):
     __slots__ = ("session", "position", "token_id")
