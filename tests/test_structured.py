@@ -216,9 +216,13 @@ def test_the_law_through_the_services_is_the_masked_targets(kernels):
     assert counts_chisquare(counts, parity_kernel(draft_kernel)) < 1e-3
 
 
-def unmasked_in_the_rule(engine, session, k, params, uniforms, assumed=(), noise_seed=None):
+def unmasked_in_the_rule(engine, session, k, params, uniforms, assumed=(), noise_seed=None, alternatives=None):
     """A wrong draft: it samples from its masked rows but tells the rule its unmasked ones."""
-    steps, logits, raw = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed), None, []
+    steps, logits, raw = (
+        proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives),
+        None,
+        [],
+    )
     try:
         while True:
             logits = yield steps.send(logits)
