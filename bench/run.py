@@ -59,6 +59,7 @@ from bench import costs, engines, timeline
 from deploy.configs import ModelServiceConfig
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
+from specdec.security import ClientSecurity
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline
@@ -409,10 +410,13 @@ def _timelines(config: BenchConfig, pipelines: dict, ids: list[int]) -> dict:
     else the first), at the largest fixed k: busy spans of each service, round ends."""
     drafter = "llamacpp" if "llamacpp" in pipelines else next(iter(pipelines))
     addresses = pipelines[drafter].addresses
+    services = ClientSecurity(token=pipelines[drafter].service_token)  # the model services require it
     k = max(config.ks)
     out = {}
     for overlap in (False, True):
-        spans, ends = timeline.record(addresses["draft"], addresses["target"], ids, k, overlap, config.max_tokens)
+        spans, ends = timeline.record(
+            addresses["draft"], addresses["target"], ids, k, overlap, config.max_tokens, security=services
+        )
         title = f"{drafter} k={k} {'overlapped' if overlap else 'sequential'}"
         out[title] = {"spans": [asdict(s) for s in spans], "round_ends": ends}
     return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from specdec.sampling import SamplingParams
+from specdec.security import ClientSecurity
 
 BUSY = {"Propose": "draft", "ProposalRow": "draft", "Score": "target"}
 
@@ -48,10 +49,18 @@ class _Timed:
 
 
 def record(
-    draft_address: str, target_address: str, prompt_ids: list[int], k: int, overlap: bool, tokens: int, temperature=0.0
+    draft_address: str,
+    target_address: str,
+    prompt_ids: list[int],
+    k: int,
+    overlap: bool,
+    tokens: int,
+    temperature=0.0,
+    security: ClientSecurity | None = None,
 ) -> tuple[list[Span], list[float]]:
-    """Generate once; (busy spans, round end times), in seconds from the first round's start."""
-    pair = connect(draft_address, target_address)
+    """Generate once; (busy spans, round end times), in seconds from the first round's start.
+    `security`: how to reach the services (a local pipeline's need its service token)."""
+    pair = connect(draft_address, target_address, security=security)
     spans: list[Span] = []
     origin = [0.0]
     draft, target = _Timed(pair.draft, spans, origin), _Timed(pair.target, spans, origin)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from deploy import ray_cluster
-from specdec import models
+from specdec import models, security
 from specdec.v1 import model_pb2, model_pb2_grpc
 
 pytestmark = pytest.mark.real_model
@@ -29,9 +29,13 @@ def specdec(*args, env, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def assert_max_sessions(endpoint: str, role: str, limit: int) -> None:
+def assert_max_sessions(endpoint: str, role: str, limit: int, token: str) -> None:
     stub_class = model_pb2_grpc.DraftServiceStub if role == "draft" else model_pb2_grpc.TargetServiceStub
-    stub = stub_class(grpc.insecure_channel(endpoint))
+    with pytest.raises(grpc.RpcError) as err:  # least privilege: the services' own token, no other
+        bare = stub_class(grpc.insecure_channel(endpoint))
+        bare.OpenSession(model_pb2.OpenSessionRequest(session_id="x"), timeout=60)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = stub_class(security.channel(endpoint, security.ClientSecurity(token=token)))
     ids = [f"limit-{role}-{i}" for i in range(limit + 1)]
     try:
         for sid in ids[:limit]:
@@ -48,6 +52,9 @@ def test_ray_up_then_generate_status_and_down():
     name = f"test-{uuid.uuid4().hex[:8]}"
     # Token auth with a token of our own, so that Ray writes none to ~/.ray.
     env = {**os.environ, "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    # The model services' token, chosen here so that the test can reach them (ray up makes one otherwise).
+    service_token = secrets.token_urlsafe(16)
+    env[security.SERVICE_TOKEN_ENV] = service_token
     state = models.cache_dir() / "ray" / f"{name}.json"
     try:
         up = specdec(
@@ -94,7 +101,7 @@ def test_ray_up_then_generate_status_and_down():
 
         # The services were built with `up`'s limits: the third session is refused at once.
         for role in ("draft", "target"):
-            assert_max_sessions(actors[role]["endpoint"], role, 2)
+            assert_max_sessions(actors[role]["endpoint"], role, 2, service_token)
 
         # The cluster refuses a wrong token (and Ray gives up on it after 2 s instead of 20).
         wrong = {**env, "RAY_AUTH_TOKEN": "0" * 32, "RAY_gcs_rpc_server_connect_timeout_s": "2"}
