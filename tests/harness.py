@@ -24,6 +24,7 @@ import pytest
 
 from deploy import hosting
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
+from specdec import security
 from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
@@ -109,9 +110,15 @@ class Pipeline:
         return wait_until(lambda: self.open_sessions() == (0, 0), seconds)
 
 
-def model_stubs(draft_address: str, target_address: str):
-    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(draft_address, CHANNEL_OPTIONS))
-    target = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target_address, CHANNEL_OPTIONS))
+def service_channel(address: str, token: str | None = None) -> grpc.Channel:
+    """A channel to a model service on loopback; `token`: the services' own (a LocalPipeline's
+    service_token: its services refuse any other caller)."""
+    return security.channel(address, security.ClientSecurity(token=token), CHANNEL_OPTIONS)
+
+
+def model_stubs(draft_address: str, target_address: str, token: str | None = None):
+    draft = model_pb2_grpc.DraftServiceStub(service_channel(draft_address, token))
+    target = model_pb2_grpc.TargetServiceStub(service_channel(target_address, token))
     return draft, target
 
 

@@ -1,6 +1,6 @@
 """`specdec chaos` on tiny random models, under either sampling rule, with chains and with draft
 trees: 8 concurrent streams (greedy and seeded sampling) while the draft and the target are
-killed with SIGKILL at least 10 times; nothing is lost, duplicated or changed, no session is left
+killed with SIGKILL 10 times (4 under trees); nothing is lost, duplicated or changed, no session is left
 and no service grew. Plus the checks' own logic on hand-made streams, so a broken stream is known
 to fail them."""
 
@@ -14,18 +14,19 @@ from bench import chaos
 from cli import main as cli
 
 
-@pytest.mark.parametrize("rule,tree", [("leviathan", 0), ("leviathan", 6), ("invariant", 6)])
-def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys, rule, tree):
+# Ten kills under chains; four under each tree rule (each kill costs a process start: CI's time).
+@pytest.mark.parametrize("rule,tree,kills", [("leviathan", 0, 10), ("leviathan", 6, 4), ("invariant", 6, 4)])
+def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys, rule, tree, kills):
     code = cli.main(
         ["chaos", "--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
-        + ["--target-dtype", "float32", "--draft-dtype", "float32", "--streams", "8", "--kills", "10"]
+        + ["--target-dtype", "float32", "--draft-dtype", "float32", "--streams", "8", "--kills", str(kills)]
         + ["--max-tokens", "48", "--duration", "600", "--seed", "3", "--json", "--rule", rule, "--tree", str(tree)]
     )
     result = json.loads(capsys.readouterr().out)
     print(chaos.text(result))
     assert code == 0 and result["ok"], chaos.text(result)
-    assert result["kills"] == 10 and result["kills_by_service"] == {"draft": 5, "target": 5}
-    assert result["restarts_by_service"] == {"draft": 5, "target": 5}
+    each = {"draft": kills // 2, "target": kills // 2}
+    assert result["kills"] == kills and result["kills_by_service"] == each and result["restarts_by_service"] == each
     assert result["faults"]["requests"] >= result["reference"]["requests"] == 24
     assert result["sessions_reopened"] > 0  # kills met generations in flight, which went on
     assert result["open_sessions_after"] == {"draft": 0, "target": 0}

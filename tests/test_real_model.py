@@ -134,7 +134,7 @@ def test_4_concurrent_clients_equal_their_sequential_runs(local):
     sequential = run_sequentially(local.address, per_client)
     assert run_clients(local.address, per_client) == sequential
     assert all(ids for outputs in sequential for ids in outputs)
-    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"])
+    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"], local.service_token)
     assert (open_sessions(draft), open_sessions(target)) == (0, 0)
 
 
@@ -161,5 +161,5 @@ def test_a_seed_reproduces_its_text_under_8_clients(local):
     assert run_clients(local.address, per_client) == [[alone]] * 8
     [[once]] = run_sequentially(local.address, [[seeded(leviathan, 8, lookahead=4)]])
     assert run_clients(local.address, [[seeded(leviathan, 8, lookahead=4)]] * 8) == [[once]] * 8
-    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"])
+    draft, target = model_stubs(local.addresses["draft"], local.addresses["target"], local.service_token)
     assert (open_sessions(draft), open_sessions(target)) == (0, 0)

@@ -16,7 +16,7 @@ import grpc
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
 from specdec.models import ModelSpec
 from specdec.v1 import model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
-from tests.harness import cli_process, open_sessions, wait_until
+from tests.harness import cli_process, open_sessions, service_channel, wait_until
 
 REQUEST = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=16)
 
@@ -113,7 +113,7 @@ def test_a_restart_that_cannot_bind_is_retried_and_too_many_restarts_end_the_pip
         second = pipeline.serving_pid("target", 120, exclude={first})
         assert pipeline.addresses["target"] == address and pipeline.restarts["target"] == 1
         assert generate(pipeline.address) == before
-        assert open_sessions(model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))) == 0
+        assert open_sessions(model_pb2_grpc.TargetServiceStub(service_channel(address, pipeline.service_token))) == 0
 
         os.kill(second, signal.SIGKILL)  # a third attempt within the minute: past the cap
         assert wait_until(lambda: pipeline.failure is not None, 30, 0.1)

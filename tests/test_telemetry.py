@@ -24,6 +24,7 @@ from deploy.local import LocalPipeline, PipelineConfig
 from specdec import telemetry
 from specdec.models import ModelSpec
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from tests.harness import service_channel
 from tests.otlp import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,8 @@ def observed(tiny_models):
                 for key, value in env.items():
                     mp.setenv(key, value)
                 pipeline.start()
-            draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(pipeline.addresses["draft"]))
+            channel = service_channel(pipeline.addresses["draft"], pipeline.service_token)
+            draft = model_pb2_grpc.DraftServiceStub(channel)
             draft.OpenSession(model_pb2.OpenSessionRequest(session_id="side", prompt_token_ids=SIDE_PROMPT))
             side = scrape(pipeline.metrics_addresses["draft"])
             draft.CloseSession(model_pb2.CloseSessionRequest(session_id="side"))
