@@ -66,9 +66,10 @@ class RecoveryConfig:
     # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
     answer_margin: float = 1.0
     # Seconds a draft call (Propose, ProposalRow) may take before the round goes on without it and
-    # the draft counts as lost (a host gone without a reset answers nothing; under load a Propose
-    # waits behind prefill steps of ~1.6 s, so not much less).
-    draft_timeout: float = 5.0
+    # the draft counts as lost (a host gone without a reset answers nothing). Generous: a loaded
+    # machine's Propose waits behind prefills and other sessions' steps for seconds, and a budget
+    # cut short would drop a live draft (and change a Leviathan seed's text) for nothing.
+    draft_timeout: float = 30.0
     probe_backoff: float = 1.0  # longest pause between two probes of a lost service
 
     def __post_init__(self):
