@@ -199,9 +199,12 @@ class LlamaCppBackend:
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.tokenizer)
 
-    @functools.cache  # noqa: B019 - one backend per process
     def tokenizer_digest(self) -> str:
-        return vocab_digest(self.tokenizer)
+        # Kept on the instance: functools.cache on a method would keep every backend (and its
+        # model) alive for the life of the process, as a test session makes hundreds.
+        if (digest := self.__dict__.get("_tokenizer_digest")) is None:
+            digest = self.__dict__["_tokenizer_digest"] = vocab_digest(self.tokenizer)
+        return digest
 
 
 def _file_type(model) -> int:

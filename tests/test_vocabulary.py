@@ -149,3 +149,19 @@ def test_tokens_the_target_draws_past_the_drafts_rows_are_refused():
     # a draft short of the tokenizer beside a target as short: neither draws those ids; a larger draft: masked
     assert check_pair(info(42), info(42), tokenizer, make_tokenizer) == 42
     assert check_pair(info(TARGET_ROWS), info(DRAFT_ROWS), tokenizer, make_tokenizer) == DRAFT_ROWS
+
+
+def test_a_backend_is_freed_once_unused(tiny_models):
+    """Its tokenizer digest is kept on it, not in a process-wide cache that would keep every
+    backend (and its model) alive: a test session makes hundreds."""
+    import gc
+    import weakref
+
+    from specdec.models import ModelSpec
+
+    backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
+    assert backend.tokenizer_digest() == backend.tokenizer_digest()
+    freed = weakref.ref(backend)
+    del backend
+    gc.collect()
+    assert freed() is None
