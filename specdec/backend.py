@@ -13,6 +13,9 @@ Optional, for a backend that batches across sessions (the model worker uses them
 - release(cache): the session ended; its cache may be reused
 - set_threads(n): the threads of the next forwards (called on the thread that runs them;
   specdec.placement.Cores)
+Optional, for the prefix cache (specdec.prefix; a backend without copy_prefix caches no prefix):
+- copy_prefix(src, dst, n): cache dst holds src's first n positions and nothing past them
+- free_caches() -> int: caches new_cache gives without growing or refusing
 Optional, for a backend that verifies draft trees (`trees = True`; the engine sends them no other):
 - forward_batch(items, trees=[Tree | None per item]) (specdec.kvcache.Tree: the item's block
   extends a tree of nodes, each attending to the chain and its ancestors)
@@ -38,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec import architectures, models
 from specdec.errors import FailedPrecondition
-from specdec.kvcache import PackedView, Slot, SlotCache, causal_visible, compact
+from specdec.kvcache import PackedView, Slot, SlotCache, causal_visible, compact, copy_prefix
 
 PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed forward runs (see HFBackend)
 
@@ -126,6 +129,13 @@ class HFBackend:
     def release(self, cache: Slot) -> None:
         with self._lock:
             self.kv.release(cache)
+
+    def copy_prefix(self, src: Slot, dst: Slot, n: int) -> None:
+        with self._lock, torch.inference_mode():  # the cache's tensors are inference tensors
+            copy_prefix(self.kv, src, dst, n)
+
+    def free_caches(self) -> int:
+        return len(self.kv.free)
 
     def forward(self, cache: Slot, token_ids: list[int], n_logits: int) -> torch.Tensor:
         return self.forward_batch([(cache, token_ids, n_logits)])[0]

@@ -33,6 +33,14 @@ process's threads, no lock).
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
 
+Prefix cache (specdec.prefix; SessionLimits.prefix_cache, on a backend with `copy_prefix`): a
+session opens from the longest prefix of its prompt that another cache holds (an open session's
+committed positions, or a closed session's cache kept for it) and prefills only the rest, in the
+chunks a whole prefill would feed it in (ending at multiples of PREFILL_CHUNK). What it indexes
+is what `cached` holds of the committed tokens, cut wherever the cache is cut (`_crop`); a
+speculative tail or a draft tree never is. A closed session's cache is kept (`close`), within the
+KV budget, until a reservation or a new session needs its room.
+
 The engine knows nothing of RPC or of the accept/resample rule; draft_service and
 target_service build propose and score on it.
 """
@@ -56,9 +64,11 @@ from specdec.errors import (
     NotFound,
     OutOfRange,
     ResourceExhausted,
+    Unavailable,
 )
 from specdec.kvcache import Tree
 from specdec.limits import KVBudget, SessionLimits
+from specdec.prefix import PrefixCache, common_prefix
 from specdec.worker import Worker
 
 PREFILL_CHUNK = 128  # prompt tokens a session feeds per worker step
@@ -124,6 +134,9 @@ class SessionEngine:
         self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
         self.kv = KVBudget(self.limits.max_kv_tokens)
+        # One per engine: one model in one process (keys and values never cross models).
+        prefix = self.limits.prefix_cache and hasattr(backend, "copy_prefix")
+        self.prefix: PrefixCache | None = PrefixCache(backend, self.kv) if prefix else None
         self._sessions: dict[str, Session] = {}
         self.worker = Worker(
             self._run_batch, f"{role}-model-worker", lambda f: len(f.tokens) if f.prefill else 0, PREFILL_BUDGET
@@ -162,6 +175,8 @@ class SessionEngine:
             session.last_used, session.claimed = time.monotonic(), True
             if not session.closed:
                 self.kv.settle(session, len(session.cached))
+                if self.prefix is not None:
+                    self.prefix.note(session)
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -231,18 +246,26 @@ class SessionEngine:
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
         session = Session(tokens=prompt, cache=None, threads=threads, constraint=constraint, vocab_size=vocab_size)
-        self.kv.reserve(session, len(prompt))
+        if self.prefix is not None:
+            self.prefix.start(session, prompt)  # reserves, and may start from another cache's positions
+        else:
+            self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:
-            session.cache = self.backend.new_cache()
+            if session.cache is None:
+                session.cache = self.backend.new_cache()
             prefix = prompt[:-1]  # all but the last token, which the next block feeds
-            for start in range(0, len(prefix), PREFILL_CHUNK):
-                end = min(start + PREFILL_CHUNK, len(prefix))
+            start = len(session.cached)
+            while start < len(prefix):  # after a prefix hit, in the chunks a whole prefill feeds them in
+                end = min(start - start % PREFILL_CHUNK + PREFILL_CHUNK, len(prefix))
                 yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
+                start = end
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
             raise
         self.kv.settle(session, len(session.cached))
+        if self.prefix is not None:
+            self.prefix.note(session)
         return len(prompt)
 
     def close(self, session_id: str, context=None) -> None:
@@ -270,23 +293,36 @@ class SessionEngine:
         return self.worker.call(None, reap)
 
     def _retire(self, session_id: str, session: Session) -> None:
-        """Forget a session and free its cache."""
+        """Forget a session and free its cache (or keep it for the prefix cache)."""
         if self._sessions.get(session_id) is session:
             del self._sessions[session_id]
         release = getattr(self.backend, "release", None)
-        if release is not None and session.cache is not None:
+        kept = self.prefix is not None and self.prefix.keep(session)
+        if release is not None and session.cache is not None and not kept:
             release(session.cache)
         session.closed = True
         session.cache = None
         session.proposal_rows = None
         self.kv.settle(session, 0)
 
+    def start(self) -> None:
+        self.worker.start()
+
     def stop(self) -> None:
+        """Free the kept caches (a backend may serve another engine next: tests do), then stop the worker."""
+        if self.prefix is not None:
+            with contextlib.suppress(Unavailable):
+                self.worker.run(self.prefix.clear)
         self.worker.stop()
 
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)
+
+    @property
+    def session_kv_tokens(self) -> int:
+        """Tokens reserved in the KV budget by open sessions (the rest: kept caches)."""
+        return max(0, self.kv.held - (self.prefix.retained_tokens if self.prefix is not None else 0))
 
     @property
     def cached_tokens(self) -> int:
@@ -406,6 +442,8 @@ class SessionEngine:
         if keep < len(session.cached):
             self.backend.crop(session.cache, keep)
             del session.cached[keep:]
+            if self.prefix is not None:
+                self.prefix.cut(session, keep)
 
     # -- checks ------------------------------------------------------------------------
     def check_tokens(self, token_ids: list[int], field_name: str) -> None:
@@ -492,14 +530,3 @@ def profile_steps(backend, shapes, cores=None, reps: int = PROFILE_REPS) -> dict
 def _agreed(session: Session) -> int:
     """How far the cache and the committed tokens are known to agree (the invariant above)."""
     return min(len(session.cached), len(session.tokens))
-
-
-def common_prefix(a: list[int], b: list[int], start: int = 0, end: int | None = None) -> int:
-    """How many leading items a and b[:end] share, given that they share the first `start`
-    (compared from there on: a session's committed prefix is not walked on every step, which
-    made a step O(session length) and a long generation quadratic)."""
-    n = min(len(a), len(b) if end is None else min(end, len(b)))
-    for i in range(start, n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -208,7 +208,7 @@ def serve_model(
     server, bound = make_server(host, port, security=security, interceptors=interceptors)
     add_servicer(engine, server)
     reaper = Reaper(engine, engine.limits.idle_ttl, engine.limits.unclaimed_ttl)
-    return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper, engine.worker]), bound
+    return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper, engine]), bound
 
 
 def _get_ready(engine: SessionEngine, backend) -> None:

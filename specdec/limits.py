@@ -15,6 +15,7 @@ It imports nothing heavy: the CLI reads its defaults.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.errors import ResourceExhausted
@@ -29,6 +30,9 @@ class SessionLimits:
     # that gave up on its OpenSession after the service answered never uses nor closes it
     # (reaping a session that was wanted costs its caller a re-open, orchestrator.recovery).
     unclaimed_ttl: float = 30.0
+    # Keep what sessions computed for later sessions opening with the same tokens (specdec.prefix):
+    # closed sessions' caches stay in the KV budget and the slots until a session needs the room.
+    prefix_cache: bool = True
 
     def __post_init__(self):
         _at_least(self, max_sessions=1, max_kv_tokens=0, idle_ttl=0, unclaimed_ttl=0)
@@ -90,27 +94,34 @@ class ResumePolicy:
 class KVBudget:
     """Tokens of keys/values reserved across sessions, against a cap (0: none).
 
-    Each session object carries its own reservation in `kv_tokens`.
+    Each session object carries its own reservation in `kv_tokens`. `reclaim()`, where given,
+    frees what it can of what nobody needs (a prefix cache's kept caches, specdec.prefix), one
+    entry a call, True while it freed any: a reservation past the cap calls it before it refuses.
     """
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, reclaim: Callable[[], bool] | None = None):
         self.max_tokens = max_tokens
         self.held = 0
+        self.reclaim = reclaim
         self._lock = threading.Lock()
 
     def reserve(self, session, tokens: int) -> None:
-        """Let `session` hold up to `tokens`, or refuse (and change nothing)."""
-        with self._lock:
-            grow = tokens - session.kv_tokens
-            if grow <= 0:
-                return
-            if self.max_tokens and self.held + grow > self.max_tokens:
+        """Let `session` hold up to `tokens`, or refuse (and change nothing but what reclaim freed)."""
+        while True:
+            with self._lock:
+                grow = tokens - session.kv_tokens
+                if grow <= 0:
+                    return
+                if not self.max_tokens or self.held + grow <= self.max_tokens:
+                    self.held += grow
+                    session.kv_tokens = tokens
+                    return
+                held = self.held
+            if self.reclaim is None or not self.reclaim():  # outside the lock: it settles what it frees
                 raise ResourceExhausted(
-                    f"KV cache budget: {self.held} of max_kv_tokens {self.max_tokens} are held and "
+                    f"KV cache budget: {held} of max_kv_tokens {self.max_tokens} are held and "
                     f"this request needs {grow} more; retry later"
                 )
-            self.held += grow
-            session.kv_tokens = tokens
 
     def settle(self, session, tokens: int) -> None:
         """Set the session's reservation to what it holds now (0 when it ends)."""

@@ -157,6 +157,23 @@ def static_forwards(built) -> model_pb2.StaticForwards | None:
     )
 
 
+def prefix_cache(cache) -> model_pb2.PrefixCache | None:
+    """Describe's report of an engine's prefix cache (specdec.prefix.PrefixCache), if it has one."""
+    if cache is None:
+        return None
+    stats = cache.stats
+    return model_pb2.PrefixCache(
+        prompt_tokens=stats.prompt_tokens,
+        hit_tokens=stats.hit_tokens,
+        hits=stats.hits,
+        copied_tokens=stats.copied_tokens,
+        kept=len(cache.retained),
+        kept_tokens=cache.retained_tokens,
+        evictions=stats.evictions,
+        block_tokens=cache.block,
+    )
+
+
 class UnknownCloses:
     """Ids whose CloseSession found no session, and when, kept for `keep` seconds.
 
@@ -268,7 +285,7 @@ class SessionServicer:
             cpus=placement.usable_cores(),
             threads=engine.cores.threads if engine.cores is not None else placement.threads(),
             machine=placement.machine(),
-            kv_tokens=self.engine.kv.held,
+            kv_tokens=self.engine.session_kv_tokens,
             backend=getattr(backend, "kind", ""),
             step_costs=[
                 model_pb2.StepCost(sessions=n, seconds=s, tokens=w, threads=t)
@@ -277,6 +294,7 @@ class SessionServicer:
             static_forwards=static_forwards(getattr(backend, "built", None)),
             builds_after_ready=getattr(backend, "builds_after_ready", 0),
             tree_verify=self.engine.role == "target" and getattr(backend, "trees", False),
+            prefix_cache=prefix_cache(engine.prefix),
         )
 
     def GetTokenizer(self, request, context):

@@ -93,6 +93,9 @@ class StandinBackend:
     def crop(self, cache: list[int], keep: int) -> None:
         del cache[keep:]
 
+    def copy_prefix(self, src: list[int], dst: list[int], n: int) -> None:
+        dst[:] = src[:n]  # a shared prefix (specdec.prefix): its "keys and values" are its tokens
+
     def forward(self, cache, token_ids, n_logits):
         return self.forward_batch([(cache, token_ids, n_logits)])[0]
 

@@ -10,13 +10,15 @@ engine, proposer, scorer) know nothing of it and are observed from outside:
   runs in its caller's context, so the RPCs a round makes become children of its span;
 - a wrapper around the orchestrator's chunks: request metrics from the very stats the response
   carries, so the two agree;
-- observable gauges over a SessionEngine (open sessions, KV tokens held) and a counter of the
-  graphs its backend built after it said ready (specdec.graphs).
+- observable gauges over a SessionEngine (open sessions, KV tokens held), counters of its prefix
+  cache (prompt tokens, those reused; specdec.prefix) and of the graphs its backend built after it
+  said ready (specdec.graphs).
 
 One request is one trace:
   Orchestrator/Generate (server) -> specdec.round (one per round; the first also opens the two
   sessions, i.e. the prefill) -> DraftService/Propose, ProposalRow, TargetService/Score (client)
-  -> the same methods (server, in the draft / target process) -> specdec.forward, specdec.kv.crop.
+  -> the same methods (server, in the draft / target process) -> specdec.forward, specdec.kv.crop,
+  specdec.kv.copy (a prefix another session's cache held, copied at OpenSession).
 
 `setup(role)` reads OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER
 (none | console | otlp, comma-separated; metrics also prometheus), OTEL_EXPORTER_OTLP_PROTOCOL
@@ -273,11 +275,40 @@ class Telemetry:
             unit="{token}",
             description="Tokens whose keys and values this service's KV caches hold, all sessions",
         )
+        if engine.prefix is not None:
+            self._watch_prefix(engine.prefix, attrs)
         self._meter.create_observable_counter(
             "specdec.builds_after_ready",
             callbacks=[lambda _options: [Observation(getattr(engine.backend, "builds_after_ready", 0), attrs)]],
             unit="{graph}",
             description="CUDA graphs captured (static forwards built) after the service said ready; 0 expected",
+        )
+
+    def _watch_prefix(self, cache, attrs: dict) -> None:
+        """The prefix cache's counters (specdec.prefix.PrefixStats) and what it keeps now."""
+        from opentelemetry.metrics import Observation
+
+        stats = cache.stats
+        for name, read, description in (
+            ("specdec.prefix.prompt_tokens", lambda: stats.prompt_tokens, "Prompt tokens of the sessions opened"),
+            (
+                "specdec.prefix.hit_tokens",
+                lambda: stats.hit_tokens,
+                "Prompt tokens whose keys and values came from another session's cache, not a prefill",
+            ),
+            ("specdec.prefix.evictions", lambda: stats.evictions, "Kept caches dropped for room"),
+        ):
+            self._meter.create_observable_counter(
+                name,
+                callbacks=[lambda _options, read=read: [Observation(read(), attrs)]],
+                unit="{token}" if name.endswith("tokens") else "{cache}",
+                description=description,
+            )
+        self._meter.create_observable_gauge(
+            "specdec.prefix.kept_tokens",
+            callbacks=[lambda _options: [Observation(cache.retained_tokens, attrs)]],
+            unit="{token}",
+            description="Tokens of closed sessions' caches kept for the prefix cache (in the KV budget)",
         )
 
     # -- orchestrator --------------------------------------------------------------------
@@ -539,7 +570,12 @@ class _ObservedBackend:
         self._attrs = attrs
 
     def __getattr__(self, name):
-        return getattr(self._backend, name)
+        attribute = getattr(self._backend, name)  # absent on the backend: absent here (the engine asks)
+        return self._copy_prefix if name == "copy_prefix" else attribute
+
+    def _copy_prefix(self, src, dst, n):
+        with self._tracer.start_as_current_span("specdec.kv.copy", attributes={"specdec.tokens": n}):
+            return self._backend.copy_prefix(src, dst, n)
 
     def forward(self, cache, token_ids, n_logits):
         with self._tracer.start_as_current_span(

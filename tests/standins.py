@@ -33,6 +33,9 @@ class MarkovBackend:
     def crop(self, cache, keep):
         del cache[keep:]
 
+    def copy_prefix(self, src, dst, n):  # the prefix cache (specdec.prefix)
+        dst[:] = src[:n]
+
     # A draft tree: a node's logits are its token's row, whatever its ancestors.
     trees = True
 

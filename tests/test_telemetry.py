@@ -204,6 +204,12 @@ def test_prometheus_metrics_agree_with_the_response(observed):
 
     for samples in (draft, target):  # the request's sessions are closed and their caches freed
         assert metric(samples, "specdec_sessions_active") == 0 and metric(samples, "specdec_kv_tokens") == 0
+    # The prefix cache: every session's prompt counted, none long enough to reuse (a block is 16
+    # tokens); the request's closed cache kept (its prompt and most of its tokens: a block's worth).
+    assert metric(target, "specdec_prefix_prompt_tokens_total") == s.prompt_tokens
+    assert metric(draft, "specdec_prefix_prompt_tokens_total") == s.prompt_tokens + len(SIDE_PROMPT)
+    assert metric(target, "specdec_prefix_hit_tokens_total") == metric(draft, "specdec_prefix_hit_tokens_total") == 0
+    assert metric(target, "specdec_prefix_kept_tokens") >= s.prompt_tokens
     # While the side session was open: one session, its prompt but the last token cached.
     assert metric(observed.side, "specdec_sessions_active", specdec_role="draft") == 1
     assert metric(observed.side, "specdec_kv_tokens", specdec_role="draft") == len(SIDE_PROMPT) - 1

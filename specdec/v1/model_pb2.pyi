@@ -267,7 +267,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "static_forwards", "builds_after_ready", "tree_verify")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "static_forwards", "builds_after_ready", "tree_verify", "prefix_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class ModelInfo(_message.Message):
     STATIC_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BUILDS_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
     TREE_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_digest: str
@@ -304,7 +305,28 @@ class ModelInfo(_message.Message):
     static_forwards: StaticForwards
     builds_after_ready: int
     tree_verify: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ...) -> None: ...
+    prefix_cache: PrefixCache
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ...) -> None: ...
+
+class PrefixCache(_message.Message):
+    __slots__ = ("prompt_tokens", "hit_tokens", "hits", "copied_tokens", "kept", "kept_tokens", "evictions", "block_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    hit_tokens: int
+    hits: int
+    copied_tokens: int
+    kept: int
+    kept_tokens: int
+    evictions: int
+    block_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hits: _Optional[int] = ..., copied_tokens: _Optional[int] = ..., kept: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class StaticForwards(_message.Message):
     __slots__ = ("mode", "batches", "widths", "lengths", "built", "seconds", "slots", "capacity", "kv_bytes")
