@@ -42,9 +42,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--compare",
         action="store_true",
         help="then generate again with the target alone (--no-speculation, same services: locally, on every core "
-        "unless --target-cpus pins it) and print the speedup",
+        "unless --target-cpus pins it) and print the speedup (tokens/s, prefill included: the second run reuses the "
+        "prompt's keys and values the first computed; --no-prefix-cache to prefill both)",
     )
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
+    options.add_prefix_cache_flag(g)
     options.add_pair_flags(g)
     options.add_client_security_flags(g)
     return g

@@ -135,6 +135,18 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
         flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
     for flag, kind, default, text in flags:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+    if role != "orchestrator":
+        add_prefix_cache_flag(p)
+
+
+def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="the model services prefill every prompt whole (default: a prompt that begins with tokens another "
+        "session computed, open or recently closed, reuses their keys and values: a system prompt, the next turn "
+        "of a conversation; closed sessions' caches are kept within --max-kv-tokens)",
+    )
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -253,7 +265,7 @@ def model_spec(args, prefix: str = "") -> models.ModelSpec:
 
 
 def session_limits(args) -> SessionLimits:
-    return SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl)
+    return SessionLimits(args.max_sessions, args.max_kv_tokens, args.session_ttl, prefix_cache=not args.no_prefix_cache)
 
 
 def admission_limits(args) -> AdmissionLimits:
@@ -261,6 +273,10 @@ def admission_limits(args) -> AdmissionLimits:
 
 
 def pipeline_config(args, **kw) -> PipelineConfig:
+    """The local pipeline of the pair flags; a command without the limit flags may still have
+    --no-prefix-cache (generate)."""
+    if "session_limits" not in kw:
+        kw["session_limits"] = SessionLimits(prefix_cache=not getattr(args, "no_prefix_cache", False))
     return PipelineConfig(
         target=model_spec(args, "target-"),
         draft=model_spec(args, "draft-"),

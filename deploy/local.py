@@ -233,7 +233,8 @@ class LocalPipeline:
             limits = [("--max-sessions", s.max_sessions), ("--max-kv-tokens", s.max_kv_tokens)]
             limits.append(("--session-ttl", s.idle_ttl))
         limits.append(("--drain-timeout", cfg.drain_timeout))
-        return [str(x) for pair in limits for x in pair]
+        off = [] if name == "orchestrator" or cfg.session_limits.prefix_cache else ["--no-prefix-cache"]
+        return [str(x) for pair in limits for x in pair] + off
 
     def _metrics_args(self, name: str) -> list[str]:
         base = self.config.metrics_port

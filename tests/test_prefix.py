@@ -383,3 +383,37 @@ def test_describe_reports_the_prefix_cache_and_the_flag_turns_it_off(tiny_backen
         assert info.kv_tokens == 0 and cache.kept_tokens >= len(ask)  # the kept caches, outside open sessions'
     assert not any(info.HasField("prefix_cache") for info in off)
     assert prefix_cache(None) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["target-service"],
+        ["draft-service"],
+        ["generate", "hi"],
+        ["ray", "up", "--address", "auto", "--allow-insecure"],
+    ],
+    ids=lambda argv: argv[0] if argv[0] != "ray" else "ray up",
+)
+def test_no_prefix_cache_reaches_the_services(argv, tmp_path):
+    """`--no-prefix-cache` on every command that starts model services: their SessionLimits, and the
+    flag a local pipeline passes its service processes."""
+    from cli import options
+    from cli.main import build_parser
+    from cli.ray import pair_config
+    from deploy.local import LocalPipeline
+
+    parser = build_parser()
+    for flag, on in (([], True), (["--no-prefix-cache"], False)):
+        args = parser.parse_args([*argv, *flag])
+        if argv[0] == "ray":
+            limits = pair_config(args).target.limits
+        elif argv[0] == "generate":  # no limit flags: the pipeline's
+            limits = options.pipeline_config(args).session_limits
+        else:
+            limits = options.session_limits(args)
+        assert limits.prefix_cache is on
+        if argv[0] in ("serve", "generate"):
+            local = LocalPipeline(options.pipeline_config(args, session_limits=limits), workdir=tmp_path)
+            assert ("--no-prefix-cache" in local._limit_args("target")) is not on
