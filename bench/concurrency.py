@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.run import BenchConfig, _chat_ids, _hf_generate, _specdec_generate, load_prompts
+from bench.run import COLD, BenchConfig, _chat_ids, _hf_generate, _specdec_generate, load_prompts
 from specdec import models
 from specdec.limits import AdmissionLimits
 
@@ -146,6 +146,7 @@ def run(config: ConcurrencyConfig) -> dict:
                 admission=admission,
                 target_backend=config.target_backend,
                 target_compile=config.target_compile,
+                session_limits=COLD,
             )
             pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))

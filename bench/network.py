@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.relay import DelayRelay
-from bench.run import BenchConfig, _chat_ids, _specdec_generate, load_prompts
+from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, load_prompts
 from deploy import hosting
 from deploy.configs import OrchestratorConfig
 from deploy.local import LocalPipeline, PipelineConfig, Placement
@@ -90,6 +90,7 @@ def run(config: NetworkConfig, log=print) -> dict:
         target_backend=config.target_backend,
         draft_placement=draft_place,
         target_placement=target_place,
+        session_limits=COLD,
     )
     bench = BenchConfig(ks=config.ks, max_tokens=config.max_tokens, prompt_kinds=config.prompt_kinds)
     prompts = load_prompts(bench)

@@ -59,9 +59,13 @@ from bench import costs, engines, timeline
 from deploy.configs import ModelServiceConfig
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
+from specdec.limits import SessionLimits
 from specdec.security import ClientSecurity
 
 PROMPTS = Path(__file__).with_name("prompts.json")
+# The services' limits in every bench but --ttft: every method runs the same prompts one after another,
+# and with the prefix cache on all but the first would start from the first's keys and values.
+COLD = SessionLimits(prefix_cache=False)
 IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline
 
 
@@ -306,6 +310,7 @@ def run(config: BenchConfig) -> dict:
                 target_placement=config.target_placement,
                 target_backend=config.target_backend,
                 target_compile=config.target_compile,
+                session_limits=COLD,
             )
             pipelines[where] = stack.enter_context(LocalPipeline(cfg, log=lambda msg: bar.write(msg)))
             stubs[where] = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipelines[where].address))

@@ -19,7 +19,16 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.run import BenchConfig, Row, _chat_ids, _specdec_generate, format_rows, load_prompts, paired_speedup
+from bench.run import (
+    COLD,
+    BenchConfig,
+    Row,
+    _chat_ids,
+    _specdec_generate,
+    format_rows,
+    load_prompts,
+    paired_speedup,
+)
 from specdec import models
 
 ASK = "\nAnswer as JSON: an object with `answer` (a string) and `points` (a list of strings)."
@@ -62,7 +71,9 @@ def run(config: StructuredConfig) -> dict:
     k = str(config.k)
     methods = [("off", "-", None), ("off", "-", schema), ("specdec", k, None), ("specdec", k, schema)]
     runs: dict[tuple, list[dict]] = {}
-    pipeline_config = PipelineConfig(target=config.target, draft=config.draft, drafter=config.drafter)
+    pipeline_config = PipelineConfig(
+        target=config.target, draft=config.draft, drafter=config.drafter, session_limits=COLD
+    )
     bar = tqdm(total=len(config.temperatures) * len(methods) * len(ids) * config.repeats, desc="structured")
     with LocalPipeline(pipeline_config, log=bar.write) as pipeline:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))

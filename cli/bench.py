@@ -114,6 +114,21 @@ def add_bench_parser(sub) -> None:
         "the first of --ks, without and with a JSON schema, per --temperatures (first --drafters, default the "
         "pair's): tokens/s, speedup, acceptance, the grammar masks' ms per token",
     )
+    b.add_argument(
+        "--ttft",
+        action="store_true",
+        help="the time-to-first-token benchmark (bench/ttft.py) instead: a chat with a 1,298-token system prompt "
+        "(bench/long_chat.json) streamed from a client, turn by turn (the first, the next turn, the same request "
+        "again, more turns), against the target's prefill in this process, the prefix cache on and off; "
+        "--repeats conversations, answers of --max-tokens, the first of --drafters (default the pair's)",
+    )
+    b.add_argument(
+        "--system-chars",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --ttft: the system prompt cut to its first N characters (default 0: whole)",
+    )
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
@@ -225,6 +240,23 @@ def bench(args) -> int:
         if args.quick:
             sc = structured.quick(sc)
         print(structured.format_table(structured.run(sc)))
+        return 0
+    if args.ttft:
+        from bench import ttft  # as bench.run: torch and the models
+
+        tc = ttft.TTFTConfig(
+            target=config.target,
+            draft=config.draft,
+            drafter=config.drafters[0] if args.drafters != DEFAULT_DRAFTERS else "auto",
+            target_backend=config.target_backend,
+            max_tokens=config.max_tokens,
+            repeats=config.repeats,
+            system_chars=args.system_chars,
+            out=config.out,
+        )
+        if args.quick:
+            tc = ttft.quick(tc)
+        print(ttft.format_table(ttft.run(tc)))
         return 0
     if args.concurrency:
         from bench import concurrency  # as bench.run: torch and the models

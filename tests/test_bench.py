@@ -225,3 +225,38 @@ def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
         assert all(cell["tokens_per_second"] > 0 for cell in cells.values())
         assert cells["seq k=2"]["acceptance_rate"] > 0
     assert "alone, no link" in out.stdout and "overlap k=2" in out.stdout
+
+
+def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends, tmp_path):
+    """bench/ttft.py's client on in-process services with the prefix cache on (the CLI's `--ttft` starts
+    LocalPipelines instead): every case timed from the stream, the next turn and the same request again
+    reuse the conversation on both services, and the table holds each ratio beside issue 43's bound."""
+    from bench import ttft
+    from specdec import models
+    from tests.harness import pipeline
+
+    config = ttft.TTFTConfig(max_tokens=4, repeats=1, turns=3, out=tmp_path)
+    chat = ttft.load_chat()
+    system = f"Conversation 1.\n{chat['system'][:60]}"
+    model, tokenizer = models.load(models.ModelSpec(tiny_models["target"], "cpu", "float32"))
+    ids = ttft._ids(
+        tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": chat["questions"][0]}]
+    )
+    runs = {("-", "prefill"): [{"seconds": ttft._prefill_seconds(model, ids), "prompt_tokens": len(ids)}]}
+    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+        services = {"target": p.target, "draft": p.draft}
+        for case, result in ttft._conversation(p.orchestrator, services, system, chat["questions"][:3], config):
+            runs.setdefault(("on", case), []).append(result)
+    results = ttft.summarise(config, runs)
+    rows = {(r["case"], r["cache"]): r for r in results["rows"]}
+    assert set(rows) == {("prefill", "-"), *((case, "on") for case in ttft.CASES)}
+    assert rows[("first", "on")]["prompt_tokens"] == len(ids)  # the bench's prompt is the server's
+    for row in rows.values():
+        assert row["seconds"] > 0
+    for case in ("second", "identical", "multi-turn"):  # the conversation so far, on both sides
+        assert rows[(case, "on")]["target_hit"] > rows[("first", "on")]["prompt_tokens"] > 0, case
+        assert rows[(case, "on")]["draft_hit"] > rows[("first", "on")]["prompt_tokens"], case
+    assert rows[("identical", "on")]["target_hit"] == rows[("identical", "on")]["prompt_tokens"] - 1
+    assert [rows[(c, "on")]["criterion"] for c in ("first", "second", "identical")] == [1.1, 0.2, 0.1]
+    table = ttft.format_table(json.loads((tmp_path / "ttft.json").read_text()))
+    assert "<= 0.2x" in table and "multi-turn" in table
