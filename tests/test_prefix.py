@@ -112,6 +112,7 @@ def pairs(tiny_backends):
 def conversation(pair: Pair, **config) -> list[tuple[list[int], list[int]]]:
     """(prompt, output) of: a first turn, its next turn (taking the first's kept cache over), the
     same request again (copying the kept one), and another conversation on the same system prompt."""
+    config = {"n": 16, **config}
     done = []
     first = [*SYSTEM, *tokens(1, 12)]
     done.append((first, pair.generate(first, **config)))
@@ -125,8 +126,8 @@ def conversation(pair: Pair, **config) -> list[tuple[list[int], list[int]]]:
 
 @pytest.mark.parametrize(
     "config",
-    [{}, {"overlap": True}, {"tree_nodes": 6}, {"lookahead": 4, "adaptive": True}],
-    ids=["chains", "overlap", "trees", "adaptive"],
+    [{}, {"overlap": True}, {"tree_nodes": 6}],
+    ids=["chains", "overlap", "trees"],
 )
 def test_greedy_output_is_the_targets_with_the_cache_on_and_off(pairs, tiny_backends, config):
     on, off = pairs(), pairs(OFF)
@@ -306,8 +307,8 @@ def test_llamacpp_copies_a_prefix_bit_for_bit():
     if not models.draft_gguf_path().exists():
         pytest.skip("the embedded GGUF is not converted (make setup)")
     backend = LlamaCppBackend(ModelSpec(models.DEFAULT_ALIAS))
-    base = tokens(60, 150)
-    prompts = {"live": [*base, *tokens(61, 40)], "kept": [*base, *tokens(62, 30)]}
+    base = tokens(60, 80)
+    prompts = {"live": [*base, *tokens(61, 20)], "kept": [*base, *tokens(62, 15)]}
 
     def first_logits(engine, sid, prompt):
         engine.open(sid, prompt)
@@ -351,7 +352,7 @@ def test_the_law_through_the_services_with_the_cache_on():
     target, draft = Direct(TargetServicer(target_engine)), Direct(DraftServicer(draft_engine))
     prompt = np.random.default_rng(7).integers(0, vocab, 40).tolist()
     counts = np.zeros((vocab, vocab), dtype=np.int64)
-    for seed in range(400):
+    for seed in range(160):  # 4,000 transitions: the target's law passes (p ~0.3), the draft's fails (p < 1e-12)
         config = LoopConfig(SamplingParams(temperature=1.0), 25, lookahead=3, seed=seed, overlap=bool(seed % 2))
         loop = SpeculativeLoop(draft, target, prompt, config)
         for _ in loop.rounds():
@@ -360,7 +361,7 @@ def test_the_law_through_the_services_with_the_cache_on():
     assert counts_chisquare(counts, target_probs) > 1e-3
     assert counts_chisquare(counts, draft_probs) < 1e-3
     for engine in (target_engine, draft_engine):
-        assert engine.prefix.stats.hits >= 399 and engine.open_sessions == 0
+        assert engine.prefix.stats.hits >= 159 and engine.open_sessions == 0
         engine.stop()
 
 
