@@ -138,14 +138,14 @@ def check_one_trace(spans, stats) -> None:
     # Broken propagation would start new traces in the services: every span of the session is here.
     assert all(s.trace_id == root.trace_id for s in spans if s.attributes.get("specdec.session_id") == session)
 
-    row_fetches = 0
+    row_fetches, opened = 0, []
     for r in rounds:
         proposed, accepted = r.attributes["specdec.proposed"], r.attributes["specdec.accepted"]
         calls = [c for c in children.get(r.span_id, []) if c.kind == CLIENT]
         expected = ["Score"] + ["Propose"] * (proposed > 0) + ["ProposalRow"] * (accepted < proposed)
-        if r.attributes["specdec.round"] == 1:
-            expected += ["OpenSession"] * 2  # the first round also opens both sessions (the prefill)
-        assert sorted(c.name.rsplit("/", 1)[-1] for c in calls) == sorted(expected)
+        names = [c.name.rsplit("/", 1)[-1] for c in calls]
+        opened += [(r.attributes["specdec.round"], c.name) for c in calls if c.name.endswith("/OpenSession")]
+        assert sorted(n for n in names if n != "OpenSession") == sorted(expected)
         row_fetches += "ProposalRow" in expected
         for client in calls:
             method = client.name.rsplit("/", 1)[-1]
@@ -160,6 +160,10 @@ def check_one_trace(spans, stats) -> None:
             elif method == "Score":
                 assert len(forwards) == 1 and forwards[0].attributes["specdec.logits"] == proposed + 1
     assert row_fetches > 0  # sampling rejected some drafts: the draft row was fetched
+    # The first round opens the target's session (its prefill gives the first token); the draft's
+    # opens in a round after it (orchestrator.loop's First token).
+    assert sorted("DraftService" in name for _, name in opened) == [False, True]
+    assert all(round_ == 1 for round_, name in opened if "TargetService" in name)
 
 
 def test_one_request_is_one_trace_with_rounds_parenting_draft_and_target_spans(observed):
@@ -207,7 +211,8 @@ def test_prometheus_metrics_agree_with_the_response(observed):
     # The prefix cache: every session's prompt counted, none long enough to reuse (a block is 16
     # tokens); the request's closed cache kept (its prompt and most of its tokens: a block's worth).
     assert metric(target, "specdec_prefix_prompt_tokens_total") == s.prompt_tokens
-    assert metric(draft, "specdec_prefix_prompt_tokens_total") == s.prompt_tokens + len(SIDE_PROMPT)
+    # The draft's session opens after the first token, with it (orchestrator.loop's First token).
+    assert metric(draft, "specdec_prefix_prompt_tokens_total") == s.prompt_tokens + 1 + len(SIDE_PROMPT)
     assert metric(target, "specdec_prefix_hit_tokens_total") == metric(draft, "specdec_prefix_hit_tokens_total") == 0
     assert metric(target, "specdec_prefix_kept_tokens") >= s.prompt_tokens
     # While the side session was open: one session, its prompt but the last token cached.
