@@ -185,7 +185,8 @@ def add_tree_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
         default=None if client else 0,
         help=f"draft trees for {whose}: each round the draft proposes up to NODES tokens (1.."
         f"{validation.MAX_TREE_NODES}), a spine of --lookahead steps and its most probable runners-up, and "
-        "the target verifies them in one forward; sequential rounds; the target must be a transformers model "
+        "the target verifies them (a transformers target in one forward, a llama.cpp one chain by chain, only the "
+        "chains the rule walks into); sequential rounds "
         + ("(default: the server's, chains unless it was started with --tree)" if client else "(default 0: chains)"),
     )
 

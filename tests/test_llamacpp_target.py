@@ -3,7 +3,7 @@ output exact, through the three services on loopback with the llama.cpp draft (Q
 
 - The F32 GGUF holds the fp32 transformers target's weights, bit for bit.
 - Greedy: output equals llama.cpp target-only decoding through the same target service, for
-  k = 1, 4, 8; and equals the eager transformers fp32 target's.
+  k = 1, 4, 8 and for draft trees; and equals the eager transformers fp32 target's.
 - Sampling: the tokens follow the target's law (a chi-square test on the randomised
   probability integral transform, below), through the whole loop.
 - Rollback (the RPC, stale expected_length) and recovery from a target process killed
@@ -121,8 +121,8 @@ def prompts(backends):
     return out
 
 
-def generate(stub, ids, k=4, disabled=False, n=NEW_TOKENS, **kw):
-    speculation = orchestrator_pb2.SpeculationParams(lookahead=k, disabled=disabled)
+def generate(stub, ids, k=4, disabled=False, n=NEW_TOKENS, tree_nodes=0, **kw):
+    speculation = orchestrator_pb2.SpeculationParams(lookahead=k, disabled=disabled, tree_nodes=tree_nodes)
     request = orchestrator_pb2.GenerateRequest(
         token_ids=orchestrator_pb2.TokenIds(ids=ids), max_new_tokens=n, speculation=speculation, **kw
     )
@@ -248,6 +248,21 @@ def test_greedy_equals_target_only(services, prompts, alone, k):
         drafted += response.stats.draft_tokens
         assert_equal_but_near_ties(services.target, ids, list(response.token_ids), expected, f"k={k}")
     assert drafted > 0 and accepted / drafted > 0.5
+
+
+@real_model
+@pytest.mark.parametrize("depth,nodes", [(4, 8), (8, 12)])
+def test_greedy_trees_equal_target_only(services, prompts, alone, depth, nodes):
+    """Draft trees (the llama.cpp draft's spine with runners-up), scored chain by chain in each
+    session's own KV stream (target_service.scorer.tree_rows)."""
+    accepted = drafted = 0
+    for ids, expected in zip(prompts, alone, strict=True):
+        response = generate(services.orchestrator, ids, depth, tree_nodes=nodes)
+        accepted += response.stats.accepted_tokens
+        drafted += response.stats.draft_tokens
+        assert_equal_but_near_ties(services.target, ids, list(response.token_ids), expected, f"tree {depth}/{nodes}")
+    assert drafted > 0 and accepted / drafted > 0.3
+    assert open_sessions(services.target) == 0
 
 
 @real_model
