@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import costs, engines, timeline
-from deploy.configs import ModelServiceConfig
+from deploy.configs import ModelServiceConfig, target_runtime
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
 from specdec.security import ClientSecurity
@@ -88,7 +88,7 @@ class BenchConfig:
     timeline: bool = True
     llamacpp_target: bool = True  # the llamacpp-target rows (llama-cpp-python on the F32 GGUF)
     llama_speculative: Path | None = None  # the llama-speculative binary: its rows, per fixed k
-    target_backend: str = "torch"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
+    target_backend: str = "auto"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
     target_compile: bool | None = None  # its --compile; None: by device
 
 
@@ -663,7 +663,8 @@ def main(config: BenchConfig) -> dict:
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, config.out / "speedup.png")
-    backend = "llama.cpp (the F32 GGUF)" if config.target_backend == "llamacpp" else "transformers"
+    runtime = target_runtime(config.target, config.target_backend)
+    backend = "llama.cpp (the F32 GGUF)" if runtime == "llamacpp" else "transformers"
     print(f"specdec rows: the target service runs {backend}")
     if fc := results["forward_costs"]:
         verify = ", ".join(f"{w}: {1000 * t:.1f}" for w, t in sorted(fc["target"].items()))

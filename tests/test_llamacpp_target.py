@@ -54,12 +54,23 @@ NEAR_TIE = 1e-3  # logit gap within which rounding (shape, library) may flip gre
 
 
 def test_backend_selection():
-    """Config: a .gguf target implies llamacpp, and a .gguf draft the llamacpp drafter (it was
-    loaded as a transformers config: "not a valid JSON file"); llamacpp wants a GGUF or the alias;
-    the CLI fails with one line before a model loads."""
+    """Config: `auto` (the default) runs the embedded default in float32 on a CPU with llama.cpp,
+    anything else with transformers; a .gguf target implies llamacpp, and a .gguf draft the
+    llamacpp drafter (it was loaded as a transformers config: "not a valid JSON file"); llamacpp
+    wants a GGUF or the alias; the CLI fails with one line before a model loads."""
     from draft_service import drafters
 
-    assert ModelServiceConfig("target").backend == "torch"
+    fastest = "llamacpp" if models.llamacpp_installed() else "torch"
+    assert ModelServiceConfig("target").backend == "auto" and ModelServiceConfig("target").runtime == fastest
+    for spec in (
+        models.ModelSpec("org/model"),
+        models.ModelSpec(device="cuda:0"),
+        models.ModelSpec(dtype="bfloat16"),
+        models.ModelSpec("smollm2-135m-x4"),
+    ):
+        assert ModelServiceConfig("target", spec).runtime == "torch", spec
+    assert ModelServiceConfig("target", backend="torch").runtime == "torch"
+    assert ModelServiceConfig("draft").runtime == "torch"  # a draft's runtime is its drafter's
     assert ModelServiceConfig("target", models.ModelSpec("/m/x.gguf")).backend == "llamacpp"
     assert drafters.auto(models.ModelSpec("/m/x.Q4_1.gguf")) == "llamacpp"
     assert ModelServiceConfig("target", backend="llamacpp").spec.model == models.DEFAULT_ALIAS
@@ -77,7 +88,7 @@ def test_backend_selection():
     assert parser.parse_args(["target-service", "--backend", "llamacpp"]).backend == "llamacpp"
     for command in (["generate", "hi"], ["serve"]):
         assert parser.parse_args([*command, "--target-backend", "llamacpp"]).target_backend == "llamacpp"
-        assert parser.parse_args(command).target_backend == "torch"
+        assert parser.parse_args(command).target_backend == "auto"
 
 
 class Counting:
