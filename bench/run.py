@@ -20,7 +20,8 @@ chooses round by round, or run where --draft-cpus/--target-cpus pin them). Every
 threads: an in-process row's, or the services' mean over their forwards (draft+target).
 The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
 target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
-llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k.
+llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k and at its own
+defaults (k column `defaults`).
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over the baseline (median of per-prompt ratios to it on the same pass; the
@@ -63,6 +64,7 @@ from specdec.security import ClientSecurity
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline
+SPECULATIVE_DEFAULTS = "defaults"  # the llama-speculative row run at its own defaults (its k column)
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,9 @@ def run(config: BenchConfig) -> dict:
         if llama_target is not None:
             plan.append((("llamacpp-target", "-", t, "-"), "llamacpp-target", {}))
         if config.llama_speculative:
-            plan += [(("llama-speculative", "llamacpp", t, str(k)), "llama-speculative", {}) for k in config.ks]
+            # per k, and at its own defaults (as a user runs it: its draft length and p-min)
+            ks_speculative = [str(k) for k in config.ks] + [SPECULATIVE_DEFAULTS]
+            plan += [(("llama-speculative", "llamacpp", t, k), "llama-speculative", {}) for k in ks_speculative]
         for i, drafter in enumerate(config.drafters):
             if i == 0:
                 plan.append((("specdec-off", "-", t, "-"), drafter, {}))
@@ -327,7 +331,8 @@ def run(config: BenchConfig) -> dict:
                         result["threads"] = threads
                     elif where == "llama-speculative":
                         result = engines.run_speculative(
-                            config.llama_speculative, text, len(ids), config.max_tokens, int(k), temperature,
+                            config.llama_speculative, text, len(ids), config.max_tokens,
+                            None if k == SPECULATIVE_DEFAULTS else int(k), temperature,
                             config.seed, threads,
                         )  # fmt: skip
                         if rep == 0:  # what was parsed, once per row
