@@ -53,6 +53,15 @@ def eager_or_static(path: str, static: bool) -> HFBackend:
     return backend
 
 
+def in_session(engine: SessionEngine, prefix: list[int], request):
+    """One worker request in a session opened on `prefix` for it, closed after."""
+    engine.open("s", prefix)
+    try:
+        return engine.call("s", None, request)
+    finally:
+        engine.close("s")
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
     backend = eager_or_static(tiny_models["target"], static)
@@ -61,11 +70,7 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
     engine = SessionEngine(backend, "target")
 
     def run(request):
-        engine.open("s", prefix)
-        try:
-            return engine.call("s", None, request)
-        finally:
-            engine.close("s")
+        return in_session(engine, prefix, request)
 
     def tree(session):
         logits = yield engine.forward_tree(session, tokens, parents)
@@ -128,11 +133,7 @@ def test_a_tree_by_chains_scores_only_the_chains_its_walk_enters(tiny_models):
     prefix = [1, 10, 7, 14, 14]
 
     def run(request):
-        engine.open("s", prefix)
-        try:
-            return engine.call("s", None, request)
-        finally:
-            engine.close("s")
+        return in_session(engine, prefix, request)
 
     def chain(path):
         def request(session):
