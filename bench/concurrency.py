@@ -45,7 +45,7 @@ class ConcurrencyConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
     out: Path = Path("bench-results")
-    target_backend: str = "torch"  # what runs the target service (deploy.configs.BACKENDS)
+    target_backend: str = "auto"  # what runs the target service (deploy.configs.BACKENDS)
     target_compile: bool | None = None
 
 

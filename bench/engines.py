@@ -112,10 +112,12 @@ def parse_speculative_output(text: str) -> dict:
 
 
 def speculative_command(
-    binary: Path, prompt_file: Path, max_tokens: int, k: int, temperature: float, seed: int, threads: int
+    binary: Path, prompt_file: Path, max_tokens: int, k: int | None, temperature: float, seed: int, threads: int
 ) -> list[str]:
+    """k: its drafts a round at most (--spec-draft-n-max); None: its own defaults, as a user runs it."""
     # -n counts from 0 and the binary stops after the round that passes it: -n max - 1 stops
     # at the first round reaching max tokens (a round may run past it by up to k tokens).
+    drafts = [] if k is None else ["--spec-draft-n-max", str(k)]
     return [
         str(binary),
         "-m", str(models.f32_gguf_path()),
@@ -123,7 +125,7 @@ def speculative_command(
         "-f", str(prompt_file), "--no-escape",
         "-n", str(max_tokens - 1),
         "-c", str(N_CTX),
-        "--spec-draft-n-max", str(k),
+        *drafts,
         "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads),
         "--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0",
         "--seed", str(seed), "--ignore-eos",
@@ -135,7 +137,7 @@ def run_speculative(
     prompt_text: str,
     prompt_tokens: int,
     max_tokens: int,
-    k: int,
+    k: int | None,
     temperature: float,
     seed: int,
     threads: int,

@@ -51,7 +51,7 @@ class NetworkConfig:
     max_prompts: int = 0
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
-    target_backend: str = "torch"
+    target_backend: str = "auto"
     draft_placement: Placement = field(default_factory=Placement)  # default: the first core
     target_placement: Placement = field(default_factory=Placement)  # default: the last core
     out: Path = Path("bench-results")

@@ -20,7 +20,8 @@ chooses round by round, or run where --draft-cpus/--target-cpus pin them). Every
 threads: an in-process row's, or the services' mean over their forwards (draft+target).
 The engines a CPU user would pick instead (bench.engines): llamacpp-target, llama.cpp
 target-only on the F32 GGUF in process with (a)'s threads; and, given the binary,
-llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k.
+llama-speculative, llama.cpp's speculative example with the Q8_0 draft, per fixed k and at its own
+defaults (k column `defaults`).
 Every method decodes the same prompt token ids; the methods alternate prompt by prompt.
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over the baseline (median of per-prompt ratios to it on the same pass; the
@@ -56,7 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import costs, engines, timeline
-from deploy.configs import ModelServiceConfig
+from deploy.configs import ModelServiceConfig, target_runtime
 from deploy.local import LocalPipeline, PipelineConfig, Placement
 from specdec import models, placement
 from specdec.limits import SessionLimits
@@ -67,6 +68,7 @@ PROMPTS = Path(__file__).with_name("prompts.json")
 # and with the prefix cache on all but the first would start from the first's keys and values.
 COLD = SessionLimits(prefix_cache=False)
 IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline
+SPECULATIVE_DEFAULTS = "defaults"  # the llama-speculative row run at its own defaults (its k column)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class BenchConfig:
     timeline: bool = True
     llamacpp_target: bool = True  # the llamacpp-target rows (llama-cpp-python on the F32 GGUF)
     llama_speculative: Path | None = None  # the llama-speculative binary: its rows, per fixed k
-    target_backend: str = "torch"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
+    target_backend: str = "auto"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
     target_compile: bool | None = None  # its --compile; None: by device
 
 
@@ -283,7 +285,9 @@ def run(config: BenchConfig) -> dict:
         if llama_target is not None:
             plan.append((("llamacpp-target", "-", t, "-"), "llamacpp-target", {}))
         if config.llama_speculative:
-            plan += [(("llama-speculative", "llamacpp", t, str(k)), "llama-speculative", {}) for k in config.ks]
+            # per k, and at its own defaults (as a user runs it: its draft length and p-min)
+            ks_speculative = [str(k) for k in config.ks] + [SPECULATIVE_DEFAULTS]
+            plan += [(("llama-speculative", "llamacpp", t, k), "llama-speculative", {}) for k in ks_speculative]
         for i, drafter in enumerate(config.drafters):
             if i == 0:
                 plan.append((("specdec-off", "-", t, "-"), drafter, {}))
@@ -332,7 +336,8 @@ def run(config: BenchConfig) -> dict:
                         result["threads"] = threads
                     elif where == "llama-speculative":
                         result = engines.run_speculative(
-                            config.llama_speculative, text, len(ids), config.max_tokens, int(k), temperature,
+                            config.llama_speculative, text, len(ids), config.max_tokens,
+                            None if k == SPECULATIVE_DEFAULTS else int(k), temperature,
                             config.seed, threads,
                         )  # fmt: skip
                         if rep == 0:  # what was parsed, once per row
@@ -668,7 +673,8 @@ def main(config: BenchConfig) -> dict:
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, config.out / "speedup.png")
-    backend = "llama.cpp (the F32 GGUF)" if config.target_backend == "llamacpp" else "transformers"
+    runtime = target_runtime(config.target, config.target_backend)
+    backend = "llama.cpp (the F32 GGUF)" if runtime == "llamacpp" else "transformers"
     print(f"specdec rows: the target service runs {backend}")
     if fc := results["forward_costs"]:
         verify = ", ".join(f"{w}: {1000 * t:.1f}" for w, t in sorted(fc["target"].items()))

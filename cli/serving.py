@@ -81,7 +81,7 @@ def model_service(args, role: str) -> int:
     from deploy import hosting  # torch and the model: only for the commands that host one
 
     cpus = None if args.cpus is None else parse_cpus(args.cpus)
-    drafter, backend = getattr(args, "drafter", "auto"), getattr(args, "backend", "torch")
+    drafter, backend = getattr(args, "drafter", "auto"), getattr(args, "backend", "auto")
     config = ModelServiceConfig(role, spec, drafter, limits, cpus, args.threads, backend, compile=args.compile)
     server, port = hosting.start_model_service(config, args.host, args.port, server_security, telemetry)
     what = f"{role} service ({args.model})"

@@ -56,8 +56,9 @@ def start_model_service(
 
 def target_backend(config: ModelServiceConfig):
     """The target's backend: transformers, or llama.cpp on a GGUF (the default alias: the
-    embedded GGUF requantised to F32, the same weights as the fp32 transformers target)."""
-    if config.backend == "torch":
+    embedded GGUF requantised to F32, the same weights as the fp32 transformers target); `auto`
+    resolved where the service runs (deploy.configs.target_runtime)."""
+    if config.runtime == "torch":
         return hf_backend(config.spec, config.compile)
     from specdec.llamacpp import LlamaCppBackend  # llama-cpp-python: only when asked for
 

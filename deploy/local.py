@@ -76,7 +76,7 @@ class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
     drafter: str = "auto"  # auto | model | ngram | llamacpp (draft_service.drafters)
-    target_backend: str = "torch"  # torch | llamacpp (deploy.configs.ModelServiceConfig.backend)
+    target_backend: str = "auto"  # auto | torch | llamacpp (deploy.configs.ModelServiceConfig.backend)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one
     start_timeout: float = 300.0
@@ -140,7 +140,7 @@ class LocalPipeline:
             models.ensure_default_converted()  # once, here, so its progress bar is seen
         for derived in models.DERIVED_ALIASES & {cfg.target.model, cfg.draft.model}:
             models.resolve(derived)  # likewise (built from the conversion)
-        if target.backend == "llamacpp" and cfg.target.model in models.ALIASES:
+        if target.runtime == "llamacpp" and cfg.target.model in models.ALIASES:
             models.f32_gguf_path()  # likewise
         if cfg.draft.model in models.ALIASES and cfg.drafter in ("auto", "llamacpp") and models.llamacpp_installed():
             models.draft_gguf_path()  # likewise (the llama.cpp drafter's default file)
@@ -150,7 +150,7 @@ class LocalPipeline:
             draft_args = [*_model_args(cfg.draft), "--drafter", cfg.drafter, *draft_place.flags()]
             self._spawn("draft", "draft-service", 0, LOOPBACK, draft_args)
             compiled = [] if cfg.target_compile is None else ["--compile" if cfg.target_compile else "--no-compile"]
-            target_args = [*_model_args(cfg.target), "--backend", target.backend, *target_place.flags(), *compiled]
+            target_args = [*_model_args(cfg.target), "--backend", target.runtime, *target_place.flags(), *compiled]
             self._spawn("target", "target-service", 0, LOOPBACK, target_args)
             for name in MODEL_SERVICES:
                 self._wait(name)

@@ -188,8 +188,7 @@ def _tree_nodes(pair: ModelPair, spec, default: int) -> int:
     validation.tree_nodes(nodes, "speculation.tree_nodes")
     if nodes and not pair.tree_verify and not spec.disabled:
         raise FailedPrecondition(
-            "speculation.tree_nodes: the target service verifies chains only (a llama.cpp target); "
-            "leave tree_nodes unset or 0"
+            "speculation.tree_nodes: the target service does not verify draft trees; leave tree_nodes unset or 0"
         )
     return nodes
 

@@ -293,7 +293,7 @@ class SessionServicer:
             ],
             static_forwards=static_forwards(getattr(backend, "built", None)),
             builds_after_ready=getattr(backend, "builds_after_ready", 0),
-            tree_verify=self.engine.role == "target" and getattr(backend, "trees", False),
+            tree_verify=self.engine.role == "target",  # in one forward or chain by chain (target_service.scorer)
             prefix_cache=prefix_cache(engine.prefix),
         )
 

@@ -1,5 +1,6 @@
 """Scoring: [last committed token, drafts...] in one forward pass, k + 1 positions; or the
-last committed token and a draft tree, each node attending to its ancestors (score_tree).
+last committed token and a draft tree, each node attending to its ancestors (score_tree: in one
+forward with tree attention, else chain by chain).
 
 Scoring runs on the engine's model worker, batched with other sessions' forwards.
 Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the target
@@ -145,36 +146,57 @@ def score_tree(
     walk: TreeRule | None = None,
     logprobs: int | None = None,
 ) -> Generator[Forward, torch.Tensor, Scores]:
-    """Verify a draft tree in one forward. Greedy: `argmax` holds the target's argmax at the root
-    and after each node (n + 1); the invariant rule (`noise_seed`): its Gumbel-max sample there,
-    each keyed by the position it is at in the sequence (the node's depth); the Leviathan rule
-    (`walk`): the target walks the tree (rule.tree_walk) and returns the path and last token.
-    Structured output: each row masked by the session's grammar at its path."""
+    """Verify a draft tree. Greedy: `argmax` holds the target's argmax at the root and after each
+    node (n + 1); the invariant rule (`noise_seed`): its Gumbel-max sample there, each keyed by the
+    position it is at in the sequence (the node's depth); the Leviathan rule (`walk`): the target
+    walks the tree (rule.tree_walk) and returns the path and last token. Structured output: each
+    row masked by the session's grammar at its path.
+
+    A backend with tree attention (`trees`) scores every node in one forward. Any other (llama.cpp:
+    one KV stream a session, a token in one sequence) scores the tree chain by chain in the
+    session's own stream, only the chains the rule walks into (tree_rows): the rows off the
+    walked path are never read, by the rule here nor by the orchestrator's (the same walk over
+    the same rows), and are zeros."""
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
     masks = grammar.tree_masks(draft_ids, parents) if grammar is not None else None  # [n + 1, words]
-    forward = engine.forward_tree(session, draft_ids, parents)
-    logits = yield forward  # [n + 1, vocab]: after the committed tokens, then after each node
-    logits = apply(grammar, logits, masks)
-    step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
-    own = None
-    if params.greedy:
-        scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
-        own = scores.argmax
-    elif noise_seed is not None:
-        probs = probs_from_logits(logits, params)
+    coupled = noise_seed is not None and not params.greedy
+    if coupled:
         depth = [0] * len(parents)
         for i, parent in enumerate(parents):
             depth[i] = 1 if parent < 0 else depth[parent] + 1
         positions = [len(session.tokens) + d for d in (0, *depth)]
-        scores = Scores(rule.coupled_tokens(probs, noise_seed, positions), [], 0, None, *step)
+
+    def token(i: int, row: torch.Tensor) -> int:  # the target's token in row i (greedy, invariant)
+        if params.greedy:
+            return int(torch.argmax(row))
+        return rule.coupled_tokens(probs_from_logits(row[None], params), noise_seed, [positions[i]])[0]
+
+    def decide(rows: LazyRows):
+        """The rule's walk over the rows (raises Missing for a row not scored yet)."""
+        if walk is None:
+            targets = rows.map(token)
+            path = rule.tree_greedy_path(parents, draft_ids, targets)
+            targets[path[-1] + 1 if path else 0]  # the round's last token: its row too
+            return None
+        probs = rows.map(lambda _, row: probs_from_logits(row[None], params)[0].cpu().numpy())
+        return rule.tree_walk(parents, draft_ids, probs, walk.draft_rows, walk.accept_uniforms, walk.final_uniform)
+
+    logits, scored, walked, forwards = yield from tree_rows(engine, session, draft_ids, parents, grammar, masks, decide)
+    step = (
+        forwards[0].step_tokens,
+        forwards[0].step_sessions,
+        forwards[0].step_threads,
+        sum(f.waited for f in forwards),
+        sum(f.seconds for f in forwards),
+    )
+    own = None
+    if walk is None:
+        argmax = [token(i, row) if i in scored else 0 for i, row in enumerate(logits)]  # 0: a row not scored
+        scores = Scores(argmax, [], 0, None, *step)
         own = scores.argmax
     else:
-        assert walk is not None  # checked at the edge
-        probs = probs_from_logits(logits, params)
-        path, last = rule.tree_walk(
-            parents, draft_ids, probs.cpu().numpy(), walk.draft_rows, walk.accept_uniforms, walk.final_uniform
-        )
+        path, last = walked
         scores = Scores([], [], 0, None, *step, accepted_nodes=path, final_token=last)
     if logprobs is not None:
         scores.logprobs = logprobs_of(logits, params, draft_ids, [p + 1 for p in parents], own, logprobs)
@@ -183,3 +205,78 @@ def score_tree(
             scores.logprobs.final_token = float(logprobs_from_logits(logits[row : row + 1], params)[0, last])
     scores.mask_seconds = grammar.seconds - spent if grammar is not None else 0.0
     return scores
+
+
+class Missing(Exception):  # noqa: N818 - a signal, not an error
+    """A walk down a tree read the row after a node that no forward has scored yet."""
+
+    def __init__(self, row: int):
+        super().__init__(row)
+        self.row = row
+
+
+class LazyRows:
+    """A tree's verify rows by index (0: the root's, i + 1: after node i), each read through
+    `fn(i, row)` once; reading a row not scored yet raises Missing."""
+
+    def __init__(self, rows: dict[int, torch.Tensor], fn=None):
+        self.rows, self.fn, self._seen = rows, fn, {}
+
+    def map(self, fn) -> LazyRows:
+        return LazyRows(self.rows, fn)
+
+    def __getitem__(self, i: int):
+        if i not in self.rows:
+            raise Missing(i)
+        if i not in self._seen:
+            self._seen[i] = self.fn(i, self.rows[i]) if self.fn is not None else self.rows[i]
+        return self._seen[i]
+
+
+def tree_rows(engine: SessionEngine, session: Session, draft_ids, parents, grammar, masks, decide):
+    """The verify rows of a tree ([n + 1, vocab], masked; zeros where not scored), the rows scored,
+    what `decide(LazyRows)` returned over them, and the forwards that scored them.
+
+    With tree attention, one forward. Otherwise chain by chain in the session's own cache, each a
+    plain forward (engine.forward: its rows are exactly those of that path fed as a chain): first
+    the spine (the root's first child, its first child, ...) after the last committed token; then,
+    while `decide` reads a row not scored yet (the row after node x, x accepted on the walked
+    path), x and its own first-child chain, after x's ancestors, which the cache holds (the walk
+    came down through them, in the last chain scored: engine.forward keeps them and drops the
+    rest). A round scores one chain unless its walk leaves the spine; the cache then holds the
+    walked path, which the next commit keeps."""
+    if getattr(engine.backend, "trees", False):
+        forward = engine.forward_tree(session, draft_ids, parents)
+        logits = apply(grammar, (yield forward), masks)
+        return logits, set(range(len(logits))), decide(LazyRows(dict(enumerate(logits)))), [forward]
+    kids = rule.tree_children(parents)
+    rows: dict[int, torch.Tensor] = {}
+    forwards: list[Forward] = []
+    missing = 0
+    while True:
+        node = missing - 1  # the chain starts at it (-1: the spine, after the last committed token)
+        above, at = [], parents[node] if node >= 0 else -1
+        while at >= 0:
+            above.insert(0, at)
+            at = parents[at]
+        chain = [node] if node >= 0 else []
+        while kids.get(chain[-1] if chain else -1):
+            chain.append(kids[chain[-1] if chain else -1][0])
+        wanted = ([0] if node < 0 else []) + [c + 1 for c in chain]
+        forward = engine.forward(session, [draft_ids[i] for i in above + chain], len(wanted))
+        out = yield forward
+        forwards.append(forward)
+        rows.update(zip(wanted, apply(grammar, out, masks[wanted] if masks is not None else None), strict=True))
+        try:
+            walked = decide(LazyRows(rows))
+            break
+        except Missing as gap:
+            assert gap.row not in rows, gap.row
+            missing = gap.row
+            # a backend's rows may be views of its output buffer, valid until its next forward
+            rows = {i: row.clone() for i, row in rows.items()}
+    first = next(iter(rows.values()))
+    logits = first.new_zeros(len(draft_ids) + 1, first.shape[-1], dtype=torch.float32)
+    for i, row in rows.items():
+        logits[i] = row
+    return logits, set(rows), walked, forwards

@@ -102,3 +102,16 @@ class SupportMarkovBackend(MarkovBackend):
             else:
                 rows[r, self.support[0]] = 0.0
         return rows
+
+
+class ChainsOnly:
+    """A backend as one without tree attention sees it (as llama.cpp's): the target scores a
+    draft tree chain by chain (target_service.scorer.tree_rows), the draft drafts a spine."""
+
+    trees = False
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)

@@ -208,7 +208,7 @@ def test_the_aliases_shapes_land_near_their_factors():
 def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter():
     for alias in models.DERIVED_ALIASES:
         spec = models.ModelSpec(alias)
-        assert ModelServiceConfig("target", spec).backend == "torch"
+        assert ModelServiceConfig("target", spec).runtime == "torch"  # auto: transformers
         with pytest.raises(ValueError, match="llama.cpp has no GGUF of it"):
             ModelServiceConfig("target", spec, backend="llamacpp")
         assert drafters.auto(spec) == "model"

@@ -3,7 +3,7 @@ output exact, through the three services on loopback with the llama.cpp draft (Q
 
 - The F32 GGUF holds the fp32 transformers target's weights, bit for bit.
 - Greedy: output equals llama.cpp target-only decoding through the same target service, for
-  k = 1, 4, 8; and equals the eager transformers fp32 target's.
+  k = 1, 4, 8 and for draft trees; and equals the eager transformers fp32 target's.
 - Sampling: the tokens follow the target's law (a chi-square test on the randomised
   probability integral transform, below), through the whole loop.
 - Rollback (the RPC, stale expected_length) and recovery from a target process killed
@@ -54,12 +54,23 @@ NEAR_TIE = 1e-3  # logit gap within which rounding (shape, library) may flip gre
 
 
 def test_backend_selection():
-    """Config: a .gguf target implies llamacpp, and a .gguf draft the llamacpp drafter (it was
-    loaded as a transformers config: "not a valid JSON file"); llamacpp wants a GGUF or the alias;
-    the CLI fails with one line before a model loads."""
+    """Config: `auto` (the default) runs the embedded default in float32 on a CPU with llama.cpp,
+    anything else with transformers; a .gguf target implies llamacpp, and a .gguf draft the
+    llamacpp drafter (it was loaded as a transformers config: "not a valid JSON file"); llamacpp
+    wants a GGUF or the alias; the CLI fails with one line before a model loads."""
     from draft_service import drafters
 
-    assert ModelServiceConfig("target").backend == "torch"
+    fastest = "llamacpp" if models.llamacpp_installed() else "torch"
+    assert ModelServiceConfig("target").backend == "auto" and ModelServiceConfig("target").runtime == fastest
+    for spec in (
+        models.ModelSpec("org/model"),
+        models.ModelSpec(device="cuda:0"),
+        models.ModelSpec(dtype="bfloat16"),
+        models.ModelSpec("smollm2-135m-x4"),
+    ):
+        assert ModelServiceConfig("target", spec).runtime == "torch", spec
+    assert ModelServiceConfig("target", backend="torch").runtime == "torch"
+    assert ModelServiceConfig("draft").runtime == "torch"  # a draft's runtime is its drafter's
     assert ModelServiceConfig("target", models.ModelSpec("/m/x.gguf")).backend == "llamacpp"
     assert drafters.auto(models.ModelSpec("/m/x.Q4_1.gguf")) == "llamacpp"
     assert ModelServiceConfig("target", backend="llamacpp").spec.model == models.DEFAULT_ALIAS
@@ -77,7 +88,7 @@ def test_backend_selection():
     assert parser.parse_args(["target-service", "--backend", "llamacpp"]).backend == "llamacpp"
     for command in (["generate", "hi"], ["serve"]):
         assert parser.parse_args([*command, "--target-backend", "llamacpp"]).target_backend == "llamacpp"
-        assert parser.parse_args(command).target_backend == "torch"
+        assert parser.parse_args(command).target_backend == "auto"
 
 
 class Counting:
@@ -121,8 +132,8 @@ def prompts(backends):
     return out
 
 
-def generate(stub, ids, k=4, disabled=False, n=NEW_TOKENS, **kw):
-    speculation = orchestrator_pb2.SpeculationParams(lookahead=k, disabled=disabled)
+def generate(stub, ids, k=4, disabled=False, n=NEW_TOKENS, tree_nodes=0, **kw):
+    speculation = orchestrator_pb2.SpeculationParams(lookahead=k, disabled=disabled, tree_nodes=tree_nodes)
     request = orchestrator_pb2.GenerateRequest(
         token_ids=orchestrator_pb2.TokenIds(ids=ids), max_new_tokens=n, speculation=speculation, **kw
     )
@@ -248,6 +259,21 @@ def test_greedy_equals_target_only(services, prompts, alone, k):
         drafted += response.stats.draft_tokens
         assert_equal_but_near_ties(services.target, ids, list(response.token_ids), expected, f"k={k}")
     assert drafted > 0 and accepted / drafted > 0.5
+
+
+@real_model
+@pytest.mark.parametrize("depth,nodes", [(4, 8), (8, 12)])
+def test_greedy_trees_equal_target_only(services, prompts, alone, depth, nodes):
+    """Draft trees (the llama.cpp draft's spine with runners-up), scored chain by chain in each
+    session's own KV stream (target_service.scorer.tree_rows)."""
+    accepted = drafted = 0
+    for ids, expected in zip(prompts, alone, strict=True):
+        response = generate(services.orchestrator, ids, depth, tree_nodes=nodes)
+        accepted += response.stats.accepted_tokens
+        drafted += response.stats.draft_tokens
+        assert_equal_but_near_ties(services.target, ids, list(response.token_ids), expected, f"tree {depth}/{nodes}")
+    assert drafted > 0 and accepted / drafted > 0.3
+    assert open_sessions(services.target) == 0
 
 
 @real_model

@@ -1,5 +1,8 @@
 """The embedded default pair (SmolLM2-135M-Instruct: fp32 target, llama.cpp Q8_0 draft) through the
-three processes, against in-process transformers."""
+three processes as `specdec generate` starts them, against in-process transformers. The target's
+backend is the default's (`auto`): on this CPU, with llama-cpp-python, llama.cpp on the F32 GGUF
+(the same weights), so greedy output may leave transformers' only at a near-tie of the two
+libraries' rounding (NEAR_TIE, as in test_llamacpp_target)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ PROMPTS = [
     "What is 12 times 13?",
 ]
 NEW_TOKENS = 64
-NEAR_TIE = 1e-4
+NEAR_TIE = 1e-3  # logit gap within which the two libraries' rounding may flip greedy
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 - the transformers backend's tree forward gives each node the logits of its own root path run as
   a plain chain, and after a commit the cache holds the accepted path as if it had been fed alone;
+- a target without tree attention (llama.cpp's, ChainsOnly here) scores a tree chain by chain,
+  only the chains the rule walks into: one forward while the walk stays on the spine, each row
+  its path's; every test of the rule below runs against both kinds of target;
 - the draft's tree is a spine with runners-up, at most the budget, parents before children;
 - greedy: a tree generation is token for token the target alone's, for the model and n-gram
   drafters and several budgets and depths (stand-ins), and for the tiny models over gRPC;
@@ -29,8 +32,9 @@ from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from target_service import scorer
 from tests.harness import pipeline
-from tests.standins import random_markov
+from tests.standins import ChainsOnly, random_markov
 from tests.stats import counts_chisquare, markov_chisquare, transition_counts
 from tests.test_loop import kernel_after_transform
 from tests.test_overlap import near
@@ -49,6 +53,15 @@ def eager_or_static(path: str, static: bool) -> HFBackend:
     return backend
 
 
+def in_session(engine: SessionEngine, prefix: list[int], request):
+    """One worker request in a session opened on `prefix` for it, closed after."""
+    engine.open("s", prefix)
+    try:
+        return engine.call("s", None, request)
+    finally:
+        engine.close("s")
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
     backend = eager_or_static(tiny_models["target"], static)
@@ -57,11 +70,7 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
     engine = SessionEngine(backend, "target")
 
     def run(request):
-        engine.open("s", prefix)
-        try:
-            return engine.call("s", None, request)
-        finally:
-            engine.close("s")
+        return in_session(engine, prefix, request)
 
     def tree(session):
         logits = yield engine.forward_tree(session, tokens, parents)
@@ -115,6 +124,80 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(tiny_models, static):
     assert engine.open_sessions == 0 and engine.kv.held == 0
 
 
+def test_a_tree_by_chains_scores_only_the_chains_its_walk_enters(tiny_models):
+    """A target without tree attention: the spine in one forward while the greedy walk stays on it;
+    a walk that leaves it at a runner-up scores that runner-up's own chain after its ancestors;
+    each row is its path's; the cache holds the walked path, for the next commit to keep."""
+    backend = ChainsOnly(HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32")))
+    engine = SessionEngine(backend, "target")
+    prefix = [1, 10, 7, 14, 14]
+
+    def run(request):
+        return in_session(engine, prefix, request)
+
+    def chain(path):
+        def request(session):
+            logits = yield engine.forward(session, path, len(path) + 1)
+            return logits.clone()
+
+        return run(request)
+
+    greedy = []  # the target's own greedy continuation
+    for _ in range(4):
+        greedy.append(int(chain(greedy)[-1].argmax()))
+    wrong = next(t for t in range(3, 30) if t not in greedy)
+
+    def score(tokens, parents):
+        forwards = []
+
+        def request(session):
+            scores = yield from counted(scorer.score_tree(engine, session, tokens, parents, SamplingParams()), forwards)
+            return scores, list(session.cached)
+
+        (scores, cached) = run(request)
+        return scores, cached, forwards
+
+    # the spine is the target's text: one forward; its rows are the spine's, fed as a chain
+    tokens, parents = [greedy[0], wrong, greedy[1], wrong, greedy[2]], [-1, -1, 0, 0, 2]
+    scores, cached, forwards = score(tokens, parents)
+    assert len(forwards) == 1 and cached == prefix + [greedy[0], greedy[1], greedy[2]]
+    assert rule.tree_greedy_path(parents, tokens, scores.argmax) == [0, 2, 4]
+    assert scores.argmax[5] == greedy[3]
+    # the spine starts wrong, the root's runner-up is right: its chain (runner-up, its first child) next
+    tokens, parents = [wrong, greedy[0], greedy[1], wrong], [-1, -1, 1, 2]
+    scores, cached, forwards = score(tokens, parents)
+    assert len(forwards) == 2 and cached == prefix + [greedy[0], greedy[1], wrong]
+    path = rule.tree_greedy_path(parents, tokens, scores.argmax)
+    assert path == [1, 2] and scores.argmax[3] == greedy[2]  # the round commits greedy[:3]
+
+    def rows(session):  # the rows scored, each its path's fed as a chain
+        def decide(_rows):  # no walk: reads no row, so the spine's chain alone is scored
+            return None
+
+        logits, scored, _, _ = yield from scorer.tree_rows(engine, session, tokens, parents, None, None, decide)
+        return logits.clone(), scored
+
+    logits, scored = run(rows)
+    assert scored == {0, 1}  # the root's row and the row after the spine's only node
+    torch.testing.assert_close(logits[0], chain([])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], chain([wrong])[-1], atol=1e-4, rtol=1e-4)
+    assert not logits[2:].any()
+    assert engine.open_sessions == 0 and engine.kv.held == 0
+
+
+def counted(request, forwards: list):
+    """A worker request that records the forwards it yields."""
+    result = None
+    try:
+        forward = request.send(None)
+        while True:
+            forwards.append(forward)
+            forward = request.send((yield forward))
+    except StopIteration as stop:
+        result = stop.value
+    return result
+
+
 GREEDY = SamplingParams()
 
 
@@ -125,10 +208,22 @@ def generate(draft, target, n: int, sampling=GREEDY, seed: int = 3, **config):
     return loop.generated, loop.stats
 
 
+VERIFY = ["attention", "chains"]  # how the target scores a tree: in one forward, or chain by chain
+
+
+def verified(target, verify: str):
+    """An in-process target service (tests.test_seeds.pair) whose backend scores trees as `verify` says."""
+    if verify == "chains":
+        target.servicer.engine.backend = ChainsOnly(target.servicer.engine.backend)
+    return target
+
+
+@pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
-def test_greedy_trees_equal_the_target_alone(drafter):
+def test_greedy_trees_equal_the_target_alone(drafter, verify):
     target_probs = random_markov(12, 31, alpha=0.3)
     draft, target = pair(target_probs, near(target_probs, 32), drafter)
+    target = verified(target, verify)
     plain, _ = generate(draft, target, 200, speculate=False)
     for depth, nodes in [(4, 8), (8, 4), (3, 12), (6, 6)]:
         out, stats = generate(draft, target, 200, lookahead=depth, tree_nodes=nodes)
@@ -154,9 +249,11 @@ def test_the_draft_proposes_a_spine_with_runners_up():
     engine.close("s")
 
 
-def test_the_law_through_the_loop_is_the_targets():
+@pytest.mark.parametrize("verify", VERIFY)
+def test_the_law_through_the_loop_is_the_targets(verify):
     target_probs, draft_probs = random_markov(6, 51), random_markov(6, 52)
     draft, target = pair(target_probs, draft_probs)
+    target = verified(target, verify)
     tokens, stats = generate(draft, target, 8_000, SAMPLING, lookahead=3, tree_nodes=6)
     assert markov_chisquare([2, *tokens], kernel_after_transform(target_probs, SAMPLING)) > 1e-3
     assert 0 < stats.accepted_tokens < stats.draft_tokens
@@ -205,9 +302,11 @@ def test_a_wrong_residual_through_the_services_fails_the_same_test(kernels, monk
     assert counts_chisquare(counts, support_kernel(target_kernel)) < 1e-3
 
 
-def test_the_invariant_rule_with_trees_gives_the_target_alones_text():
+@pytest.mark.parametrize("verify", VERIFY)
+def test_the_invariant_rule_with_trees_gives_the_target_alones_text(verify):
     target_probs = random_markov(12, 61, alpha=0.3)
     draft, target = pair(target_probs, near(target_probs, 62))
+    target = verified(target, verify)
     alone, _ = generate(draft, target, 300, SAMPLING, seed=5, speculate=False, rule="invariant")
     for depth, nodes in [(4, 8), (2, 6)]:
         out, stats = generate(draft, target, 300, SAMPLING, seed=5, lookahead=depth, tree_nodes=nodes, rule="invariant")
@@ -222,9 +321,11 @@ def request(prompt, **speculation) -> orchestrator_pb2.GenerateRequest:
     )
 
 
-def test_greedy_trees_over_grpc_on_the_tiny_models(tiny_backends):
+@pytest.mark.parametrize("verify", VERIFY)
+def test_greedy_trees_over_grpc_on_the_tiny_models(tiny_backends, verify):
     prompts = [[1, 10, 7, 14, 14, 17, 39], [1, 20, 21, 22], [1, 5]]
-    with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
+    target = tiny_backends["target"] if verify == "attention" else ChainsOnly(tiny_backends["target"])
+    with pipeline(tiny_backends["draft"], target) as p:
         address = p.addresses["orchestrator"]
         alone = run_all(address, [request(ids, disabled=True) for ids in prompts])
         for depth, nodes in [(4, 8), (6, 3)]:
