@@ -41,6 +41,7 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from specdec import models, wire
 from specdec.engine import PROFILE_SESSIONS
+from specdec.limits import SessionLimits
 from specdec.llamacpp import LlamaCppBackend
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.v1 import model_pb2, orchestrator_pb2
@@ -117,7 +118,9 @@ def backends():
 def services(backends):
     draft, target = backends
     counting = Counting(target)
-    with pipeline(draft, counting) as p:
+    # No prefix cache: tests here also take the backends' sequences directly, which closed
+    # sessions' kept caches would hold (tests/test_prefix.py covers llama.cpp's prefix cache).
+    with pipeline(draft, counting, limits=SessionLimits(prefix_cache=False)) as p:
         p.counting = counting
         yield p
 
