@@ -16,7 +16,7 @@ from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
 
-N_TOKENS = 30_000
+N_TOKENS = 15_000  # chi-square power to spare: the draft law still fails (p < 1e-3)
 
 
 def pair(target_probs, draft_probs):
