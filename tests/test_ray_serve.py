@@ -50,6 +50,10 @@ from tests.harness import NO_EOS_PROMPT, greedy, wait_until
 
 NAME = "t-serve"
 TOKEN = "serve-test-token-0123456789abcdef"
+# The model services' own (least privilege: the clients' opens nothing on them). Given to `up` by
+# the environment, so that every build of the application from the flags (the config, the
+# application, each rescale) gives them the same one; `up` makes one otherwise.
+SERVICE_TOKEN = "serve-test-services-0123456789abcdef"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 LONG = 400  # tokens of a request that is still running when a test acts on it (lookahead 1)
 
@@ -66,6 +70,8 @@ class App:
 
 @pytest.fixture(scope="module")
 def app(tiny_models, tmp_path_factory):
+    environ = pytest.MonkeyPatch()
+    environ.setenv(security.SERVICE_TOKEN_ENV, SERVICE_TOKEN)
     token = tmp_path_factory.mktemp("serve") / "token"
     token.write_text(TOKEN)
     ports = [str(ray_cluster.free_port()), str(ray_cluster.free_port())]
@@ -98,6 +104,7 @@ def app(tiny_models, tmp_path_factory):
         finally:
             ray.shutdown()
             cluster.shutdown()
+            environ.undo()
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +147,7 @@ def pairs() -> list[ray_serve.Replica]:
 
 def target_sessions(replica: ray_serve.Replica) -> int:
     (target,) = [s for s in replica.services if s.role == "target"]
-    stub = model_pb2_grpc.TargetServiceStub(security.channel(target.endpoint, ClientSecurity(token=TOKEN)))
+    stub = model_pb2_grpc.TargetServiceStub(security.channel(target.endpoint, ClientSecurity(token=SERVICE_TOKEN)))
     return stub.Describe(model_pb2.DescribeRequest(), timeout=10).open_sessions
 
 
@@ -288,7 +295,9 @@ def up_args(*flags: str):
     return build_parser().parse_args(["ray", "up", *flags])
 
 
-def test_the_config_file_repeats_the_flags_and_opens_grpc_only_where_plaintext_is_allowed(tmp_path):
+def test_the_config_file_repeats_the_flags_and_opens_grpc_only_where_plaintext_is_allowed(tmp_path, monkeypatch):
+    # The model services' token: made where the application is built unless the environment gives one.
+    monkeypatch.setenv(security.SERVICE_TOKEN_ENV, "services-token")
     pki = make_pki(tmp_path, "serve")
     tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--service-tls-ca", str(pki.ca)]
     remote = ["--address", "auto", "--replicas", "3", "--placement", "spread", *tls, "--service-tls-server-name", "x"]
