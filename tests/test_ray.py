@@ -42,7 +42,7 @@ from tests.harness import greedy, wait_until
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 INSECURE = ClientSecurity(allow_insecure=True)  # plaintext to the node's address, allowed
 NEW_TOKENS = 40
-TRIALS = 5
+TRIALS = 3
 
 
 def two_nodes() -> Cluster:

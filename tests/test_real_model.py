@@ -74,7 +74,7 @@ def top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_equals_in_process_transformers(pipeline, reference, k):
     model, cases = reference
     accepted = drafted = 0
