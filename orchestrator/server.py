@@ -179,9 +179,14 @@ def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, token
 
 def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:
     channel = secure_channel(address, security, CHANNEL_OPTIONS)
+    ready = grpc.channel_ready_future(channel)
     try:
-        grpc.channel_ready_future(channel).result(timeout=wait_seconds)
+        ready.result(timeout=wait_seconds)
     except grpc.FutureTimeoutError:
+        # Unsubscribed and closed: a channel left watching its connectivity keeps a polling thread
+        # for the life of the process (a lost service's prober makes one a probe).
+        ready.cancel()
+        channel.close()
         hint = " (over TLS: check the CA, the certificates and the server name)" if security.uses_tls else ""
         raise ConnectionError(f"no service answered at {address} within {wait_seconds:.0f} s{hint}") from None
     return channel

@@ -166,3 +166,23 @@ def test_cli_reports_errors_in_one_line(tiny_models):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.startswith("specdec: error: ") and "Traceback" not in out.stderr
+
+
+def test_a_connection_that_never_comes_up_leaves_no_thread_behind():
+    """A lost service's prober connects once a probe: a channel left watching its connectivity
+    would keep a polling thread (and wake it) for the life of the process."""
+    import socket
+    import threading
+
+    from orchestrator.server import _channel
+    from specdec.security import ClientSecurity
+    from tests.harness import wait_until
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    before = threading.active_count()
+    for _ in range(5):
+        with pytest.raises(ConnectionError, match="no service answered"):
+            _channel(address, 0.2, ClientSecurity())
+    assert wait_until(lambda: threading.active_count() <= before, 5)
