@@ -227,7 +227,7 @@ def bench(args) -> int:
         from bench import structured  # as bench.run: torch and the models
 
         sc = structured.StructuredConfig(
-            drafter=config.drafters[0] if args.drafters != DEFAULT_DRAFTERS else "auto",
+            drafter=_one_drafter(args, config),
             k=config.ks[0],
             temperatures=config.temperatures,
             max_tokens=config.max_tokens,
@@ -247,7 +247,7 @@ def bench(args) -> int:
         tc = ttft.TTFTConfig(
             target=config.target,
             draft=config.draft,
-            drafter=config.drafters[0] if args.drafters != DEFAULT_DRAFTERS else "auto",
+            drafter=_one_drafter(args, config),
             target_backend=config.target_backend,
             max_tokens=config.max_tokens,
             repeats=config.repeats,
@@ -347,3 +347,9 @@ def chaos(args) -> int:
 
 
 COMMANDS = {"bench": bench, "loadtest": load_test, "chaos": chaos}
+
+
+def _one_drafter(args, config) -> str:
+    """The drafter of a bench that runs one (--structured, --ttft): the first of --drafters if
+    given, else the default pair's ("auto")."""
+    return config.drafters[0] if args.drafters != DEFAULT_DRAFTERS else "auto"
