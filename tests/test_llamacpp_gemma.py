@@ -14,6 +14,8 @@ Both roles, with the draft and target servicers in-process and a few tokens each
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -50,10 +52,46 @@ def tiny(tmp_path_factory):
     return HFBackend(models.ModelSpec(path, "cpu", "float32"))
 
 
+class _DraftOpens(Direct):
+    """The draft's stub: says when its OpenSession starts and when it is done."""
+
+    def __init__(self, servicer):
+        super().__init__(servicer)
+        self.started, self.done = threading.Event(), threading.Event()
+
+    def OpenSession(self, request, timeout=None):
+        self.started.set()
+        try:
+            return super().__getattr__("OpenSession")(request, timeout)
+        finally:
+            self.done.set()
+
+
+class _AfterTheDraft(Direct):
+    """The target's stub: once the draft's session is opening, its rounds wait for it to be open.
+    A greedy generation goes without drafts until the draft is ready, and this tiny target decodes
+    all its tokens before the 262144-token draft has prefilled: so that the draft is exercised."""
+
+    def __init__(self, servicer, draft: _DraftOpens):
+        super().__init__(servicer)
+        self.draft = draft
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+
+        def waiting(request, timeout=None):
+            if name not in ("OpenSession", "CloseSession") and self.draft.started.is_set():
+                assert self.draft.done.wait(120)
+            return call(request, timeout)
+
+        return waiting
+
+
 def generate(draft, target, k: int = 4) -> list[int]:
+    draft_stub = _DraftOpens(DraftServicer(SessionEngine(draft, "draft"), MODEL))
     loop = SpeculativeLoop(
-        Direct(DraftServicer(SessionEngine(draft, "draft"), MODEL)),
-        Direct(TargetServicer(SessionEngine(target, "target"))),
+        draft_stub,
+        _AfterTheDraft(TargetServicer(SessionEngine(target, "target")), draft_stub),
         PROMPT,
         LoopConfig(SamplingParams(), NEW_TOKENS, lookahead=k),
     )
