@@ -20,6 +20,9 @@ its own host or device, beside the target's prefill). Rounds go without drafts u
 (exact: a round with no draft is a plain round), then speculate, in the same generation. One
 exception keeps a seed's promise: a Leviathan sample at a fixed k waits, at its second round, for
 the draft's session, so that its text does not depend on when the draft was ready.
+A generation that ends before the draft's session is open cancels its OpenSession: the draft
+stops between two prefill chunks (what it computed stays in its prefix cache) rather than take
+the cores from the next request's prefill.
 
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
 specdec.placement), every request names the threads its forwards may use: the services' shares
@@ -118,6 +121,19 @@ class SessionLost(Unavailable):
         super().__init__(message)
         self.stub = stub
         self.gone = gone
+
+    # A call failing with one of these means the service, or its copy of the session, is gone. A
+    # server that stops cancels the calls it was running: CANCELLED (the orchestrator's own
+    # cancellations end its futures, not as errors).
+    CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+
+    @classmethod
+    def of(cls, stub, where: str, err: BaseException) -> SessionLost | None:
+        """`err`, a call of `stub`'s to the service `where` names, as the session's loss; None
+        for an error that is not one."""
+        if isinstance(err, grpc.RpcError) and err.code() in cls.CODES:
+            return cls(stub, f"{where}: {err.details()}", err.code() != grpc.StatusCode.NOT_FOUND)
+        return None
 
 
 @dataclass(frozen=True)
@@ -346,6 +362,8 @@ class SpeculativeLoop:
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
+        self._draft_open_call = None  # that OpenSession's gRPC call, cancelled if the generation ends first
+        self._ended = False
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
         self.draft_health, self.target_health = health or (Availability("draft"), Availability("target"))
@@ -398,9 +416,11 @@ class SpeculativeLoop:
                     return
         finally:
             RUNNING.add(-1)
+            self._ended = True
             # Closed whatever happened: an open that failed or timed out may still complete on the service.
             opening, self._draft_opening = self._draft_opening, None
-            if opening is not None:  # the draft's open still runs: closed once it is done
+            if opening is not None:  # the draft's open still runs: stopped, and closed once it is done
+                self._cancel_draft_open()
                 opening.add_done_callback(lambda _: self._close(self.draft))
             elif self._draft_opened and self.draft_health.up:
                 self._close(self.draft)
@@ -434,7 +454,20 @@ class SpeculativeLoop:
         )
         with self._prefilling():
             try:
-                side.stub.OpenSession(request, timeout=self._timeout())
+                if side is self.draft and hasattr(side.stub.OpenSession, "future"):
+                    self._draft_open_call = side.stub.OpenSession.future(request, timeout=self._timeout())
+                    if self._ended:  # the generation ended while this was being sent
+                        self._cancel_draft_open()
+                    try:
+                        self._draft_open_call.result()
+                    except grpc.RpcError as err:  # as the stub's own calls raise it
+                        where = f"{getattr(side.stub, 'name', 'draft')} service at {getattr(side.stub, 'address', '')}"
+                        lost = SessionLost.of(side.stub, where, err)
+                        if lost is None:
+                            raise
+                        raise lost from err
+                else:
+                    side.stub.OpenSession(request, timeout=self._timeout())
             except SessionLost as lost:
                 if side is self.draft:  # rounds go without it (_draft_ready)
                     raise
@@ -449,6 +482,14 @@ class SpeculativeLoop:
                         raise Unavailable(f"the target service is unavailable: {lost}; retry later") from err
                     side.stub.OpenSession(request, timeout=self._timeout())
         side.length = len(tokens)
+
+    def _cancel_draft_open(self) -> None:
+        """Stop the draft's prefill of a generation that ended before it: the service drops it
+        between two chunks (what it computed stays in its prefix cache), so that it does not take
+        the cores from the next request's prefill (a 1,300-token prompt: ~16 s of the draft's core)."""
+        call = self._draft_open_call
+        if call is not None:
+            call.cancel()
 
     @contextlib.contextmanager
     def _prefilling(self, prefills: bool = True):

@@ -43,9 +43,7 @@ Address = str | Callable[[float], str]
 # (address, seconds to wait for it) -> a connected channel; raises ConnectionError.
 ChannelFactory = Callable[[str, float], grpc.Channel]
 
-# A call failing with one of these means the service, or its copy of the session, is gone. A
-# server that stops cancels the calls it was running: CANCELLED (the orchestrator cancels none).
-LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+LOST = SessionLost.CODES  # a call failing with one of these: the service, or its copy of the session, is gone
 
 
 class ResilientStub:
@@ -97,10 +95,10 @@ class ResilientStub:
             try:
                 return getattr(stub, method)(request, **kwargs)
             except grpc.RpcError as err:
-                if err.code() in LOST:
-                    gone = err.code() != grpc.StatusCode.NOT_FOUND
-                    raise SessionLost(self, f"{self.name} service at {self.address}: {err.details()}", gone) from err
-                raise
+                lost = SessionLost.of(self, f"{self.name} service at {self.address}", err)
+                if lost is None:
+                    raise
+                raise lost from err
 
         def future(request, **kwargs):  # a call that can be cancelled: a grpc.Future (its errors as they are)
             stub = self._stub

@@ -13,6 +13,8 @@ cache holds, and nothing it outputs changes.
 - What is indexed: never a speculative tail nor a draft tree; a rollback below an indexed block
   drops it; a hash collision serves nothing.
 - llama.cpp: a copied prefix's logits are bit for bit a fresh prefill's (the per-sequence state copy).
+- A generation that ends while the draft still prefills its prompt stops that prefill (it would
+  take the cores from the next request's); what it computed stays cached.
 - The sampling law through the services with the cache on (Markov stand-ins, chi-square, with a
   wrong law failing), and Describe, the metrics and --no-prefix-cache.
 """
@@ -37,7 +39,7 @@ from specdec.sampling import SamplingParams
 from specdec.service import prefix_cache
 from specdec.v1 import model_pb2, orchestrator_pb2
 from target_service.server import TargetServicer
-from tests.harness import greedy, pipeline
+from tests.harness import SlowBackend, greedy, pipeline, wait_until
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import counts_chisquare, transition_counts
 
@@ -384,6 +386,38 @@ def test_describe_reports_the_prefix_cache_and_the_flag_turns_it_off(tiny_backen
         assert info.kv_tokens == 0 and cache.kept_tokens >= len(ask)  # the kept caches, outside open sessions'
     assert not any(info.HasField("prefix_cache") for info in off)
     assert prefix_cache(None) is None
+
+
+class CountingSlowBackend(SlowBackend):
+    """A slow backend that counts its forwards."""
+
+    def __init__(self, backend, delay: float):
+        super().__init__(backend, delay)
+        self.forwards = 0
+
+    def forward_batch(self, items, **trees):
+        self.forwards += 1
+        return super().forward_batch(items, **trees)
+
+
+def test_a_generation_that_ends_stops_the_drafts_prefill(tiny_backends):
+    """A long prompt, a short answer, a draft that prefills slowly (1 s a chunk of 128 tokens, 4
+    chunks): the draft's session opens after the first token, and the generation ends before it is
+    open. Its OpenSession is cancelled: the draft stops between chunks instead of prefilling to the
+    end and then closing. The next request finds what it computed in the draft's prefix cache."""
+    draft = CountingSlowBackend(tiny_backends["draft"], 0.0)
+    prompt = [1, *tokens(90, 480)]
+    request = orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=prompt), max_new_tokens=4)
+    want = greedy(tiny_backends["target"], prompt, 4)
+    with pipeline(draft, tiny_backends["target"]) as p:
+        draft.forwards, draft.delay = 0, 1.0  # slow from now on: its start-up (warm-up, step profile) is done
+        assert list(p.orchestrator.Generate(request, timeout=60).token_ids) == want
+        assert wait_until(lambda: p.open_sessions() == (0, 0), 30)
+        stopped_after = draft.forwards
+        assert stopped_after < 4, stopped_after  # a whole prefill: 4 chunks
+        assert list(p.orchestrator.Generate(request, timeout=60).token_ids) == want
+        assert wait_until(lambda: p.open_sessions() == (0, 0), 30)
+        assert p.draft.Describe(model_pb2.DescribeRequest(), timeout=10).prefix_cache.hit_tokens >= 128
 
 
 @pytest.mark.parametrize(
