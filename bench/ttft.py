@@ -10,7 +10,10 @@ greedy answers of --max-tokens) times, from the call to the first chunk holding 
 - identical: the second turn's request again;
 - multi-turn: the third and fourth turns, each with the whole conversation so far.
 Against `prefill`: the target model in this process, transformers `generate` of one token on the
-first turn's prompt ids (every core, as the target alone would run it). Reported: each case's
+first turn's prompt ids (every core, as the target alone would run it); where the pipeline's target
+runs on llama.cpp (the default pair on a CPU), also `prefill llama.cpp`: that engine's prefill of
+the same ids in this process, in the chunks the service feeds (every core), the target alone on
+the engine the pipeline runs it on. Reported: each case's
 median time to first token over the repeats, and its ratio (the first turn's to the prefill, the
 others' to the first turn's), with issue 43's criteria (first <= 1.1x prefill, second <= 0.2x
 first, identical <= 0.1x first). The same conversation runs on a second pipeline with the prefix
@@ -68,6 +71,7 @@ def run(config: TTFTConfig, log=print) -> dict:
     if not 2 <= config.turns <= len(chat["questions"]):
         raise ValueError(f"turns must be in 2..{len(chat['questions'])}, not {config.turns}")
     model, tokenizer = models.load(config.target)
+    engine = _llamacpp_target(config)
     runs: dict[tuple[str, str], list[dict]] = {}
     caches = {"on": True, "off": False} if config.cold else {"on": True}
     with ExitStack() as stack:
@@ -88,12 +92,15 @@ def run(config: TTFTConfig, log=print) -> dict:
             first = [{"role": "system", "content": system}, {"role": "user", "content": chat["questions"][0]}]
             ids = _ids(tokenizer, first)
             prefill = {"seconds": _prefill_seconds(model, ids), "prompt_tokens": len(ids)}
+            engine_prefill = {"seconds": _engine_prefill_seconds(engine, ids)} if engine is not None else None
             for name, (stub, services) in stubs.items():
                 for case, result in _conversation(stub, services, system, chat["questions"][: config.turns], config):
                     if rep:
                         runs.setdefault((name, case), []).append(result)
             if rep:
                 runs.setdefault(("-", "prefill"), []).append(prefill)
+                if engine_prefill is not None:
+                    runs.setdefault(("-", "prefill llama.cpp"), []).append(engine_prefill)
             log(f"ttft: repeat {rep} of {config.repeats} done" + ("" if rep else " (the warm-up)"))
     return summarise(config, runs)
 
@@ -176,6 +183,33 @@ def _prefill_seconds(model, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+def _llamacpp_target(config: TTFTConfig):
+    """The target on llama.cpp in this process, where the pipeline runs it there; else None."""
+    from deploy.configs import target_runtime
+
+    if target_runtime(config.target, config.target_backend) != "llamacpp":
+        return None
+    from specdec.llamacpp import LlamaCppBackend
+
+    path = config.target.model if config.target.model.endswith(".gguf") else None
+    return LlamaCppBackend(config.target) if path else LlamaCppBackend(config.target, models.f32_gguf_path)
+
+
+def _engine_prefill_seconds(backend, ids: list[int]) -> float:
+    """llama.cpp's prefill of the ids, in the chunks a service feeds (specdec.engine.PREFILL_CHUNK),
+    the last position's logits: what the target service computes for the first token."""
+    from specdec.engine import PREFILL_CHUNK
+
+    slot = backend.new_cache()
+    try:
+        t0 = time.perf_counter()
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            backend.forward(slot, ids[start : start + PREFILL_CHUNK], 1)
+        return time.perf_counter() - t0
+    finally:
+        backend.release(slot)
+
+
 def summarise(config: TTFTConfig, runs: dict) -> dict:
     def median(name, case, key="seconds"):
         values = [r[key] for r in runs.get((name, case), []) if r.get(key) is not None]
@@ -191,6 +225,9 @@ def summarise(config: TTFTConfig, runs: dict) -> dict:
             "against": "in-process generate, 1 token",
         }
     ]
+    engine = median("-", "prefill llama.cpp")
+    if engine is not None:
+        rows.append({"case": "prefill", "cache": "-", "seconds": engine, "against": "in-process llama.cpp"})
     for name in ("on", "off"):
         first = median(name, "first")
         for case in CASES:
@@ -200,6 +237,18 @@ def summarise(config: TTFTConfig, runs: dict) -> dict:
             base, against = (prefill, "prefill") if case == "first" else (first, "first")
             ratio = seconds / base if seconds is not None and base else None
             bound = CRITERIA.get(case) if name == "on" else None
+            if case == "first" and name == "on" and engine is not None:
+                rows.append(
+                    {
+                        "case": case,
+                        "cache": name,
+                        "seconds": seconds,
+                        "ratio": seconds / engine if seconds is not None else None,
+                        "against": "prefill llama.cpp",
+                        "criterion": CRITERIA["first"],
+                        "met": None if seconds is None else ("yes" if seconds / engine <= CRITERIA["first"] else "NO"),
+                    }
+                )
             rows.append(
                 {
                     "case": case,
