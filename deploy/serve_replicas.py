@@ -50,9 +50,22 @@ FORWARDED_METADATA = (security.AUTH_HEADER, "traceparent", "tracestate")  # clie
 class LeastOutstanding(FIFOMixin, RequestRouter):
     """Serve's request router, choosing among all replicas rather than two at random: the one
     with the fewest requests ongoing (Serve's count is the pair's queue: its generations running
-    and waiting)."""
+    and waiting).
+
+    Serve compares the counts it holds (each 10 s fresh) and probes the others only when none is
+    held: a replica whose probe went unanswered would lose every request to one whose count is
+    known, however busy. So the replicas with no count are probed first, and a probe has a second
+    to answer (Serve's 0.1 s is often missed by a pair whose process is generating on a loaded
+    host: two streams went to one pair of two, CI 2026-11-26)."""
+
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 4.0
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        counts = self.replica_queue_len_cache
+        unknown = [r for r in candidate_replicas if counts.get(r.replica_id) is None]
+        if 0 < len(unknown) < len(candidate_replicas):
+            await self._probe_queue_lens(unknown, 0)  # fills the counts; the base probes when none is held
         return [candidate_replicas]
 
 

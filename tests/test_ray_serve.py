@@ -197,8 +197,10 @@ def test_two_pairs_behind_one_grpc_and_one_http_address(app, two_pairs, referenc
     assert all(h["services"] == {"draft": "SERVING", "target": "SERVING"} for h in health["replicas"])
 
     stub = app.stub()
-    streams = [stub.GenerateStream(request(), metadata=AUTH) for _ in range(2)]
-    firsts = [next(s) for s in streams]  # both running: the second went to the idle pair
+    streams, firsts = [], []
+    for _ in range(2):  # the second starts once the first runs, and goes to the idle pair
+        streams.append(stub.GenerateStream(request(), metadata=AUTH))
+        firsts.append(next(streams[-1]))
     assert sorted(target_sessions(r) for r in replicas) == [1, 1]
     for first, stream in zip(firsts, streams, strict=True):
         assert [t for c in [first, *stream] for t in c.token_ids] == reference
