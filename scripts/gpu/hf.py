@@ -1,21 +1,54 @@
-"""HF `generate` with the static cache (compiled on CUDA), fp32, for each model directory given:
-three runs of 128 tokens (the first compiles). Part of scripts/gpu/run.sh."""
+"""HF `generate` in process, for each model directory given (scripts/gpu/run.sh, wide.sh):
+the static cache (compiled on CUDA), three runs of 128 greedy tokens (the first compiles); with
+--assistant DIR, then HF assisted generation of each with that draft, twice.
 
-import sys
+    python3 scripts/gpu/hf.py [--dtype bfloat16] [--assistant DRAFT_DIR] TARGET_DIR..."""
+
+import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-for path in sys.argv[1:]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    ids = torch.tensor([[1, *range(100, 140)]], device="cuda")
-    kw = dict(max_new_tokens=128, min_new_tokens=128, do_sample=False, cache_implementation="static")
-    for r in range(3):
+PROMPT = "Explain how a refrigerator keeps food cold."
+TOKENS = 128
+
+
+def timed(model, ids, **kw) -> float:
+    device = ids.device.type
+    if device == "cuda":
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, **kw)
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False, **kw)
+    if device == "cuda":
         torch.cuda.synchronize()
-        print(f"    {path} hf static generate run {r}: {128 / (time.perf_counter() - t0):.1f} tok/s", flush=True)
-    del model
-    torch.cuda.empty_cache()
+    return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--assistant", help="a draft's directory: also HF assisted generation (bf16 draft)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    for path in args.paths:
+        ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids.to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        for r in range(3):
+            rate = timed(model, ids, cache_implementation="static")
+            print(f"    {path} {args.dtype}: hf static generate run {r}: {rate:.1f} tok/s", flush=True)
+        if args.assistant:
+            draft = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=torch.bfloat16).to(device).eval()
+            for r in range(2):
+                rate = timed(model, ids, assistant_model=draft)
+                print(f"    {path} {args.dtype}: hf assisted (bf16 draft) run {r}: {rate:.1f} tok/s", flush=True)
+            del draft
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

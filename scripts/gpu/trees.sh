@@ -19,6 +19,6 @@ for i in $(seq 1 400); do [ -f /tmp/r.json ] && break; kill -0 $SP 2>/dev/null |
 echo "serve x8 + $DRAFT: ready after $(( $(date +%s) - t1 )) s"
 A=$(python3 -c "import json;print(json.load(open('/tmp/r.json'))['address'])")
 echo "== x8 target (fp32), draft $DRAFT (bf16), one GPU, greedy, 128 tokens, 2 prompts x 2"
-python3 scripts/gpu/treeclient.py $A 2 128
+python3 scripts/gpu/client.py $A --set trees --reps 2 --tokens 128
 grep -h "captured\|Traceback\|Error\|while serving" /tmp/specdec-*/*.log /tmp/serve.log 2>/dev/null | head -8
 kill $SP; wait $SP 2>/dev/null
