@@ -73,8 +73,8 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
     speculation = orchestrator_pb2.SpeculationParams(
         disabled=args.no_speculation, adaptive=args.adaptive, **given(lookahead=args.lookahead)
     )
-    if args.no_overlap:
-        speculation.overlap = False
+    if args.overlap is not None:
+        speculation.overlap = args.overlap
     if args.no_speculation_cache:
         speculation.cache = False
     if args.rule is not None:

@@ -209,11 +209,14 @@ def add_tree_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
 
 def add_overlap_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
     whose = "this request" if client else "requests that do not say (speculation.overlap)"
+    default = "the server's" if client else "overlapped, except where the two services share one GPU"
     p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help=f"sequential rounds for {whose}: the draft waits while the target verifies (default: overlapped, "
-        "the draft proposes the next round meanwhile; output unchanged)",
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"overlapped rounds for {whose}: the draft proposes the next round while the target verifies; "
+        f"--no-overlap: sequential rounds, the draft waits (default: {default}, where overlapped kernels "
+        "time-slice the device and lose; output unchanged either way)",
     )
     whose = "this request" if client else "requests that do not say (speculation.cache)"
     p.add_argument(

@@ -227,7 +227,7 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
         placement=args.placement,
         orchestrator=OrchestratorConfig(
             admission=options.admission_limits(args),
-            overlap=not args.no_overlap,
+            overlap=args.overlap,
             speculation_cache=not args.no_speculation_cache,
             rule=args.rule,
             tree_nodes=args.tree,

@@ -98,7 +98,7 @@ def orchestrator(args) -> int:
 
     config = OrchestratorConfig(
         admission=admission,
-        overlap=not args.no_overlap,
+        overlap=args.overlap,
         rule=args.rule,
         tree_nodes=args.tree,
         http_port=args.http_port,
@@ -133,7 +133,7 @@ def serve(args) -> int:
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
-        overlap=not args.no_overlap,
+        overlap=args.overlap,
         speculation_cache=not args.no_speculation_cache,
         rule=args.rule,
         tree_nodes=args.tree,

@@ -94,7 +94,9 @@ class OrchestratorConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     connect_seconds: float = 60.0  # how long startup waits for each service to answer
-    overlap: bool = True  # overlapped rounds for requests that leave speculation.overlap unset
+    # overlapped rounds for requests that leave speculation.overlap unset; None: by placement (sequential
+    # where the two services share one accelerator, orchestrator.generation.default_overlap)
+    overlap: bool | None = None
     speculation_cache: bool = True  # the speculation cache for requests that leave speculation.cache unset
     rule: str = "leviathan"  # the sampling rule of requests that leave speculation.rule unset (RULES)
     tree_nodes: int = 0  # draft trees for requests that leave speculation.tree_nodes unset; 0: chains

@@ -90,7 +90,7 @@ class PipelineConfig:
     drain_timeout: float = DRAIN_TIMEOUT  # each child's, on SIGTERM
     restart: RestartPolicy = RestartPolicy()
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API; 0: a free port; None: off
-    overlap: bool = True  # the orchestrator's default for requests that leave speculation.overlap unset
+    overlap: bool | None = None  # the default for requests that leave speculation.overlap unset; None: by placement
     speculation_cache: bool = True  # ... and speculation.cache
     rule: str = "leviathan"  # ... and speculation.rule
     tree_nodes: int = 0  # ... and speculation.tree_nodes
@@ -163,7 +163,7 @@ class LocalPipeline:
                 + cfg.tls.flags()
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
-                + ([] if cfg.overlap else ["--no-overlap"])
+                + {None: [], True: ["--overlap"], False: ["--no-overlap"]}[cfg.overlap]
                 + ([] if cfg.speculation_cache else ["--no-speculation-cache"])
                 + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)],
             )

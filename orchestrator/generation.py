@@ -52,6 +52,9 @@ class ModelPair:
     # What adaptive lookahead has measured of this pair, shared by the generations on it.
     costs: PairCosts = field(default_factory=PairCosts, compare=False)
     tree_verify: bool = False  # the target verifies draft trees (ModelInfo.tree_verify)
+    # The two services run on one accelerator (ModelInfo.device_id, at connect): overlapped rounds'
+    # kernels would time-slice it, so requests that leave overlap unset run sequential rounds.
+    shared_device: bool = False
     # What the generations on the pair learn of its draft trees (orchestrator.trees).
     trees: PairTrees = field(default_factory=PairTrees, compare=False)
     # The draft's and the target's availability (orchestrator.availability): a lost draft leaves
@@ -123,7 +126,9 @@ def _chat_ids(tok, messages) -> list[int]:
 class RequestDefaults:
     """What a request that leaves a speculation field unset gets (the orchestrator's flags)."""
 
-    overlap: bool = True  # speculation.overlap
+    # speculation.overlap; None: by placement, sequential where the two services share one accelerator
+    # (ModelPair.shared_device; one H200: overlapped rounds 0.79-0.85x sequential ones), else overlapped
+    overlap: bool | None = None
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
     tree_nodes: int = 0  # speculation.tree_nodes (0: chains)
     cache: bool = True  # speculation.cache: the speculation cache (orchestrator.speculation_cache)
@@ -174,13 +179,19 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         lookahead=lookahead,
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive,
-        overlap=spec.overlap if spec.HasField("overlap") else defaults.overlap,
+        overlap=spec.overlap if spec.HasField("overlap") else default_overlap(pair, defaults),
         rule=_rule(spec.rule, defaults.rule),
         tree_nodes=_tree_nodes(pair, spec, defaults.tree_nodes),
         cache=spec.cache if spec.HasField("cache") else defaults.cache,
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
+
+
+def default_overlap(pair: ModelPair, defaults: RequestDefaults) -> bool:
+    """Overlapped rounds for a request that leaves speculation.overlap unset: the server's flag, or by
+    placement where it has none (sequential on one shared accelerator)."""
+    return (not pair.shared_device) if defaults.overlap is None else defaults.overlap
 
 
 def _tree_nodes(pair: ModelPair, spec, default: int) -> int:

@@ -63,6 +63,7 @@ def connect(
     draft, draft_health = None, Availability("draft")
     max_context = target_info.max_context
     vocab_size = target_info.vocab_size
+    shared_device = False  # a draft found after the start is taken as on its own device
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         wait = min(wait_seconds, DRAFT_START_WAIT)
@@ -93,6 +94,7 @@ def connect(
             curves = _curves(draft_info.step_costs, "sessions")
             profile = curves[max(curves)] if curves else {}  # at its own threads
             sharing = shared_cores(draft_info, target_info)
+            shared_device = shared_accelerator(draft_info, target_info)
     return ModelPair(
         draft=draft,
         target=target,
@@ -103,6 +105,7 @@ def connect(
         model_name=target_info.model_name,
         costs=PairCosts(profile, sharing),
         tree_verify=target_info.tree_verify,
+        shared_device=shared_device,
         health=(draft_health, target_health),
         draft_timeout=recovery.draft_timeout,
     )
@@ -125,6 +128,12 @@ def shared_cores(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> Sha
     if len(drafts) < 2 or len(verify) < 2:
         return None
     return Sharing((min(drafts), max(drafts)), (min(verify), max(verify)), drafts, verify)
+
+
+def shared_accelerator(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> bool:
+    """Whether the two services run on one accelerator: one machine, and the same device_id (a CUDA
+    device's UUID; a CPU has none)."""
+    return bool(draft.device_id) and draft.device_id == target.device_id and draft.machine == target.machine
 
 
 def _curves(costs, size: str) -> dict[int, dict[int, float]]:

@@ -64,6 +64,20 @@ def machine() -> str:
         return ""
 
 
+def device_id(device: str) -> str:
+    """The accelerator `device` names (Describe's device_id): a CUDA device's UUID, which names one
+    GPU whatever index each process sees it by (CUDA_VISIBLE_DEVICES, Ray's placement); empty for
+    a CPU, or where torch does not say."""
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    try:
+        return str(getattr(torch.cuda.get_device_properties(torch.device(device)), "uuid", "") or "")
+    except (RuntimeError, AssertionError, ValueError):  # a torch without CUDA (llama.cpp's own CUDA build)
+        return ""
+
+
 def parse_cpus(text: str) -> tuple[int, ...]:
     """A core list as taskset writes it ("0", "0,2", "0-3,6") -> sorted core ids."""
     cores: set[int] = set()

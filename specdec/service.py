@@ -285,6 +285,7 @@ class SessionServicer:
             cpus=placement.usable_cores(),
             threads=engine.cores.threads if engine.cores is not None else placement.threads(),
             machine=placement.machine(),
+            device_id=placement.device_id(str(backend.device)),
             kv_tokens=self.engine.session_kv_tokens,
             backend=getattr(backend, "kind", ""),
             step_costs=[
