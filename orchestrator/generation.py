@@ -127,7 +127,7 @@ class RequestDefaults:
     """What a request that leaves a speculation field unset gets (the orchestrator's flags)."""
 
     # speculation.overlap; None: by placement, sequential where the two services share one accelerator
-    # (ModelPair.shared_device; one H200: overlapped rounds 0.79-0.85x sequential ones), else overlapped
+    # (ModelPair.shared_device; one H200: overlapped rounds 0.78-0.87x sequential ones), else overlapped
     overlap: bool | None = None
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
     tree_nodes: int = 0  # speculation.tree_nodes (0: chains)

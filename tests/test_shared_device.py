@@ -1,6 +1,6 @@
 """Two services on one accelerator: the orchestrator learns it from their Describe (device_id, a CUDA
 device's UUID) and runs sequential rounds for requests that leave overlap unset, where overlapped
-rounds' kernels would time-slice the device (docs/gpu.md: 0.79-0.85x on one H200). Real gRPC
+rounds' kernels would time-slice the device (docs/gpu.md: 0.78-0.87x on one H200). Real gRPC
 services on loopback with tiny models; CUDA is not here, so the services' device identity is what
 placement.device_id answers (patched: the one thing this test cannot have)."""
 
