@@ -66,6 +66,10 @@ class HFBackend:
     """
 
     kind = "torch"  # Describe's `backend`
+    # Prompt tokens a prefill step feeds (specdec.engine): one forward of 512 where chunks of 128 took
+    # 1.4-1.5x as long on a CPU (1,343 tokens, the fp32 default target, in process: 3.1-3.5 s against
+    # 4.7-4.8; transformers' generate 3.05), and a GPU's eager prefill is launch-bound per chunk.
+    prefill_chunk = 512
     trees = True  # verifies draft trees: a tree's rows run padded, under their ancestors' mask
 
     def __init__(self, spec: models.ModelSpec):

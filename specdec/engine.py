@@ -20,7 +20,8 @@ thread that touches the model: a request is a generator over the session that yi
 `Forward`s (feed these tokens, return these logits) and returns its result; the worker
 runs the forwards of different sessions' requests as one batched forward when the backend
 has `forward_batch` (specdec.backend, over a slot cache: specdec.kvcache), one by one
-otherwise. A prompt is prefilled in chunks of PREFILL_CHUNK tokens, one chunk a step, and a
+otherwise. A prompt is prefilled in chunks of the backend's prefill_chunk tokens (PREFILL_CHUNK
+unless it says), one chunk a step, and a
 step takes prompts' chunks up to PREFILL_BUDGET tokens (at least one chunk) beside every decode
 and verify: neither a long prompt nor a wave of new ones stalls the others' decodes for more
 than such a step. `call` submits a request and waits for it.
@@ -36,7 +37,7 @@ budget before a cache grows; sessions idle past the TTL are closed by `close_idl
 Prefix cache (specdec.prefix; SessionLimits.prefix_cache, on a backend with `copy_prefix`): a
 session opens from the longest prefix of its prompt that another cache holds (an open session's
 committed positions, or a closed session's cache kept for it) and prefills only the rest, in the
-chunks a whole prefill would feed it in (ending at multiples of PREFILL_CHUNK). What it indexes
+chunks a whole prefill would feed it in (ending at multiples of the chunk). What it indexes
 is what `cached` holds of the committed tokens, cut wherever the cache is cut (`_crop`); a
 speculative tail or a draft tree never is. A closed session's cache is kept (`close`), within the
 KV budget, until a reservation or a new session needs its room.
@@ -71,7 +72,10 @@ from specdec.limits import KVBudget, SessionLimits
 from specdec.prefix import PrefixCache, common_prefix
 from specdec.worker import Worker
 
-PREFILL_CHUNK = 128  # prompt tokens a session feeds per worker step
+# Prompt tokens a session feeds per worker step, where its backend does not say (`prefill_chunk`: the
+# torch backend feeds PREFILL_BUDGET, one forward costing less than the same tokens in four; a llama.cpp
+# backend feeds this, split into its own ubatches).
+PREFILL_CHUNK = 128
 # Prompt tokens a worker step takes, all sessions' (vLLM's chunked-prefill token budget). Not
 # smaller: a wave of c 67-token prompts prefilled one prompt a step (a budget of 128) started its
 # sessions' decodes one step apart, and they no longer shared their steps to the end: speculation
@@ -133,6 +137,7 @@ class SessionEngine:
         self.step_profile: dict[tuple[int, int, int], float] = dict(step_profile or {})
         self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
+        self.prefill_chunk = min(getattr(backend, "prefill_chunk", PREFILL_CHUNK), PREFILL_BUDGET)
         self.kv = KVBudget(self.limits.max_kv_tokens)
         # One per engine: one model in one process (keys and values never cross models).
         prefix = self.limits.prefix_cache and hasattr(backend, "copy_prefix")
@@ -256,8 +261,9 @@ class SessionEngine:
                 session.cache = self.backend.new_cache()
             prefix = prompt[:-1]  # all but the last token, which the next block feeds
             start = len(session.cached)
+            chunk = self.prefill_chunk
             while start < len(prefix):  # after a prefix hit, in the chunks a whole prefill feeds them in
-                end = min(start - start % PREFILL_CHUNK + PREFILL_CHUNK, len(prefix))
+                end = min(start - start % chunk + chunk, len(prefix))
                 yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
                 start = end
         except BaseException:  # an error, or the call cancelled mid-prefill

@@ -389,7 +389,9 @@ def test_describe_reports_the_prefix_cache_and_the_flag_turns_it_off(tiny_backen
 
 
 class CountingSlowBackend(SlowBackend):
-    """A slow backend that counts its forwards."""
+    """A slow backend that counts its forwards, prefilling in chunks of 128 tokens."""
+
+    prefill_chunk = 128
 
     def __init__(self, backend, delay: float):
         super().__init__(backend, delay)
