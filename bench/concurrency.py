@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.run import COLD, BenchConfig, _chat_ids, _hf_generate, _specdec_generate, load_prompts
+from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, hf_generate, load_prompts
 from specdec import models
 from specdec.limits import AdmissionLimits
 
@@ -122,11 +122,11 @@ def run(config: ConcurrencyConfig) -> dict:
         return [prompt_ids[i % len(prompt_ids)] for i in range(max(c, len(prompt_ids)))]
 
     if config.hf_baselines:
-        _hf_generate(model, prompt_ids[0], bench, 0.0)  # warm-up
-        one = _cell(requests(1), 1, lambda ids: _hf_generate(model, ids, bench, 0.0))
+        hf_generate(model, prompt_ids[0], bench, 0.0)  # warm-up
+        one = _cell(requests(1), 1, lambda ids: hf_generate(model, ids, bench, 0.0))
         rows["hf-generate 1 request"] = {str(c): one for c in config.concurrency}
         # on the target service's core count: what speculation off costs beyond a forward
-        one_core = _cell(requests(1), 1, lambda ids: _hf_generate(model, ids, bench, 0.0, one_core=True))
+        one_core = _cell(requests(1), 1, lambda ids: hf_generate(model, ids, bench, 0.0, one_core=True))
         rows["hf-generate 1 request, 1 core"] = {str(c): one_core for c in config.concurrency}
         rows["hf-generate padded batch"] = {
             str(c): _hf_batch(model, tokenizer, requests(c)[:c], config.max_tokens) for c in config.concurrency

@@ -119,14 +119,14 @@ def load_prompts(config: BenchConfig) -> list[dict]:
 
 
 # -- in-process transformers (a) and (b) ----------------------------------------------------
-def _hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: bool = False, **extra) -> dict:
+def hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: bool = False, **extra) -> dict:
     import torch
 
     if one_core:  # the one-process anchor: the target's core, one thread, then back as it was
         cores, threads = placement.usable_cores(), torch.get_num_threads()
         placement.apply([cores[-1]], 1)
         try:
-            return _hf_generate(model, ids, config, temperature, **extra)
+            return hf_generate(model, ids, config, temperature, **extra)
         finally:
             placement.apply(cores, threads)
 
@@ -329,7 +329,7 @@ def run(config: BenchConfig) -> dict:
                     method, drafter, temperature, k = key
                     bar.set_postfix_str(f"{method} {drafter} T={temperature} k={k}")
                     if where == "hf":
-                        result = _hf_generate(target_model, ids, config, temperature, **extra)
+                        result = hf_generate(target_model, ids, config, temperature, **extra)
                     elif where == "llamacpp-target":
                         result = llama_target.generate(ids, config.max_tokens, temperature, config.seed)
                         del result["token_ids"]

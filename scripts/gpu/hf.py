@@ -5,24 +5,22 @@ the static cache (compiled on CUDA), three runs of 128 greedy tokens (the first 
     python3 scripts/gpu/hf.py [--dtype bfloat16] [--assistant DRAFT_DIR] TARGET_DIR..."""
 
 import argparse
-import time
+import os
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.getcwd())
+from bench.run import BenchConfig, hf_generate  # noqa: E402
 
 PROMPT = "Explain how a refrigerator keeps food cold."
 TOKENS = 128
 
 
-def timed(model, ids, **kw) -> float:
-    device = ids.device.type
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False, **kw)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+def timed(model, ids: list[int], **kw) -> float:
+    """Greedy tokens a second of one generate of TOKENS tokens (bench.run.hf_generate: the bench's own)."""
+    return hf_generate(model, ids, BenchConfig(max_tokens=TOKENS), 0.0, **kw)["tokens_per_second"]
 
 
 def main() -> None:
@@ -34,7 +32,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     for path in args.paths:
-        ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids.to(device)
+        ids = AutoTokenizer.from_pretrained(path)(PROMPT).input_ids
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         for r in range(3):
             rate = timed(model, ids, cache_implementation="static")
