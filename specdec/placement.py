@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import tempfile
@@ -64,6 +65,7 @@ def machine() -> str:
         return ""
 
 
+@functools.cache  # fixed for the process; Describe asks it on every call
 def device_id(device: str) -> str:
     """The accelerator `device` names (Describe's device_id): a CUDA device's UUID, which names one
     GPU whatever index each process sees it by (CUDA_VISIBLE_DEVICES, Ray's placement); empty for

@@ -34,10 +34,9 @@ def test_the_device_id_of_a_cpu_is_empty():
 
 
 @pytest.fixture
-def one_gpu(tiny_backends, monkeypatch):
-    """Two real services that both say they run on the GPU "GPU-0f2c" (patched: see the module's doc),
-    and start(defaults) -> (the orchestrator's stub, its pair) against them."""
-    monkeypatch.setattr(placement, "device_id", lambda device: "GPU-0f2c")
+def pipeline(tiny_backends):
+    """Two real services, and start(defaults) -> (the orchestrator's stub, its pair) against them:
+    the pair learns where they run at connect (their Describe)."""
     draft_server, draft_port = serve_draft(tiny_backends["draft"])
     target_server, target_port = serve_target(tiny_backends["target"])
     started = [draft_server, target_server]
@@ -71,23 +70,17 @@ def overlapped(stats: orchestrator_pb2.GenerateStats) -> bool:
     return stats.drafted_tokens > stats.draft_tokens
 
 
-def test_services_on_one_gpu_run_sequential_rounds_unless_told(one_gpu):
-    stub, pair = one_gpu()
+def test_services_on_one_gpu_run_sequential_rounds_unless_told(pipeline, monkeypatch):
+    monkeypatch.setattr(placement, "device_id", lambda device: "GPU-0f2c")  # both say so (the module's doc)
+    stub, pair = pipeline()
     assert pair.shared_device
     assert not overlapped(generate(stub))  # the request left overlap unset: sequential
     assert overlapped(generate(stub, overlap=True))  # a request's own choice stands
-    stub, _ = one_gpu(RequestDefaults(overlap=True))  # so does the server's flag (--overlap)
+    stub, _ = pipeline(RequestDefaults(overlap=True))  # so does the server's flag (--overlap)
     assert overlapped(generate(stub))
 
 
-def test_services_on_a_cpu_overlap_by_default(tiny_backends):
-    draft_server, draft_port = serve_draft(tiny_backends["draft"])
-    target_server, target_port = serve_target(tiny_backends["target"])
-    pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
-    server, port = serve_orchestrator(pair)
-    try:
-        assert not pair.shared_device
-        assert overlapped(generate(orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
-    finally:
-        for s in (server, draft_server, target_server):
-            s.stop(None)
+def test_services_on_a_cpu_overlap_by_default(pipeline):
+    stub, pair = pipeline()
+    assert not pair.shared_device
+    assert overlapped(generate(stub))
