@@ -194,15 +194,14 @@ def _llamacpp_target(config: TTFTConfig):
 
 
 def _engine_prefill_seconds(backend, ids: list[int]) -> float:
-    """llama.cpp's prefill of the ids, in the chunks a service feeds (specdec.engine.PREFILL_CHUNK),
-    the last position's logits: what the target service computes for the first token."""
-    from specdec.engine import PREFILL_CHUNK
-
+    """llama.cpp's prefill of the ids, in the chunks a service feeds (its prefill_chunk,
+    specdec.engine), the last position's logits: what the target service computes for the first token."""
+    chunk = backend.prefill_chunk
     slot = backend.new_cache()
     try:
         t0 = time.perf_counter()
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            backend.forward(slot, ids[start : start + PREFILL_CHUNK], 1)
+        for start in range(0, len(ids), chunk):
+            backend.forward(slot, ids[start : start + chunk], 1)
         return time.perf_counter() - t0
     finally:
         backend.release(slot)

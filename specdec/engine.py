@@ -74,7 +74,7 @@ from specdec.worker import Worker
 
 # Prompt tokens a session feeds per worker step, where its backend does not say (`prefill_chunk`: the
 # torch backend feeds PREFILL_BUDGET, one forward costing less than the same tokens in four; a llama.cpp
-# backend feeds this, split into its own ubatches).
+# backend one ubatch).
 PREFILL_CHUNK = 128
 # Prompt tokens a worker step takes, all sessions' (vLLM's chunked-prefill token budget). Not
 # smaller: a wave of c 67-token prompts prefilled one prompt a step (a budget of 128) started its

@@ -18,9 +18,11 @@ measured on the Q8_0 draft:
 - a KV stream per session (kv_unified off). In one shared cache, a session's tokens land in
   whichever cells other sessions' rollbacks freed, and attention sums its keys in cell order:
   logits moved by up to 1.0 under churn. In its own stream they are in position order;
-- ubatches under 64 tokens a stream (UBATCH_TOKENS): from 64 queries the CPU flash-attention
-  kernel switches to a tiled F32 kernel, so a prompt chunk and a re-prefill after a restart
-  (the same tokens in other blocks) gave other logits (1.08);
+- ubatches under 64 tokens a stream (UBATCH_TOKENS) where flash attention runs: from 64 queries
+  the CPU flash-attention kernel switches to a tiled F32 kernel, so a prompt chunk and a
+  re-prefill after a restart (the same tokens in other blocks) gave other logits (1.08). An F32
+  model runs plain attention, whose logits do not move with the ubatch (bit for bit, 32 to 512
+  tokens, measured): it takes F32_UBATCH_TOKENS, which prefills faster;
 - the sessions of a step in increasing sequence ids: llama.cpp puts only consecutive streams in
   one ubatch, so a new session takes the lowest free id and a step is sorted (8 sessions in
   reverse order cost 58 ms a step, sorted 34).
@@ -65,6 +67,9 @@ SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 MAX_SEQUENCES = 16  # sessions one context holds; more: RESOURCE_EXHAUSTED (the KV of all, allocated at start)
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 UBATCH_TOKENS = 32  # tokens of one session a ubatch holds: under the tiled attention kernel's 64
+# An F32 model's ubatch (plain attention): its prefill of 1,336 tokens on 2 cores took 5.7 s in
+# 128-token ubatches against 6.5 s in 32-token ones (in process, medians of 4; 512: 6.2 s).
+F32_UBATCH_TOKENS = 128
 GGML_TYPE_F32 = 0
 FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # llama_ftype -> the torch dtype's name
 
@@ -110,7 +115,6 @@ class LlamaCppBackend:
         # A stream of n_ctx cells per session, so a session's logits are its own (module docstring).
         params.n_ctx = MAX_SEQUENCES * n_ctx
         params.n_batch = BATCH_TOKENS
-        params.n_ubatch = UBATCH_TOKENS
         params.n_seq_max = MAX_SEQUENCES
         params.kv_unified = False
         # Sliding-window layers (Gemma 2/3) keep every cell, not the window's: a rollback then leaves
@@ -121,6 +125,12 @@ class LlamaCppBackend:
             # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
             params.type_k = params.type_v = GGML_TYPE_F32
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_ubatch = F32_UBATCH_TOKENS if file_type == 0 else UBATCH_TOKENS
+        # Prompt tokens a prefill step feeds (specdec.engine): one ubatch. A quantised draft's
+        # prefill costs the same in chunks of 32 as of 128 (700 tokens on one core: 5.8 s against
+        # 5.5-5.9), and a generation that ends cancels its draft's prefill between two chunks: the
+        # chunk under way, which takes the next request's cores, lasts 0.35 s rather than ~1.5 s.
+        self.prefill_chunk = int(params.n_ubatch)
         params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._llama = llama_cpp

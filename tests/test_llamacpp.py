@@ -155,3 +155,25 @@ def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
             assert torch.equal(session_logits(3, True, 2), alone), n
     finally:
         backend.set_threads(threads)
+
+
+def test_a_prompt_is_prefilled_one_ubatch_a_step(llama_draft, monkeypatch):
+    """The draft feeds a prompt one 32-token ubatch a worker step, so a generation that ends
+    cancels its draft's prefill after at most that much (orchestrator.loop: the cancelled open
+    stops between two chunks, on cores the next request's prefill needs)."""
+    _, backend = llama_draft
+    fed = []
+    forward_batch = backend.forward_batch
+
+    def recording(items):
+        fed.append([len(tokens) for _, tokens, _ in items])
+        return forward_batch(items)
+
+    monkeypatch.setattr(backend, "forward_batch", recording)
+    engine = SessionEngine(backend, "draft")
+    try:
+        engine.open("long", list(range(1000, 1100)))  # 99 tokens before the last, which the next block feeds
+    finally:
+        engine.close("long")
+        engine.stop()
+    assert fed[:4] == [[32], [32], [32], [3]]
