@@ -125,7 +125,9 @@ class LlamaCppBackend:
             # plain attention (with the CPU flash-attention kernel the logits moved by ~1e-2, measured).
             params.type_k = params.type_v = GGML_TYPE_F32
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.n_ubatch = F32_UBATCH_TOKENS if file_type == 0 else UBATCH_TOKENS
+            params.n_ubatch = F32_UBATCH_TOKENS
+        else:
+            params.n_ubatch = UBATCH_TOKENS
         # Prompt tokens a prefill step feeds (specdec.engine): one ubatch. A quantised draft's
         # prefill costs the same in chunks of 32 as of 128 (700 tokens on one core: 5.8 s against
         # 5.5-5.9), and a generation that ends cancels its draft's prefill between two chunks: the
@@ -201,7 +203,7 @@ class LlamaCppBackend:
         batch.n_tokens = 0
         first = []  # the batch index of each item's first position with logits
         for slot, tokens, n_logits in items:
-            assert len(tokens) <= BATCH_TOKENS, "a block is fed in chunks (specdec.engine.PREFILL_CHUNK)"
+            assert len(tokens) <= BATCH_TOKENS, "a prompt is fed in chunks of prefill_chunk tokens (specdec.engine)"
             assert 1 <= n_logits <= len(tokens), (n_logits, len(tokens))
             wanted = len(tokens) - n_logits
             for i, token in enumerate(tokens):
