@@ -85,6 +85,11 @@ MAX_REOPENS_PER_ROUND = 8
 CLOSE_TIMEOUT = 2.0
 # Seconds a new request gives a target that did not answer to answer again before it fails.
 FAIL_FAST = 1.0
+# Target-only rounds without a draft to wait for (speculation off, or a lost draft) run this many
+# one-token steps of the target in one Score (ScoreRequest.decode_steps), greedy or the invariant
+# rule: a round's RPC and the orchestrator's work (~1.8 ms on a 25 ms step, docs/performance.md)
+# paid once for them all. The stream then gets them together (4 steps: ~0.1 s on this CPU).
+PLAIN_STEPS = 4
 # A draft answering one of these refuses the generation (full, or its context too short for it):
 # the generation goes on without drafts.
 DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
@@ -666,6 +671,18 @@ class SpeculativeLoop:
             step.without_draft = True
         return step
 
+    def _plain_steps(self, k: int) -> int | None:
+        """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
+        where no draft is waited for: speculation off or the draft lost, no policy measuring the
+        round, tokens chosen on the target (greedy, the invariant rule) and no logprobs; and not
+        the first round (the first token streams alone). None: one."""
+        cfg = self.config
+        remaining = cfg.max_new_tokens - len(self.generated)
+        waiting = self.draft is not None and not self._draft_lost
+        if k or waiting or self.policy is not None or not cfg.coupled or cfg.logprobs is not None:
+            return None
+        return min(PLAIN_STEPS, remaining) if self.generated and remaining > 1 else None
+
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
@@ -830,6 +847,8 @@ class SpeculativeLoop:
                     noise_seed=cfg.noise_seed,
                     threads=self._threads(self.target, concurrent=beside),
                     logprobs=cfg.logprobs,
+                    decode_steps=(steps := self._plain_steps(k)),
+                    stop_token_ids=sorted(cfg.stop_token_ids) if steps else (),
                 ),
             )
         except BaseException:
@@ -904,6 +923,8 @@ class SpeculativeLoop:
 
                 last = rule.final_token(accepted, proposed, target_row, draft_row, draws.final)
             committed.append(last)
+        if steps:  # several plain steps: the target's tokens, each chosen as `last` was
+            committed = list(scores.argmax_token_ids)
         if after is not None and self._caching:  # the speculation cache: this round's outcome, measured
             rejection = accepted if not passed and (accepted < k or tested) else None
             token = last if not passed else -1  # the target's token at the rejection

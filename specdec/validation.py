@@ -17,6 +17,7 @@ from specdec.errors import InvalidArgument
 
 MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
 DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
+MAX_DECODE_STEPS = 64  # one-token steps of the target in one plain Score (ScoreRequest.decode_steps)
 MAX_TREE_NODES = 64  # tokens of a draft tree
 TREE_BRANCHES = 4  # children an expanded node of a draft tree may have (draws a node, in sampling mode)
 TREE_EXPAND = 4  # nodes of a draft tree expanded a depth at most
@@ -135,6 +136,8 @@ def score_request(request, vocab_size: int) -> None:
     token_ids(request.draft_token_ids, vocab_size, "draft_token_ids")
     if request.HasField("logprobs"):
         logprobs(request.logprobs, "logprobs")
+    if request.HasField("decode_steps"):
+        decode_steps(request, vocab_size)
     if request.draft_parent_ids:
         score_tree(request, vocab_size)
         return
@@ -142,6 +145,19 @@ def score_request(request, vocab_size: int) -> None:
         k = 0 if request.HasField("noise_seed") else len(request.draft_token_ids)  # invariant: ids only
         probabilities(request.draft_token_probs, k, "draft_token_probs")
         uniforms(request.accept_uniforms, k, "accept_uniforms")
+
+
+def decode_steps(request, vocab_size: int) -> None:
+    """A Score of several target-only steps: plain, with a token chosen on the target."""
+    if not 1 <= request.decode_steps <= MAX_DECODE_STEPS:
+        raise InvalidArgument(f"decode_steps: must be in 1..{MAX_DECODE_STEPS}, got {request.decode_steps}")
+    if request.draft_token_ids:
+        raise InvalidArgument("decode_steps: a plain decode scores no draft_token_ids")
+    if request.sampling.temperature > 0 and not request.HasField("noise_seed"):
+        raise InvalidArgument("decode_steps: sampling under the Leviathan rule draws each token in the caller")
+    if request.HasField("logprobs"):
+        raise InvalidArgument("decode_steps: logprobs are reported one step a request")
+    token_ids(request.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 def score_tree(request, vocab_size: int) -> None:

@@ -111,6 +111,44 @@ def score(
     return scores
 
 
+def decode(
+    engine: SessionEngine,
+    session: Session,
+    steps: int,
+    params: SamplingParams,
+    noise_seed: int | None,
+    stop_token_ids: frozenset[int],
+) -> Generator[Forward, torch.Tensor, Scores]:
+    """Plain decoding, `steps` one-token forwards in one request (ScoreRequest.decode_steps): each
+    feeds the token the one before chose (greedy: the argmax; the invariant rule: the Gumbel-max
+    sample at its position, as `score` chooses the target's own token), stopping after a stop
+    token. `argmax` holds the tokens; the session keeps all but the last as a speculative tail
+    (accepted drafts, for the next commit). The steps' figures are summed (step_tokens and
+    step_sessions: the largest)."""
+    assert params.greedy or noise_seed is not None, "the Leviathan rule draws each token in the caller"
+    grammar = session.constraint
+    spent = grammar.seconds if grammar is not None else 0.0
+    scores = Scores([], [], 0, None)
+    while len(scores.argmax) < steps and not (scores.argmax and scores.argmax[-1] in stop_token_ids):
+        chosen = scores.argmax
+        mask = grammar.masks(chosen)[-1:] if grammar is not None else None
+        forward = engine.forward(session, chosen, 1)
+        logits = apply(grammar, (yield forward), mask)  # [1, vocab]
+        if params.greedy:
+            token = int(torch.argmax(logits[0]))
+        else:
+            position = len(session.tokens) + len(chosen)
+            token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
+        chosen.append(token)
+        scores.step_tokens = max(scores.step_tokens, forward.step_tokens)
+        scores.step_sessions = max(scores.step_sessions, forward.step_sessions)
+        scores.step_threads = forward.step_threads
+        scores.waited += forward.waited
+        scores.forward_seconds += forward.seconds
+    scores.mask_seconds = grammar.seconds - spent if grammar is not None else 0.0
+    return scores
+
+
 @dataclass(frozen=True)
 class TreeRule:
     """What the Leviathan rule needs to walk a tree on the target: the draft's rows at the root

@@ -24,12 +24,16 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
 
         def run(session):  # on the model worker
             start = time.perf_counter()
-            extra = len(request.draft_token_ids)
+            steps = request.decode_steps if request.HasField("decode_steps") else 0
+            extra = len(request.draft_token_ids) + max(0, steps - 1)
             self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
             params = SamplingParams.from_proto(request.sampling)
             noise_seed = request.noise_seed if request.HasField("noise_seed") else None
             logprobs = request.logprobs if request.HasField("logprobs") else None
-            if request.draft_parent_ids:
+            if steps:
+                stops = frozenset(request.stop_token_ids)
+                scores = yield from scorer.decode(self.engine, session, steps, params, noise_seed, stops)
+            elif request.draft_parent_ids:
                 walk = None
                 if not params.greedy and noise_seed is None:
                     vocab = session.vocab_size or self.engine.backend.vocab_size

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draft_service.server import DraftServicer
-from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator import loop as speculative_loop
+from orchestrator.loop import PLAIN_STEPS, LoopConfig, SpeculativeLoop
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams, probs_from_logits
 from target_service.server import TargetServicer
@@ -25,8 +26,8 @@ def pair(target_probs, draft_probs):
     return Direct(draft), Direct(target), draft.engine, target.engine
 
 
-def run(draft, target, sampling, k, n_tokens, seed, speculate=True):
-    config = LoopConfig(sampling=sampling, max_new_tokens=n_tokens, lookahead=k, seed=seed, speculate=speculate)
+def run(draft, target, sampling, k, n_tokens, seed, speculate=True, **kw):
+    config = LoopConfig(sampling=sampling, max_new_tokens=n_tokens, lookahead=k, seed=seed, speculate=speculate, **kw)
     loop = SpeculativeLoop(draft, target, [0], config)
     for _ in loop.rounds():
         pass
@@ -85,4 +86,46 @@ def test_target_only_matches_distribution():
     sampling = SamplingParams(temperature=1.0)
     tokens, stats = run(draft, target, sampling, 4, 20_000, seed=1, speculate=False)
     assert stats.draft_tokens == 0 and stats.rounds == 20_000
+    assert markov_chisquare(tokens, target_probs) > 1e-3
+
+
+def argmax_chain(target_probs, n_tokens):
+    chain = [0]
+    while len(chain) < n_tokens + 1:
+        chain.append(int(np.argmax(target_probs[chain[-1]])))
+    return chain
+
+
+def test_target_only_runs_several_steps_a_score_greedy():
+    """Speculation off, greedy: PLAIN_STEPS one-token steps of the target a Score, the target's
+    argmax chain all the same, and a stop token in the middle of a Score's steps ends the output."""
+    target_probs = random_markov(20, 3)
+    draft, target, _, target_engine = pair(target_probs, random_markov(20, 4))
+    tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
+    assert tokens == argmax_chain(target_probs, 201)
+    assert stats.rounds == 1 + 200 // PLAIN_STEPS  # the first token alone, then PLAIN_STEPS a round
+    chain = argmax_chain(target_probs, 40)
+    stop = next(t for i, t in enumerate(chain[3:], 3) if t not in chain[:i] and (i - 2) % PLAIN_STEPS)
+    stops = frozenset({stop})
+    tokens, _ = run(draft, target, SamplingParams(), 4, 40, seed=0, speculate=False, stop_token_ids=stops)
+    assert tokens == chain[: chain.index(stop)]
+    assert target_engine.open_sessions == 0
+
+
+def test_target_only_invariant_rule_is_unchanged_by_steps_a_score(monkeypatch):
+    """The invariant rule, speculation off: the target samples PLAIN_STEPS tokens a Score with the
+    noise of their positions, so a seed gives the same text one step a Score, several, or with
+    speculation; and its law is the target's."""
+    target_probs = random_markov(8, 21)
+    draft, target, *_ = pair(target_probs, random_markov(8, 22))
+    sampling = SamplingParams(temperature=1.0)
+    several, stats = run(draft, target, sampling, 4, 300, seed=3, speculate=False, rule="invariant")
+    assert stats.rounds < 300
+    speculating, _ = run(draft, target, sampling, 3, 300, seed=3, rule="invariant")
+    monkeypatch.setattr(speculative_loop, "PLAIN_STEPS", 1)
+    one, stats = run(draft, target, sampling, 4, 300, seed=3, speculate=False, rule="invariant")
+    assert stats.rounds == 300
+    assert several == one == speculating
+    monkeypatch.undo()
+    tokens, _ = run(draft, target, sampling, 4, N_TOKENS, seed=9, speculate=False, rule="invariant")
     assert markov_chisquare(tokens, target_probs) > 1e-3
