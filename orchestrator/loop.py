@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import math
 import threading
@@ -86,9 +87,9 @@ CLOSE_TIMEOUT = 2.0
 # Seconds a new request gives a target that did not answer to answer again before it fails.
 FAIL_FAST = 1.0
 # Target-only rounds without a draft to wait for (speculation off, or a lost draft) run this many
-# one-token steps of the target in one Score (ScoreRequest.decode_steps), greedy or the invariant
-# rule: a round's RPC and the orchestrator's work (~1.8 ms on a 25 ms step, docs/performance.md)
-# paid once for them all. The stream then gets them together (4 steps: ~0.1 s on this CPU).
+# one-token steps of the target in one Score (ScoreRequest.decode_steps): a round's RPC and the
+# orchestrator's work (~2 ms on a 25 ms step, docs/performance.md) paid once for them all. The
+# stream then gets them together (4 steps: ~0.1 s on this CPU).
 PLAIN_STEPS = 4
 # A draft answering one of these refuses the generation (full, or its context too short for it):
 # the generation goes on without drafts.
@@ -263,6 +264,13 @@ class _Draws:
     accept: list[float]
     continuation: list[float]
     final: float
+    steps: tuple[float, ...] = ()  # several plain steps a Score, the Leviathan rule: each step's token's
+
+    def stepped(self, rng: np.random.Generator, lookahead: int, overlap: bool, steps: int) -> _Draws:
+        """These draws with the uniforms of `steps` plain steps in one Score: this round's last
+        token's, then each later step's, drawn as that many plain rounds would draw them."""
+        later = [self.draw(rng, lookahead, greedy=False, overlap=overlap).final for _ in range(steps - 1)]
+        return dataclasses.replace(self, steps=(self.final, *later))
 
     @classmethod
     def draw(cls, rng: np.random.Generator, lookahead: int, greedy: bool, overlap: bool) -> _Draws:
@@ -652,12 +660,15 @@ class SpeculativeLoop:
             draws = _Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
         else:
             draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
+        steps = None if tree else self._plain_steps(k)
+        if steps and not cfg.coupled:
+            draws = draws.stepped(self.rng, cfg.lookahead, self.overlap, steps)
         for reopens in itertools.count():
             try:
                 if tree:
                     step = self._tree_round(k, draws, start)
                 else:
-                    step = self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
+                    step = self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes), steps=steps)
                 break
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
@@ -674,12 +685,12 @@ class SpeculativeLoop:
     def _plain_steps(self, k: int) -> int | None:
         """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
         where no draft is waited for: speculation off or the draft lost, no policy measuring the
-        round, tokens chosen on the target (greedy, the invariant rule) and no logprobs; and not
-        the first round (the first token streams alone). None: one."""
+        round, and no logprobs; and not the first round (the first token streams alone). None: one.
+        Under the Leviathan rule each step's token takes the draws of a plain round (_Draws.stepped)."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         waiting = self.draft is not None and not self._draft_lost
-        if k or waiting or self.policy is not None or not cfg.coupled or cfg.logprobs is not None:
+        if k or waiting or self.policy is not None or cfg.logprobs is not None:
             return None
         return min(PLAIN_STEPS, remaining) if self.generated and remaining > 1 else None
 
@@ -802,7 +813,10 @@ class SpeculativeLoop:
         self.stats.cache_hits += 1
         return _Proposal.of(response, [])
 
-    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:
+    def _speculate(
+        self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False, steps: int | None = None
+    ) -> Round:
+        """A round of a chain of k drafts (none: a plain round; `steps`: several plain steps, _plain_steps)."""
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
         drafts = _Proposal([], [], [])
@@ -824,6 +838,7 @@ class SpeculativeLoop:
         # A model-free drafter may propose fewer than k (none when it finds no match).
         k = len(drafts.tokens)
         accept_u = draws.accept[:k]
+        steps = None if k else steps
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
@@ -847,8 +862,9 @@ class SpeculativeLoop:
                     noise_seed=cfg.noise_seed,
                     threads=self._threads(self.target, concurrent=beside),
                     logprobs=cfg.logprobs,
-                    decode_steps=(steps := self._plain_steps(k)),
+                    decode_steps=steps,
                     stop_token_ids=sorted(cfg.stop_token_ids) if steps else (),
+                    step_uniforms=draws.steps if steps else (),
                 ),
             )
         except BaseException:
@@ -879,7 +895,7 @@ class SpeculativeLoop:
             accepted = rule.accepted_length(drafts.probs, scores.draft_token_target_probs, accept_u)
             if accepted != scores.row_position:
                 raise SpecdecError(f"target returned row {scores.row_position}, the rule needs {accepted}")
-            target_row = wire.decode_row(scores.row)
+            target_row = wire.decode_row(scores.row) if not steps else None
         proposed = k
         committed = drafts.tokens[:accepted]
         passed = tested = False
@@ -896,7 +912,7 @@ class SpeculativeLoop:
                 committed.append(first)
                 if len(after.tokens) > 1:
                     next_carried = after.after(1)
-        if not passed:
+        if not passed and not steps:
             if cfg.coupled:
                 last = target_token
             else:
@@ -923,7 +939,7 @@ class SpeculativeLoop:
 
                 last = rule.final_token(accepted, proposed, target_row, draft_row, draws.final)
             committed.append(last)
-        if steps:  # several plain steps: the target's tokens, each chosen as `last` was
+        if steps:  # several plain steps: the target's tokens, each chosen as a plain round's `last`
             committed = list(scores.argmax_token_ids)
         if after is not None and self._caching:  # the speculation cache: this round's outcome, measured
             rejection = accepted if not passed and (accepted < k or tested) else None

@@ -118,14 +118,16 @@ def decode(
     params: SamplingParams,
     noise_seed: int | None,
     stop_token_ids: frozenset[int],
+    uniforms: list[float] = (),
 ) -> Generator[Forward, torch.Tensor, Scores]:
     """Plain decoding, `steps` one-token forwards in one request (ScoreRequest.decode_steps): each
     feeds the token the one before chose (greedy: the argmax; the invariant rule: the Gumbel-max
-    sample at its position, as `score` chooses the target's own token), stopping after a stop
-    token. `argmax` holds the tokens; the session keeps all but the last as a speculative tail
-    (accepted drafts, for the next commit). The steps' figures are summed (step_tokens and
-    step_sessions: the largest)."""
-    assert params.greedy or noise_seed is not None, "the Leviathan rule draws each token in the caller"
+    sample at its position, as `score` chooses the target's own token; the Leviathan rule: the
+    sample of its row with its one of `uniforms`, as the orchestrator samples a plain round's
+    row, rule.final_token), stopping after a stop token. `argmax` holds the tokens; the session
+    keeps all but the last as a speculative tail (accepted drafts, for the next commit). The
+    steps' figures are summed (step_tokens and step_sessions: the largest)."""
+    assert params.greedy or noise_seed is not None or len(uniforms) == steps, (steps, len(uniforms))
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
     scores = Scores([], [], 0, None)
@@ -136,9 +138,11 @@ def decode(
         logits = apply(grammar, (yield forward), mask)  # [1, vocab]
         if params.greedy:
             token = int(torch.argmax(logits[0]))
-        else:
+        elif noise_seed is not None:
             position = len(session.tokens) + len(chosen)
             token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
+        else:
+            token = rule.sample(probs_from_logits(logits, params)[0].cpu().numpy(), uniforms[len(chosen)])
         chosen.append(token)
         scores.step_tokens = max(scores.step_tokens, forward.step_tokens)
         scores.step_sessions = max(scores.step_sessions, forward.step_sessions)

@@ -32,7 +32,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             logprobs = request.logprobs if request.HasField("logprobs") else None
             if steps:
                 stops = frozenset(request.stop_token_ids)
-                scores = yield from scorer.decode(self.engine, session, steps, params, noise_seed, stops)
+                uniforms = list(request.step_uniforms)
+                scores = yield from scorer.decode(self.engine, session, steps, params, noise_seed, stops, uniforms)
             elif request.draft_parent_ids:
                 walk = None
                 if not params.greedy and noise_seed is None:

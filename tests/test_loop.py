@@ -80,13 +80,20 @@ def test_loop_greedy_is_target_argmax_chain(k):
     assert stats.draft_tokens > 0
 
 
-def test_target_only_matches_distribution():
+def test_target_only_matches_distribution(monkeypatch):
+    """The Leviathan rule, speculation off: PLAIN_STEPS tokens a Score, each sampled on the target
+    with its plain round's draws, so a seed gives the same text as one step a Score; the law is the
+    target's."""
     target_probs = random_markov(8, 21)
     draft, target, *_ = pair(target_probs, random_markov(8, 22))
     sampling = SamplingParams(temperature=1.0)
     tokens, stats = run(draft, target, sampling, 4, 20_000, seed=1, speculate=False)
-    assert stats.draft_tokens == 0 and stats.rounds == 20_000
+    assert stats.draft_tokens == 0 and stats.rounds == 1 + 19_999 // PLAIN_STEPS + (19_999 % PLAIN_STEPS > 0)
     assert markov_chisquare(tokens, target_probs) > 1e-3
+    several, _ = run(draft, target, sampling, 4, 300, seed=2, speculate=False)
+    monkeypatch.setattr(speculative_loop, "PLAIN_STEPS", 1)
+    one, stats = run(draft, target, sampling, 4, 300, seed=2, speculate=False)
+    assert stats.rounds == 300 and several == one
 
 
 def argmax_chain(target_probs, n_tokens):
