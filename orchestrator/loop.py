@@ -660,15 +660,17 @@ class SpeculativeLoop:
             draws = _Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
         else:
             draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
-        steps = None if tree else self._plain_steps(k)
+        steps = self._plain_steps(k)  # none with drafts (a tree has them)
         if steps and not cfg.coupled:
             draws = draws.stepped(self.rng, cfg.lookahead, self.overlap, steps)
         for reopens in itertools.count():
             try:
-                if tree:
+                if steps:
+                    step = self._decode_round(steps, draws, start)
+                elif tree:
                     step = self._tree_round(k, draws, start)
                 else:
-                    step = self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes), steps=steps)
+                    step = self._speculate(k, wanted, draws, start, measure=bool(cfg.tree_nodes))
                 break
             except SessionLost as lost:
                 if reopens == MAX_REOPENS_PER_ROUND:
@@ -813,10 +815,30 @@ class SpeculativeLoop:
         self.stats.cache_hits += 1
         return _Proposal.of(response, [])
 
-    def _speculate(
-        self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False, steps: int | None = None
-    ) -> Round:
-        """A round of a chain of k drafts (none: a plain round; `steps`: several plain steps, _plain_steps)."""
+    def _decode_round(self, steps: int, draws: _Draws, start: float) -> Round:
+        """Several plain rounds in one Score (_plain_steps): the target chooses each token as a
+        plain round's last one is chosen (greedy, the invariant rule, or the draws' step uniforms)."""
+        cfg = self.config
+        scores, target_time = self._call(
+            self.target.stub.Score,
+            model_pb2.ScoreRequest(
+                session=self.target.ref(),
+                append_tokens=self.target.pending,
+                sampling=self._sampling,
+                noise_seed=cfg.noise_seed,
+                threads=self._threads(self.target, concurrent=False),
+                decode_steps=steps,
+                stop_token_ids=sorted(cfg.stop_token_ids),
+                step_uniforms=draws.steps,
+            ),
+        )
+        self.stats.add_scores(scores)
+        self.target.length, self.target.pending = scores.length, []
+        self.stats.target_seconds += target_time
+        self.stats.round_seconds += time.perf_counter() - start
+        return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
+
+    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
         drafts = _Proposal([], [], [])
@@ -838,7 +860,6 @@ class SpeculativeLoop:
         # A model-free drafter may propose fewer than k (none when it finds no match).
         k = len(drafts.tokens)
         accept_u = draws.accept[:k]
-        steps = None if k else steps
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
@@ -862,9 +883,6 @@ class SpeculativeLoop:
                     noise_seed=cfg.noise_seed,
                     threads=self._threads(self.target, concurrent=beside),
                     logprobs=cfg.logprobs,
-                    decode_steps=steps,
-                    stop_token_ids=sorted(cfg.stop_token_ids) if steps else (),
-                    step_uniforms=draws.steps if steps else (),
                 ),
             )
         except BaseException:
@@ -895,7 +913,7 @@ class SpeculativeLoop:
             accepted = rule.accepted_length(drafts.probs, scores.draft_token_target_probs, accept_u)
             if accepted != scores.row_position:
                 raise SpecdecError(f"target returned row {scores.row_position}, the rule needs {accepted}")
-            target_row = wire.decode_row(scores.row) if not steps else None
+            target_row = wire.decode_row(scores.row)
         proposed = k
         committed = drafts.tokens[:accepted]
         passed = tested = False
@@ -912,7 +930,7 @@ class SpeculativeLoop:
                 committed.append(first)
                 if len(after.tokens) > 1:
                     next_carried = after.after(1)
-        if not passed and not steps:
+        if not passed:
             if cfg.coupled:
                 last = target_token
             else:
@@ -939,8 +957,6 @@ class SpeculativeLoop:
 
                 last = rule.final_token(accepted, proposed, target_row, draft_row, draws.final)
             committed.append(last)
-        if steps:  # several plain steps: the target's tokens, each chosen as a plain round's `last`
-            committed = list(scores.argmax_token_ids)
         if after is not None and self._caching:  # the speculation cache: this round's outcome, measured
             rejection = accepted if not passed and (accepted < k or tested) else None
             token = last if not passed else -1  # the target's token at the rejection

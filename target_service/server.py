@@ -26,7 +26,8 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             start = time.perf_counter()
             steps = request.decode_steps if request.HasField("decode_steps") else 0
             extra = len(request.draft_token_ids) + max(0, steps - 1)
-            self.engine.open_round(session, request.append_tokens, extra, "append_tokens + draft_token_ids")
+            what = "append_tokens + decode_steps" if steps else "append_tokens + draft_token_ids"
+            self.engine.open_round(session, request.append_tokens, extra, what)
             params = SamplingParams.from_proto(request.sampling)
             noise_seed = request.noise_seed if request.HasField("noise_seed") else None
             logprobs = request.logprobs if request.HasField("logprobs") else None
