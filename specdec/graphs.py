@@ -60,6 +60,7 @@ metrics export it, and a test holds it at zero.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -69,7 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import models
+from specdec import fusion, models
 from specdec.backend import HFBackend
 from specdec.kvcache import Slot, SlotCache
 from specdec.limits import SessionLimits
@@ -78,6 +79,9 @@ from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 # On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
 # together on one GPU each see it all free.
 KV_MEMORY_FRACTION = 0.4
+# SPECDEC_FUSE=inductor (or 1) compiles a CUDA model's norms, gated MLPs and rotary embedding before the capture
+# (specdec.fusion); unset or 0: the eager forward's kernels are captured as they are.
+FUSE_ENV = "SPECDEC_FUSE"
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 # Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
 # step's mask covers this many keys more than its width (specdec.graphs.window_visible).
@@ -137,9 +141,12 @@ def kv_shape(limits: SessionLimits, max_context: int, token_bytes: int, free_byt
 class GraphBackend(HFBackend):
     """HFBackend with static short forwards over a fixed cache, built by prepare(limits)."""
 
-    def __init__(self, spec: models.ModelSpec, buckets: Buckets = Buckets()):
+    def __init__(self, spec: models.ModelSpec, buckets: Buckets = Buckets(), fuse: str | None = None):
+        """fuse: torch.compile's backend for specdec.fusion ("inductor"), "" for none; None: FUSE_ENV's."""
         super().__init__(spec)
         self.buckets = buckets
+        self.fuse = fuse_backend() if fuse is None else fuse
+        self.fused: list[str] = []
         self.built: Built | None = None
         self.builds = 0
         self.builds_after_ready = 0
@@ -188,6 +195,8 @@ class GraphBackend(HFBackend):
             return built
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         t0 = time.perf_counter()
+        if self.fuse:  # compiled at the warm-up runs below, before their captures
+            self.fused = fusion.fuse(self.model, self.fuse)
         # Largest first: the smaller graphs' activations then fit in the pool's blocks the larger freed.
         keys = sorted(((n, w, c) for n in built.batches for w in built.widths for c in built.lengths), reverse=True)
         for key in keys:
@@ -195,6 +204,8 @@ class GraphBackend(HFBackend):
         built.graphs, built.seconds = len(keys), time.perf_counter() - t0
         self._ready = True
         what = "CUDA graphs captured" if cuda else "static forwards built (eager, no capture on a CPU)"
+        if self.fused:
+            what += f" ({', '.join(self.fused)} compiled by torch.compile, {self.fuse})"
         print(
             f"specdec: {self.name}: {built.graphs} {what} in {built.seconds:.1f} s, batches {_span(built.batches)} "
             f"x widths {_span(built.widths)} x KV lengths {_span(built.lengths)}; KV cache {slots} slots x "
@@ -301,12 +312,13 @@ class GraphBackend(HFBackend):
         the sequence (keys before it: their own) -> the last hidden states, [B, W, hidden]."""
         ids, writes, slots, rotary, low = inputs
         visible, keys = window_visible(low[:, 0], seen, places, length)
-        return self._base(
-            input_ids=ids,
-            attention_mask=self.arch.mask(visible, rotary, keys, self.kv.dtype),
-            position_ids=rotary,
-            cache=StaticView(self.kv, slots, writes, length),
-        )
+        with fusion.active(bool(self.fused)):
+            return self._base(
+                input_ids=ids,
+                attention_mask=self.arch.mask(visible, rotary, keys, self.kv.dtype),
+                position_ids=rotary,
+                cache=StaticView(self.kv, slots, writes, length),
+            )
 
 
 def window_visible(
@@ -375,6 +387,12 @@ class StaticView:
             store[self.slots, :, self.positions] = new.transpose(1, 2).to(store.dtype)
             out.append(store[:, :, : self.length].index_select(0, self.rows))
         return out[0], out[1]
+
+
+def fuse_backend() -> str:
+    """torch.compile's backend FUSE_ENV names for specdec.fusion: "" where unset or 0, inductor for 1."""
+    value = os.environ.get(FUSE_ENV, "").strip()
+    return "" if value in ("", "0") else "inductor" if value == "1" else value
 
 
 def _cut(sizes: tuple[int, ...], most: int) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ tests run there too, captured as CUDA graphs.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from deploy.configs import ModelServiceConfig
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import models
+from specdec import fusion, models
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine, warm_up
 from specdec.errors import OutOfRange, ResourceExhausted
@@ -53,19 +54,24 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Few buckets keep the steps few: 4 slots of 300 positions, lengths past 128 run eager.
 BUCKETS = Buckets(batches=(2, 4), widths=(4, 8), lengths=(32, 128))
 LIMITS = SessionLimits(max_sessions=4, max_kv_tokens=4 * 300)
+FUSE = {"cpu": "aot_eager", "cuda": "inductor"}
 
 
-def graph_backend(path, device="cpu", buckets=BUCKETS, limits=LIMITS) -> GraphBackend:
-    backend = GraphBackend(ModelSpec(path, device, "float32"), buckets)
+def graph_backend(path, device="cpu", buckets=BUCKETS, limits=LIMITS, fuse="") -> GraphBackend:
+    backend = GraphBackend(ModelSpec(path, device, "float32"), buckets, fuse)
     backend.prepare(limits)
     return backend
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_forwards_equal_eager(tiny_models, device):
+# On a CPU, fused pieces run through torch.compile's aot_eager backend: its tracing, guards and variants are
+# what a CUDA device's inductor compiles (inductor's C++ for a CPU takes ~25 s a variant here).
+@pytest.mark.parametrize("device, fuse", [(d, "") for d in DEVICES] + [(d, FUSE[d]) for d in DEVICES])
+def test_forwards_equal_eager(tiny_models, device, fuse):
     eager = HFBackend(ModelSpec(tiny_models["target"], device, "float32"))
-    static = graph_backend(tiny_models["target"], device)
+    static = graph_backend(tiny_models["target"], device, fuse=fuse)
     assert static.max_context == 300 and static.built.graphs == 2 * 2 * 2
+    if fuse:
+        assert sorted(static.fused) == ["LlamaMLP", "LlamaRMSNorm", "modeling_llama.apply_rotary_pos_emb"]
     rng = np.random.default_rng(0)
     slots = {b: [b.new_cache() for _ in range(3)] for b in (eager, static)}
     steps = [
@@ -95,6 +101,33 @@ def test_forwards_equal_eager(tiny_models, device):
     for b in slots:
         for slot in slots[b]:
             b.release(slot)
+
+
+def test_fused_pieces_compile_once_for_all_layers(tmp_path):
+    """One compiled function a piece serves every layer (a variant where a batch or width is 1, not a
+    layer); the patched rotary embedding runs compiled only inside a fused backend's static forward."""
+    path = make_tiny_model(tmp_path / "deep", seed=3, layers=6)
+    torch._dynamo.reset()
+    static = graph_backend(path, fuse="aot_eager")
+    eager = HFBackend(ModelSpec(path, "cpu", "float32"))
+    rng = np.random.default_rng(1)
+    slots = {b: [b.new_cache(), b.new_cache()] for b in (static, eager)}
+    for step in ([(0, 9, 1), (1, 3, 3)], [(0, 1, 1)], [(0, 4, 4), (1, 1, 1)], [(1, 6, 2)]):
+        items = [(i, rng.integers(3, 40, size=width).tolist(), n) for i, width, n in step]
+        got = {b: b.forward_batch([(slots[b][i], tokens, n) for i, tokens, n in items]) for b in slots}
+        for a, c in zip(got[eager], got[static], strict=True):
+            torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
+    # 3 pieces, 5 variants each at most (the first shape's, then batch and width dynamic where not 1), where a
+    # compile per module would be 20 at least (13 norms, 6 MLPs, the rotary embedding)
+    assert 3 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 15
+    rotary = sys.modules[type(static.model).__module__].apply_rotary_pos_emb
+    assert isinstance(rotary, fusion._Rotary)
+    compiled, rotary.compiled = rotary.compiled, None  # called, it would raise
+    try:  # another model of the architecture in the process, and the fused one's eager forwards (past the widths)
+        for backend in (eager, static):
+            assert backend.forward(backend.new_cache(), list(range(3, 23)), 3).shape == (3, backend.vocab_size)
+    finally:
+        rotary.compiled = compiled
 
 
 def test_buckets_and_the_kv_cache_shape():

@@ -1,7 +1,8 @@
 """Speculation's modes through a running orchestrator, in one client process (scripts/gpu/trees.sh,
 scripts/gpu/wide.sh).
 
-    python3 scripts/gpu/client.py ADDRESS [--set chains|trees] [--reps 2] [--tokens 128] [--concurrency 1,4,16]
+    python3 scripts/gpu/client.py ADDRESS [--set chains|trees|fuse] [--reps 2] [--tokens 128] \
+        [--concurrency 1,4,16] [--load-modes N]
 
 Each configuration of the set runs REPS times on each prompt, one request at a time; prints its
 tokens over its seconds (all its requests pooled), tokens per round, the target's compute a round,
@@ -43,6 +44,12 @@ SETS = {
         ("adaptive k<=16 (default overlap)", dict(lookahead=16, adaptive=True)),
         ("server defaults", dict()),
     ],
+    "fuse": [
+        ALONE,
+        ("k=8 seq", dict(lookahead=8, overlap=False)),
+        ("adaptive k<=16 seq", dict(lookahead=16, adaptive=True, overlap=False)),
+        ("server defaults", dict()),
+    ],
 }
 LOAD = [ALONE, ("k=8 seq", dict(lookahead=8, overlap=False)), ("adaptive k<=16", dict(lookahead=16, adaptive=True))]
 
@@ -75,8 +82,8 @@ def sequential(stub, configs, reps: int, tokens: int) -> None:
         )
 
 
-def under_load(stub, levels: list[int], reps: int, tokens: int) -> None:
-    for name, spec in LOAD:
+def under_load(stub, levels: list[int], reps: int, tokens: int, modes: int = len(LOAD)) -> None:
+    for name, spec in LOAD[:modes]:
         for clients in levels:
 
             def one(i: int, name=name, spec=spec, clients=clients) -> tuple[int, int]:
@@ -108,11 +115,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="", help="comma-separated client counts (default: none)")
+    parser.add_argument("--load-modes", type=int, default=len(LOAD), help="the first N of the load modes")
     args = parser.parse_args()
     stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(args.address))
     sequential(stub, SETS[args.set], args.reps, args.tokens)
     if args.concurrency:
-        under_load(stub, [int(c) for c in args.concurrency.split(",")], args.reps, args.tokens)
+        under_load(stub, [int(c) for c in args.concurrency.split(",")], args.reps, args.tokens, args.load_modes)
 
 
 if __name__ == "__main__":
