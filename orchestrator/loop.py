@@ -86,14 +86,25 @@ MAX_REOPENS_PER_ROUND = 8
 CLOSE_TIMEOUT = 2.0
 # Seconds a new request gives a target that did not answer to answer again before it fails.
 FAIL_FAST = 1.0
-# Target-only rounds without a draft to wait for (speculation off, or a lost draft) run this many
+# Target-only rounds without a draft to wait for (speculation off, or a lost draft) run several
 # one-token steps of the target in one Score (ScoreRequest.decode_steps): a round's RPC and the
-# orchestrator's work (~2 ms on a 25 ms step, docs/performance.md) paid once for them all. The
-# stream then gets them together (4 steps: ~0.1 s on this CPU).
+# orchestrator's work (~2 ms, docs/performance.md) paid once for them all. PLAIN_STEPS at first; then
+# as many as keep what the generation's last such rounds measured beyond the target's compute within
+# ROUND_OVERHEAD_SHARE of it (decode_steps), up to MAX_PLAIN_STEPS: 4 on a CPU's 25 ms step, 12 on a
+# GPU's 4 ms one. The stream gets a round's tokens together (4 steps: ~0.1 s on a CPU; 16: ~0.06 s on a GPU).
 PLAIN_STEPS = 4
+MAX_PLAIN_STEPS = 16
+ROUND_OVERHEAD_SHARE = 0.05
 # A draft answering one of these refuses the generation (full, or its context too short for it):
 # the generation goes on without drafts.
 DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
+
+
+def decode_steps(overhead: float, step: float) -> int:
+    """The steps a Score that keep a round's `overhead` seconds beyond the target's compute within
+    ROUND_OVERHEAD_SHARE of the steps' (`step` seconds each): PLAIN_STEPS to MAX_PLAIN_STEPS."""
+    wanted = math.ceil(overhead / (ROUND_OVERHEAD_SHARE * step)) if step > 0 else MAX_PLAIN_STEPS
+    return max(PLAIN_STEPS, min(MAX_PLAIN_STEPS, wanted))
 
 
 class _Running:
@@ -384,6 +395,7 @@ class SpeculativeLoop:
         self._spare = speculation_cache.Spare()  # the draft's time to spare in overlapped rounds
         self.draft_timeout = draft_timeout
         self._draft_lost = False  # this generation's draft session is gone: re-opened once the draft is up
+        self._plain_costs: tuple[float, float] | None = None  # (overhead, step) of its decode rounds (_decode_round)
         self._without_draft = False  # from a loss until the re-opened session is ready
         self._draft_incarnation = 0  # the draft's sessions after losses take ids of their own
         self._draft_refused = False  # the draft refused this generation: no re-open
@@ -694,7 +706,9 @@ class SpeculativeLoop:
         waiting = self.draft is not None and not self._draft_lost
         if k or waiting or self.policy is not None or cfg.logprobs is not None:
             return None
-        return min(PLAIN_STEPS, remaining) if self.generated and remaining > 1 else None
+        if not self.generated or remaining <= 1:
+            return None
+        return min(PLAIN_STEPS if self._plain_costs is None else decode_steps(*self._plain_costs), remaining)
 
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
@@ -835,7 +849,11 @@ class SpeculativeLoop:
         self.stats.add_scores(scores)
         self.target.length, self.target.pending = scores.length, []
         self.stats.target_seconds += target_time
-        self.stats.round_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.round_seconds += seconds
+        measured = (seconds - scores.compute_seconds, scores.compute_seconds / max(1, len(scores.argmax_token_ids)))
+        last = self._plain_costs or measured  # (overhead a round, compute a step), the last two rounds' mean
+        self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
         return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
 
     def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:

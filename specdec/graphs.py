@@ -38,10 +38,13 @@ is measured in the keys' places in the sequence, a tree's nodes at their depths'
 whose forward cannot be captured (MoE routers: the experts a token goes to are read back to the
 host) is served eager on CUDA, all its forwards HFBackend's, with one log line saying so.
 
-Why no torch.compile: the launch overhead is what a small model loses on a GPU (fp32
+Why not torch.compile the whole forward: the launch overhead is what a small model loses on a GPU (fp32
 SmolLM2-135M, H100: one token 36.7 ms eager, 3.3 ms compiled with CUDA graphs), and graphs of
 the eager forward remove it in seconds at start, where compiling a variant took 38-60 s and
-compiled variants were built on the serving path. Measured here (one H100, the SmolLM2-135M
+compiled variants were built on the serving path. What a graph of the eager forward still pays,
+a kernel for each op, is cut by compiling small pieces before the capture (specdec.fusion; on CUDA
+by default): on one H200 the width-grown target alone ran 1.16-1.20x faster, k = 8 1.46x
+(docs/gpu.md). Measured here (one H100, the SmolLM2-135M
 shape with random weights, a 100-token context, ms): fp32 one token 18.6-30.2 eager, 3.8
 graphed; 5 tokens 22.4-34.0 / 8.0; 9 tokens 21.9-36.9 / 8.4; 8 sessions' decode step 19.8-32.5
 / 8.3; bf16 one token 39.6 / 3.6, 5 tokens 38.7 / 4.0 (the 5-token forward costing twice the
@@ -60,6 +63,7 @@ metrics export it, and a test holds it at zero.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import threading
@@ -79,8 +83,9 @@ from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 # On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
 # together on one GPU each see it all free.
 KV_MEMORY_FRACTION = 0.4
-# SPECDEC_FUSE=inductor (or 1) compiles a CUDA model's norms, gated MLPs and rotary embedding before the capture
-# (specdec.fusion); unset or 0: the eager forward's kernels are captured as they are.
+# A CUDA model's norms, gated MLPs and rotary embedding are compiled by inductor before the capture (specdec.fusion)
+# where triton is installed; SPECDEC_FUSE=0 captures the eager forward's kernels as they are, =1 fuses, another
+# value names torch.compile's backend.
 FUSE_ENV = "SPECDEC_FUSE"
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 # Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
@@ -145,7 +150,7 @@ class GraphBackend(HFBackend):
         """fuse: torch.compile's backend for specdec.fusion ("inductor"), "" for none; None: FUSE_ENV's."""
         super().__init__(spec)
         self.buckets = buckets
-        self.fuse = fuse_backend() if fuse is None else fuse
+        self.fuse = fuse_backend(self.device) if fuse is None else fuse
         self.fused: list[str] = []
         self.built: Built | None = None
         self.builds = 0
@@ -389,10 +394,13 @@ class StaticView:
         return out[0], out[1]
 
 
-def fuse_backend() -> str:
-    """torch.compile's backend FUSE_ENV names for specdec.fusion: "" where unset or 0, inductor for 1."""
+def fuse_backend(device: torch.device) -> str:
+    """torch.compile's backend for specdec.fusion: FUSE_ENV's ("" for 0, inductor for 1); where unset,
+    inductor on CUDA with triton installed, else "" (none)."""
     value = os.environ.get(FUSE_ENV, "").strip()
-    return "" if value in ("", "0") else "inductor" if value == "1" else value
+    if value:
+        return "" if value == "0" else "inductor" if value == "1" else value
+    return "inductor" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else ""
 
 
 def _cut(sizes: tuple[int, ...], most: int) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ tests run there too, captured as CUDA graphs.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 import time
@@ -38,7 +39,7 @@ from specdec import fusion, models
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine, warm_up
 from specdec.errors import OutOfRange, ResourceExhausted
-from specdec.graphs import Buckets, GraphBackend, bucket, kv_shape
+from specdec.graphs import FUSE_ENV, Buckets, GraphBackend, bucket, fuse_backend, kv_shape
 from specdec.kvcache import Slot
 from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
@@ -128,6 +129,16 @@ def test_fused_pieces_compile_once_for_all_layers(tmp_path):
             assert backend.forward(backend.new_cache(), list(range(3, 23)), 3).shape == (3, backend.vocab_size)
     finally:
         rotary.compiled = compiled
+
+
+def test_fusing_by_default_on_cuda_with_triton_only(monkeypatch):
+    monkeypatch.delenv(FUSE_ENV, raising=False)
+    assert fuse_backend(torch.device("cpu")) == ""  # a CPU serves eager: nothing to fuse
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert fuse_backend(torch.device("cuda", 0)) == ("inductor" if has_triton else "")
+    for value, backend in (("0", ""), ("1", "inductor"), ("aot_eager", "aot_eager")):
+        monkeypatch.setenv(FUSE_ENV, value)
+        assert fuse_backend(torch.device("cuda", 0)) == fuse_backend(torch.device("cpu")) == backend
 
 
 def test_buckets_and_the_kv_cache_shape():

@@ -47,6 +47,7 @@ SETS = {
     "fuse": [
         ALONE,
         ("k=8 seq", dict(lookahead=8, overlap=False)),
+        ("k=16 seq", dict(lookahead=16, overlap=False)),
         ("adaptive k<=16 seq", dict(lookahead=16, adaptive=True, overlap=False)),
         ("server defaults", dict()),
     ],
