@@ -30,7 +30,8 @@ serve() {  # $1: a name; the environment says whether to fuse
   echo "== $1: ready after $(( $(date +%s) - t1 )) s"
   A=$(python3 -c "import json;print(json.load(open('/tmp/r.json'))['address'])" 2>/dev/null)
 }
-stop() {
+stop() {  # the services' logs kept in $OUT (logs-*) for where start-up went
+  mkdir -p ${OUT:-/tmp}/logs-$TARGET; cp /tmp/specdec-*/*.log /tmp/serve.log ${OUT:-/tmp}/logs-$TARGET/ 2>/dev/null
   echo "    graphs built after ready: $(cat /tmp/specdec-*/*.log 2>/dev/null | grep -c 'while serving')"
   grep -h "captured\|ready in\|Traceback\|Error\|while serving" /tmp/specdec-*/*.log /tmp/serve.log 2>/dev/null | head -8
   kill $SP; wait $SP 2>/dev/null
