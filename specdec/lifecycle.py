@@ -18,6 +18,8 @@ serve() functions of the three services assemble a server from it.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -217,16 +219,35 @@ def _get_ready(engine: SessionEngine, backend) -> None:
     lookahead): a draft's batched steps at every thread count a request may ask for, and a
     target's verify forwards where it has more than one (its cores shared with the draft's).
     On the bare backend: no request pays for it, no span records it."""
+    loaded, t0 = process_age(), time.perf_counter()
     backend.tokenizer_digest()  # Describe's: a GGUF's tokenizer is converted here (once), not under a caller's Describe
     warm_up(backend, engine.limits)
+    warm = time.perf_counter() - t0
     cores = engine.cores
+    shapes = []
     if engine.role == "draft":
         shapes = [(n, 1) for n in PROFILE_SESSIONS if n <= engine.limits.max_sessions]
     elif cores is not None and len(cores.counts()) > 1:
         shapes = [(1, w) for w in PROFILE_TOKENS]
-    else:
-        return
-    engine.step_profile = profile_steps(backend, shapes, cores)
+    if shapes:
+        engine.step_profile = profile_steps(backend, shapes, cores)
+    if loaded is not None:  # where a start-up goes (docs/gpu.md: ready time)
+        print(
+            f"specdec: {engine.role} service: {process_age():.1f} s after its process started: the model loaded "
+            f"at {loaded:.1f} s, warm-up {warm:.1f} s, step profile {time.perf_counter() - t0 - warm:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc), None where unknown."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            return float(uptime.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _launch(server: grpc.Server, gate: Gate, service_name: str, busy=lambda: 0, background=()) -> Served:
