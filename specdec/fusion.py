@@ -91,3 +91,10 @@ def fuse(model: torch.nn.Module, backend: str = "inductor") -> list[str]:
         if isinstance(getattr(modeling, ROTARY, None), _Rotary):
             names.append(f"{modeling.__name__.rsplit('.', 1)[-1]}.{ROTARY}")
     return names
+
+
+def unfuse(model: torch.nn.Module) -> None:
+    """Undo fuse() on the model's modules (the rotary embedding's replacement stays, inert outside active())."""
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), functools.partial):
+            del module.forward

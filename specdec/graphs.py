@@ -200,12 +200,29 @@ class GraphBackend(HFBackend):
             return built
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         t0 = time.perf_counter()
-        if self.fuse:  # compiled at the warm-up runs below, before their captures
-            self.fused = fusion.fuse(self.model, self.fuse)
         # Largest first: the smaller graphs' activations then fit in the pool's blocks the larger freed.
         keys = sorted(((n, w, c) for n in built.batches for w in built.widths for c in built.lengths), reverse=True)
-        for key in keys:
-            self._build(key)
+        if self.fuse:  # compiled at the warm-up runs (a first one here, on any device), before their captures
+            self.fused = fusion.fuse(self.model, self.fuse)
+        try:
+            if self.fused:
+                self._trial(keys[0])
+            for key in keys:
+                self._build(key)
+        except Exception as err:  # a compiler's failure: of any type
+            if not self.fused:
+                raise
+            print(
+                f"specdec: {self.name}: compiling the fused pieces failed ({type(err).__name__}: {err}); "
+                "capturing the eager forward instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            fusion.unfuse(self.model)
+            self.fused, self.builds = [], 0
+            self._steps.clear()
+            for key in keys:
+                self._build(key)
         built.graphs, built.seconds = len(keys), time.perf_counter() - t0
         self._ready = True
         what = "CUDA graphs captured" if cuda else "static forwards built (eager, no capture on a CPU)"
@@ -293,20 +310,31 @@ class GraphBackend(HFBackend):
         if self._owner is not None and threading.get_ident() != self._owner:
             raise RuntimeError("a graph must be built and replayed on the thread that built the others")
         self.builds += 1
-        batch, width, length = key
-        forward = functools.partial(self._static_forward, length=length)
-        inputs = torch.zeros(5, batch, width, dtype=torch.long, device=self.device)
-        seen = torch.zeros(batch, width, TREE_WINDOW + width, dtype=torch.bool, device=self.device)
-        seen[:, :, 0] = True
-        places = torch.arange(TREE_WINDOW + width, device=self.device).expand(batch, -1).clone()
         # An eager run before the first capture of a (batch, width): the lazy initialisation a first
         # launch does (module loading, kernel selection) must not happen under capture. Lengths
         # change only the attention's shapes; a run before every capture took 10.1 s of 126 graphs'
         # capture where this takes 5.8 (fp32, one H100).
         warm = not any(k[:2] == key[:2] for k in self._steps)
-        step = _Step(forward, (inputs, seen, places), self._pad, self._pool, warm)
+        step = _Step(self._forward_of(key[2]), self._buffers(*key[:2]), self._pad, self._pool, warm)
         self._steps[key] = step
         return step
+
+    def _trial(self, key: tuple[int, int, int]) -> None:
+        """One eager static forward of a bucket (the pad slot's), on any device: the fused pieces' first
+        compile, where a compiler's failure shows before any capture."""
+        buffers = self._buffers(*key[:2])
+        buffers[0][2] = self._pad
+        self._forward_of(key[2])(*buffers)
+
+    def _buffers(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = torch.zeros(5, batch, width, dtype=torch.long, device=self.device)
+        seen = torch.zeros(batch, width, TREE_WINDOW + width, dtype=torch.bool, device=self.device)
+        seen[:, :, 0] = True
+        places = torch.arange(TREE_WINDOW + width, device=self.device).expand(batch, -1).clone()
+        return inputs, seen, places
+
+    def _forward_of(self, length: int):
+        return functools.partial(self._static_forward, length=length)
 
     def _static_forward(
         self, inputs: torch.Tensor, seen: torch.Tensor, places: torch.Tensor, length: int
