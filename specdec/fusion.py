@@ -16,7 +16,7 @@ pieces takes seconds, because
   next (torch's automatic dynamic shapes; sizes of 1 stay specialized): a handful of variants a piece,
   the hidden size static in all of them (inductor's reductions over it then fit one block).
 What it computes is the module's own code; inductor's fused reductions round differently (within
-fp32 rounding; tests/test_fusion.py).
+fp32 rounding; tests/test_graphs.py, aot_eager on a CPU).
 
 The RMSNorm and MLP modules of the model are patched one by one (their `forward`). The rotary
 embedding is a function of the architecture's modeling module, which every model of that

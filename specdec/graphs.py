@@ -43,7 +43,7 @@ SmolLM2-135M, H100: one token 36.7 ms eager, 3.3 ms compiled with CUDA graphs), 
 the eager forward remove it in seconds at start, where compiling a variant took 38-60 s and
 compiled variants were built on the serving path. What a graph of the eager forward still pays,
 a kernel for each op, is cut by compiling small pieces before the capture (specdec.fusion; on CUDA
-by default): on one H200 the width-grown target alone ran 1.16-1.20x faster, k = 8 1.46x
+by default): on one H200 the width-grown target alone ran 1.16x faster, k = 8 1.46x
 (docs/gpu.md). Measured here (one H100, the SmolLM2-135M
 shape with random weights, a 100-token context, ms): fp32 one token 18.6-30.2 eager, 3.8
 graphed; 5 tokens 22.4-34.0 / 8.0; 9 tokens 21.9-36.9 / 8.4; 8 sessions' decode step 19.8-32.5
