@@ -155,7 +155,7 @@ def _specdec_generate(
     `cache`: the speculation cache on or off, None: the orchestrator's default)."""
     from specdec.v1 import model_pb2, orchestrator_pb2
 
-    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap)
+    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap, adaptive=k == "adaptive")
     if cache is not None:
         spec.cache = cache
     if k == "adaptive":

@@ -30,7 +30,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed for sampling (default: a random one)")
     options.add_lookahead_flag(g)
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
-    g.add_argument("--adaptive", action="store_true", help="choose k per round in 1..--lookahead from acceptance")
+    g.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        help="choose k per round in 1..--lookahead from acceptance (default: the server's, off unless it was "
+        "started with --adaptive)",
+    )
     options.add_overlap_flag(g, client=True)
     options.add_rule_flag(g, client=True)
     options.add_tree_flag(g, client=True)
@@ -71,7 +76,7 @@ def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -
 def request(args) -> orchestrator_pb2.GenerateRequest:
     given = options.given
     speculation = orchestrator_pb2.SpeculationParams(
-        disabled=args.no_speculation, adaptive=args.adaptive, **given(lookahead=args.lookahead)
+        disabled=args.no_speculation, **given(lookahead=args.lookahead, adaptive=args.adaptive)
     )
     if args.overlap is not None:
         speculation.overlap = args.overlap

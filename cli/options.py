@@ -107,10 +107,44 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_lookahead_flag(p: argparse.ArgumentParser) -> None:
-    """Default None: only what the user gives is sent; the orchestrator applies the default."""
+def add_lookahead_flag(p: argparse.ArgumentParser, client: bool = True) -> None:
+    """A client's --lookahead (default None: only what the user gives is sent; the orchestrator applies
+    its default), or a server's --lookahead and --adaptive, the defaults of requests that do not say."""
     d, most = validation.DEFAULT_LOOKAHEAD, validation.MAX_LOOKAHEAD
-    p.add_argument("--lookahead", type=int, help=f"draft tokens per round, 1..{most} (default {d})")
+    if client:
+        p.add_argument(
+            "--lookahead",
+            type=int,
+            help=f"draft tokens per round, 1..{most} (default: the server's, {d} unless it was started with "
+            "--lookahead)",
+        )
+        return
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=d,
+        help=f"draft tokens per round (with --adaptive: the most) for requests that do not say "
+        f"(speculation.lookahead), 1..{most} (default %(default)s)",
+    )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="adaptive lookahead for requests that do not say (speculation.adaptive): k chosen each round in "
+        "1..--lookahead from the acceptance and costs measured (default: off). On one GPU, --adaptive --lookahead "
+        "16 ran within 5%% of the best fixed k one request at a time, 1.46x k = 4 on an 8B-like target (docs/gpu.md)",
+    )
+
+
+def request_defaults(args) -> dict:
+    """A server's flags for what requests leave unset: PipelineConfig's and OrchestratorConfig's fields."""
+    return dict(
+        overlap=args.overlap,
+        speculation_cache=not args.no_speculation_cache,
+        rule=args.rule,
+        tree_nodes=args.tree,
+        lookahead=args.lookahead,
+        adaptive=args.adaptive,
+    )
 
 
 def given(**fields) -> dict:

@@ -131,6 +131,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_overlap_flag(up)
     options.add_rule_flag(up)
     options.add_tree_flag(up)
+    options.add_lookahead_flag(up, client=False)
     up.set_defaults(up_parser=up)  # config_flags reads back which flags were given
 
     down = rsub.add_parser("down", help="remove what `ray up` created (and the local cluster it started)")
@@ -227,11 +228,8 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
         placement=args.placement,
         orchestrator=OrchestratorConfig(
             admission=options.admission_limits(args),
-            overlap=args.overlap,
-            speculation_cache=not args.no_speculation_cache,
-            rule=args.rule,
-            tree_nodes=args.tree,
             http_port=args.http_port,
+            **options.request_defaults(args),
         ),
         orchestrator_cpus=args.orchestrator_cpus,
         orchestrator_on_head=not args.orchestrator_anywhere,

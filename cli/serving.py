@@ -33,6 +33,7 @@ def add_serve_parser(sub) -> None:
     options.add_overlap_flag(s)
     options.add_rule_flag(s)
     options.add_tree_flag(s)
+    options.add_lookahead_flag(s, client=False)
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
     options.add_limit_flags(s, "serve")
@@ -66,6 +67,7 @@ def add_orchestrator_parser(sub) -> None:
     options.add_overlap_flag(o)
     options.add_rule_flag(o)
     options.add_tree_flag(o)
+    options.add_lookahead_flag(o, client=False)
     options.add_server_security_flags(o)
     options.add_client_security_flags(o, "service-", "the model services")
     options.add_limit_flags(o, "orchestrator")
@@ -98,11 +100,8 @@ def orchestrator(args) -> int:
 
     config = OrchestratorConfig(
         admission=admission,
-        overlap=args.overlap,
-        rule=args.rule,
-        tree_nodes=args.tree,
         http_port=args.http_port,
-        speculation_cache=not args.no_speculation_cache,
+        **options.request_defaults(args),
     )
     orchestrator = hosting.start_orchestrator(
         args.draft_address, args.target_address, config, args.host, args.port, server_security, client, telemetry
@@ -133,10 +132,7 @@ def serve(args) -> int:
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
-        overlap=args.overlap,
-        speculation_cache=not args.no_speculation_cache,
-        rule=args.rule,
-        tree_nodes=args.tree,
+        **options.request_defaults(args),
         session_limits=options.session_limits(args),
         admission=options.admission_limits(args),
         drain_timeout=args.drain_timeout,

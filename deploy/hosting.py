@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
-from orchestrator.generation import ModelPair, RequestDefaults
+from orchestrator.generation import ModelPair, request_defaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
@@ -130,7 +130,7 @@ def start_orchestrator(
         security,
         telemetry=telemetry,
         admission=config.admission,
-        defaults=RequestDefaults(config.overlap, config.rule, config.tree_nodes, config.speculation_cache),
+        defaults=request_defaults(config),
     )
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from deploy.configs import ModelServiceConfig
 from specdec import models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+from specdec.validation import DEFAULT_LOOKAHEAD
 
 LOOPBACK = "127.0.0.1"
 MODEL_SERVICES = ("draft", "target")
@@ -94,6 +95,8 @@ class PipelineConfig:
     speculation_cache: bool = True  # ... and speculation.cache
     rule: str = "leviathan"  # ... and speculation.rule
     tree_nodes: int = 0  # ... and speculation.tree_nodes
+    lookahead: int = DEFAULT_LOOKAHEAD  # ... and speculation.lookahead
+    adaptive: bool = False  # ... and speculation.adaptive
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
     target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
@@ -165,7 +168,8 @@ class LocalPipeline:
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + {None: [], True: ["--overlap"], False: ["--no-overlap"]}[cfg.overlap]
                 + ([] if cfg.speculation_cache else ["--no-speculation-cache"])
-                + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)],
+                + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes), "--lookahead", str(cfg.lookahead)]
+                + (["--adaptive"] if cfg.adaptive else []),
             )
             self._wait("orchestrator")
         except BaseException:

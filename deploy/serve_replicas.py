@@ -35,7 +35,7 @@ from ray.util.placement_group import get_current_placement_group
 from deploy import ray_deploy, ray_serve
 from deploy.ray_actors import actor_endpoint
 from orchestrator import continuation, openai_api
-from orchestrator.generation import RequestDefaults
+from orchestrator.generation import request_defaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
 from specdec import lifecycle, security, telemetry
 from specdec.errors import Unavailable
@@ -90,9 +90,7 @@ class Pair:
             telemetry=self.telemetry,
             recovery=orchestrator.recovery,
         )
-        self.defaults = RequestDefaults(
-            orchestrator.overlap, orchestrator.rule, orchestrator.tree_nodes, orchestrator.speculation_cache
-        )
+        self.defaults = request_defaults(orchestrator)
         # A generation blocks its thread for its whole length: one each, as many as Serve lets in.
         self.pool = ThreadPoolExecutor(orchestrator.admission.max_concurrent + 2, "specdec-pair")
 

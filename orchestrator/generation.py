@@ -132,6 +132,20 @@ class RequestDefaults:
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
     tree_nodes: int = 0  # speculation.tree_nodes (0: chains)
     cache: bool = True  # speculation.cache: the speculation cache (orchestrator.speculation_cache)
+    lookahead: int = validation.DEFAULT_LOOKAHEAD  # speculation.lookahead
+    adaptive: bool = False  # speculation.adaptive
+
+
+def request_defaults(config) -> RequestDefaults:
+    """What an orchestrator's settings (deploy.configs.OrchestratorConfig) give requests that leave fields unset."""
+    return RequestDefaults(
+        overlap=config.overlap,
+        rule=config.rule,
+        tree_nodes=config.tree_nodes,
+        cache=config.speculation_cache,
+        lookahead=config.lookahead,
+        adaptive=config.adaptive,
+    )
 
 
 # SpeculationParams.rule -> the loop's rule; RULE_UNSPECIFIED takes the orchestrator's default
@@ -146,7 +160,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
     validation.at_least_one(max_new, "max_new_tokens")
     spec = request.speculation
-    lookahead = spec.lookahead if spec.HasField("lookahead") else validation.DEFAULT_LOOKAHEAD
+    lookahead = spec.lookahead if spec.HasField("lookahead") else defaults.lookahead
     validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     if "" in request.stop_strings:
@@ -178,7 +192,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         max_new_tokens=max_new,
         lookahead=lookahead,
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
-        adaptive=spec.adaptive,
+        adaptive=spec.adaptive if spec.HasField("adaptive") else defaults.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else default_overlap(pair, defaults),
         rule=_rule(spec.rule, defaults.rule),
         tree_nodes=_tree_nodes(pair, spec, defaults.tree_nodes),
