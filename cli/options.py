@@ -12,7 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-from deploy.configs import BACKENDS
+from deploy.configs import BACKENDS, OrchestratorConfig
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from orchestrator import RULES
@@ -136,8 +136,9 @@ def add_lookahead_flag(p: argparse.ArgumentParser, client: bool = True) -> None:
 
 
 def request_defaults(args) -> dict:
-    """A server's flags for what requests leave unset: PipelineConfig's and OrchestratorConfig's fields."""
-    return dict(
+    """A server's flags for what requests leave unset: PipelineConfig's and OrchestratorConfig's fields,
+    checked here (ValueError), before any process starts."""
+    defaults = dict(
         overlap=args.overlap,
         speculation_cache=not args.no_speculation_cache,
         rule=args.rule,
@@ -145,6 +146,8 @@ def request_defaults(args) -> dict:
         lookahead=args.lookahead,
         adaptive=args.adaptive,
     )
+    OrchestratorConfig(**defaults)
+    return defaults
 
 
 def given(**fields) -> dict:

@@ -54,8 +54,8 @@ def test_the_flags_reach_the_orchestrator():
     generate = parse(["generate", "hi"])  # a client sends only what it is given
     assert generate.lookahead is None and generate.adaptive is None
     assert parse(["generate", "hi", "--no-adaptive"]).adaptive is False
-    with pytest.raises(ValueError, match="--lookahead must be in 1..32"):
-        OrchestratorConfig(lookahead=40)
+    with pytest.raises(ValueError, match="--lookahead must be in 1..32"):  # before anything starts
+        options.request_defaults(parse(["serve", "--lookahead", "40"]))
 
 
 def test_a_served_default_lookahead_drafts_that_many(tiny_backends):
