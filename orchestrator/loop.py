@@ -852,7 +852,8 @@ class SpeculativeLoop:
         seconds = time.perf_counter() - start
         self.stats.round_seconds += seconds
         measured = (seconds - scores.compute_seconds, scores.compute_seconds / max(1, len(scores.argmax_token_ids)))
-        last = self._plain_costs or measured  # (overhead a round, compute a step), the last two rounds' mean
+        # (overhead a round, compute a step): each decode round weighs half, the ones before it the other half
+        last = self._plain_costs or measured
         self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
         return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
 
