@@ -78,6 +78,7 @@ class BenchConfig:
     drafters: tuple[str, ...] = ("model", "ngram", "llamacpp")
     ks: tuple[int, ...] = (2, 4, 8)
     adaptive: bool = True
+    measured: bool = False  # a row per drafter with the lookahead unset: the server's measured default k
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_tokens: int = 128
     repeats: int = 1
@@ -103,7 +104,7 @@ class Row:
     method: str
     drafter: str
     temperature: float
-    k: str  # "2", "4", ..., "adaptive", or "-" (no speculation)
+    k: str  # "2", "4", ..., "adaptive", "measured" (lookahead unset), or "-" (no speculation)
     runs: list[dict] = field(default_factory=list)
 
     def median(self, key: str) -> float:
@@ -160,7 +161,7 @@ def _specdec_generate(
         spec.cache = cache
     if k == "adaptive":
         spec.lookahead, spec.adaptive = max(config.ks), True
-    elif k != "-":
+    elif k not in ("-", "measured"):  # measured: unset, the orchestrator's default
         spec.lookahead = int(k.split("/")[0])  # a tree's row: "depth/nodes"
     if tree_nodes:
         spec.tree_nodes = tree_nodes
@@ -214,6 +215,7 @@ def _specdec_generate(
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
         "tokens_per_round": s.mean_accepted_length,
         "drafts_per_round": s.draft_tokens / rounds,
+        "lookahead": s.lookahead,  # the k the rounds drafted at most (a measured row: the one chosen)
         "bytes_per_round": s.wire_bytes / rounds,
         "overhead_ms_per_round": None if overhead is None else 1000 * overhead / rounds,
         "draft_ms_per_token": 1000 * s.draft_compute_seconds / drafted if drafted else None,
@@ -270,6 +272,7 @@ def run(config: BenchConfig) -> dict:
     draft_model = models.load(config.draft)[0] if config.hf_baselines and "model" in config.drafters else None
 
     ks = [str(k) for k in config.ks] + (["adaptive"] if config.adaptive else [])
+    ks += ["measured"] if config.measured else []
     hf_static = config.hf_static if config.hf_static is not None else config.target.device.startswith("cuda")
     plan: list[tuple] = []  # (row key, where, extra)
     for t in config.temperatures:
@@ -486,6 +489,7 @@ def _summarise(config: BenchConfig, rows: dict, forward_costs: dict | None = Non
                 "acceptance_rate",
                 "tokens_per_round",
                 "drafts_per_round",
+                "lookahead",
                 "cost_ratio",
                 "bytes_per_round",
                 "draft_ms_per_token",

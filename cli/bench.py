@@ -40,6 +40,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--ks", default="2,4,8", help="fixed lookaheads to run (default 2,4,8)")
     b.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-lookahead rows")
     b.add_argument(
+        "--measured",
+        action="store_true",
+        help="add a row per drafter with the lookahead unset (k 'measured'): the k a server without --lookahead "
+        "gives a greedy chain, priced from the pair's measured costs and acceptance (its median in the JSON)",
+    )
+    b.add_argument(
         "--trees",
         default="",
         metavar="NODES",
@@ -181,6 +187,7 @@ def bench(args) -> int:
         drafters=tuple(d for d in args.drafters.split(",") if d),
         ks=tuple(int(k) for k in floats(args.ks)),
         adaptive=not args.no_adaptive,
+        measured=args.measured,
         trees=tuple(int(n) for n in floats(args.trees)),
         temperatures=floats(args.temperatures),
         max_tokens=args.max_tokens,

@@ -110,21 +110,22 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
 def add_lookahead_flag(p: argparse.ArgumentParser, client: bool = True) -> None:
     """A client's --lookahead (default None: only what the user gives is sent; the orchestrator applies
     its default), or a server's --lookahead and --adaptive, the defaults of requests that do not say."""
-    d, most = validation.DEFAULT_LOOKAHEAD, validation.MAX_LOOKAHEAD
+    d, most, measured = validation.DEFAULT_LOOKAHEAD, validation.MAX_LOOKAHEAD, validation.MEASURED_LOOKAHEAD
     if client:
         p.add_argument(
             "--lookahead",
             type=int,
-            help=f"draft tokens per round, 1..{most} (default: the server's, {d} unless it was started with "
-            "--lookahead)",
+            help=f"draft tokens per round, 1..{most} (default: the server's: unless it was started with "
+            f"--lookahead, a greedy chain gets the k its pair's measured costs price fastest, else {d})",
         )
         return
     p.add_argument(
         "--lookahead",
         type=int,
-        default=d,
         help=f"draft tokens per round (with --adaptive: the most) for requests that do not say "
-        f"(speculation.lookahead), 1..{most} (default %(default)s)",
+        f"(speculation.lookahead), 1..{most} (default: measured: a greedy or invariant-rule chain runs at the k "
+        f"in 1..{measured} that the pair's measured costs and acceptance price fastest, once measured; "
+        f"{d} before that, for a Leviathan sample, for trees and as adaptive's most)",
     )
     p.add_argument(
         "--adaptive",

@@ -12,7 +12,7 @@ from draft_service import METHODS as DRAFTERS
 from orchestrator import RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
 from specdec.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec, llamacpp_installed
-from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, MAX_TREE_NODES
+from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 
 ROLES = ("draft", "target")
 BACKENDS = ("auto", "torch", "llamacpp")  # what runs a target model (target_runtime, deploy.hosting.target_backend)
@@ -100,7 +100,9 @@ class OrchestratorConfig:
     speculation_cache: bool = True  # the speculation cache for requests that leave speculation.cache unset
     rule: str = "leviathan"  # the sampling rule of requests that leave speculation.rule unset (RULES)
     tree_nodes: int = 0  # draft trees for requests that leave speculation.tree_nodes unset; 0: chains
-    lookahead: int = DEFAULT_LOOKAHEAD  # k (adaptive: the largest) for requests that leave speculation.lookahead unset
+    # k (adaptive: the largest) for requests that leave speculation.lookahead unset; None: measured
+    # (orchestrator.generation.default_lookahead)
+    lookahead: int | None = None
     adaptive: bool = False  # adaptive lookahead for requests that leave speculation.adaptive unset
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port
 
@@ -109,5 +111,5 @@ class OrchestratorConfig:
             raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
         if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"--tree must be in 0..{MAX_TREE_NODES}, got {self.tree_nodes}")
-        if not 1 <= self.lookahead <= MAX_LOOKAHEAD:
+        if self.lookahead is not None and not 1 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"--lookahead must be in 1..{MAX_LOOKAHEAD}, got {self.lookahead}")

@@ -43,7 +43,6 @@ from pathlib import Path
 from deploy.configs import ModelServiceConfig
 from specdec import models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
-from specdec.validation import DEFAULT_LOOKAHEAD
 
 LOOPBACK = "127.0.0.1"
 MODEL_SERVICES = ("draft", "target")
@@ -95,7 +94,7 @@ class PipelineConfig:
     speculation_cache: bool = True  # ... and speculation.cache
     rule: str = "leviathan"  # ... and speculation.rule
     tree_nodes: int = 0  # ... and speculation.tree_nodes
-    lookahead: int = DEFAULT_LOOKAHEAD  # ... and speculation.lookahead
+    lookahead: int | None = None  # ... and speculation.lookahead (None: measured)
     adaptive: bool = False  # ... and speculation.adaptive
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
@@ -168,7 +167,8 @@ class LocalPipeline:
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + {None: [], True: ["--overlap"], False: ["--no-overlap"]}[cfg.overlap]
                 + ([] if cfg.speculation_cache else ["--no-speculation-cache"])
-                + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes), "--lookahead", str(cfg.lookahead)]
+                + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)]
+                + ([] if cfg.lookahead is None else ["--lookahead", str(cfg.lookahead)])
                 + (["--adaptive"] if cfg.adaptive else []),
             )
             self._wait("orchestrator")

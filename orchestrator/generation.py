@@ -7,6 +7,7 @@ host needs no model files.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import tempfile
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.availability import Availability
-from orchestrator.lookahead import PairCosts
+from orchestrator.lookahead import PairCosts, measured_lookahead
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.speculation_cache import CacheRates
 from orchestrator.trees import PairTrees
@@ -132,7 +133,8 @@ class RequestDefaults:
     rule: str = "leviathan"  # speculation.rule, one of orchestrator.RULES
     tree_nodes: int = 0  # speculation.tree_nodes (0: chains)
     cache: bool = True  # speculation.cache: the speculation cache (orchestrator.speculation_cache)
-    lookahead: int = validation.DEFAULT_LOOKAHEAD  # speculation.lookahead
+    # speculation.lookahead; None: measured (loop_config's default_lookahead)
+    lookahead: int | None = None
     adaptive: bool = False  # speculation.adaptive
 
 
@@ -161,7 +163,8 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
     validation.at_least_one(max_new, "max_new_tokens")
     spec = request.speculation
     lookahead = spec.lookahead if spec.HasField("lookahead") else defaults.lookahead
-    validation.lookahead(lookahead, "speculation.lookahead")
+    if lookahead is not None:
+        validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     if "" in request.stop_strings:
         raise InvalidArgument("stop_strings must not hold an empty string")
@@ -185,12 +188,12 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
     if request.HasField("logprobs"):
         validation.logprobs(request.logprobs, "logprobs")
         logprobs = request.logprobs
-    return LoopConfig(
+    config = LoopConfig(
         constraint=constraint,
         logprobs=logprobs,
         sampling=SamplingParams.from_proto(s),
         max_new_tokens=max_new,
-        lookahead=lookahead,
+        lookahead=validation.DEFAULT_LOOKAHEAD if lookahead is None else lookahead,
         speculate=not spec.disabled and pair.draft is not None,  # no draft service: target-only
         adaptive=spec.adaptive if spec.HasField("adaptive") else defaults.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else default_overlap(pair, defaults),
@@ -200,6 +203,19 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
     )
+    return default_lookahead(pair, config) if lookahead is None else config
+
+
+def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
+    """A request that names no lookahead (nor does the server): a chain at a fixed k runs at the k its
+    pair's measured costs and acceptance price fastest (orchestrator.lookahead.measured_lookahead, up
+    to validation.MEASURED_LOOKAHEAD), where its text does not depend on k (greedy, the invariant rule), once the
+    pair has measured them; DEFAULT_LOOKAHEAD before that, and always for a Leviathan sample (its seed
+    replays whatever ran before it), draft trees and adaptive lookahead (its largest k)."""
+    if config.adaptive or config.tree_nodes or not config.coupled or not config.speculate:
+        return config
+    k = measured_lookahead(pair.costs, validation.MEASURED_LOOKAHEAD, config.overlap)
+    return dataclasses.replace(config, lookahead=k or config.lookahead, measured=True)
 
 
 def default_overlap(pair: ModelPair, defaults: RequestDefaults) -> bool:
@@ -387,4 +403,5 @@ def _stats(loop: SpeculativeLoop, prompt_len: int, wall: float, seed: int):
         cache_hits=s.cache_hits,
         draft_mask_seconds=s.draft_mask_seconds,
         target_mask_seconds=s.target_mask_seconds,
+        lookahead=loop.config.lookahead if loop.config.speculate else 0,
     )

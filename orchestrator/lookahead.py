@@ -137,6 +137,14 @@ k = 0 keep the fit fresh. Alone, after EXPLORE_EVERY steps off one round explore
 acceptance and costs are measured again; one that finds speculation still does not pay doubles
 the wait before the next (up to EXPLORE_MAX steps). Under load the regimes' revisits explore in
 their place (a lone exploration opened its generation's draft for one round).
+
+Default k. A request that names no lookahead, on a server started without --lookahead, runs a
+fixed k that this pricing chooses (measured_lookahead): the k in 1..MEASURED_LOOKAHEAD that the
+pair's measured costs and acceptance price fastest for a generation alone, once the pair has
+measured them (DEFAULT_LOOKAHEAD, 4, before). Only where its text does not depend on k (greedy,
+the invariant rule) and for chains: a Leviathan sample keeps 4 so that its seed replays whatever
+ran on the pair before it. Such a generation keeps a fixed policy, so its rounds go on measuring
+the pair. Never 0: it was asked to speculate (adaptive lookahead is the choice that may stop).
 """
 
 from __future__ import annotations
@@ -710,23 +718,17 @@ class AdaptiveLookahead:
         prior = self.costs.accepted / shared
         return (self.accepted + PRIOR_TRIALS * prior) / (self.accepted + self.rejections + PRIOR_TRIALS)
 
-    def _best_k(self) -> int:
+    def _pricing(self, n: int) -> tuple[dict[bool, RoundCosts], float] | None:
+        """Each kind of round's costs (overlapped: True) and t0, a plain round's, at a load of n;
+        None while the target's step is neither profiled nor fitted over steps of several sizes."""
         costs = self.costs
-        self.priced = None
-        alpha = self.alpha()
-        if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
-            return self.k_max
         profiled_target = costs.target_step(1) is not None  # the target's step from its profile
         line = costs.verify_cost(self.k_max)
-        n = max(1, self.load())
         # every step of one size: its mean, and no slope (under load the regimes' rates decide)
         if line is None and (self.fixed or profiled_target or n > 1):
             line = (costs.verify.mean(), 0.0)
-        if line is None:  # every recent step fed the same number of tokens: try another k
-            usual = round(costs.usual_k / costs.verify.w)
-            if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
-                return 0
-            return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
+        if line is None:
+            return None
         wait_on, wait_off = costs.wait(True), min(costs.wait(False), costs.wait(True))  # see Load: w_off <= w_on
         # every generation drafting, as they all choose alike; each kind of round at its threads (see
         # Cores: under load, on the services' shares whatever the kind)
@@ -745,7 +747,22 @@ class AdaptiveLookahead:
             )
         # a round without speculation: a step of n one-token rounds, on every core
         plain = costs.target_step(n) if profiled_target else line[0] + line[1] * (n - 1)
-        t0 = plain + wait_off
+        return rounds, plain + wait_off
+
+    def _best_k(self) -> int:
+        costs = self.costs
+        self.priced = None
+        alpha = self.alpha()
+        if costs.verify.w == 0 or alpha is None or costs.draft_tokens == 0:
+            return self.k_max
+        n = max(1, self.load())
+        pricing = self._pricing(n)
+        if pricing is None:  # every recent step fed the same number of tokens: try another k
+            usual = round(costs.usual_k / costs.verify.w)
+            if usual == 0:  # rounds have been off: next_k's explorations (backing off) probe k = 2
+                return 0
+            return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
+        rounds, t0 = pricing
         if self.fixed:  # the cheaper kind of round at k_max
             k = self.k_max
             self.overlapping = self.overlap and round_time(alpha, k, rounds[True], True) <= round_time(
@@ -808,3 +825,20 @@ class AdaptiveLookahead:
                     self.costs.calibrate(load, proposed > 0, round_seconds / price)
             if committed is not None and at is not None:
                 self.costs.measure(self.load(), committed, at)
+
+
+def measured_lookahead(costs: PairCosts, k_max: int, overlap: bool) -> int | None:
+    """The fixed k for a request that names none (see Default k): the k in 1..k_max that the pair's
+    costs and acceptance price fastest for a generation alone, each kind of round as `overlap`
+    allows; None before the pair has measured them (its first rounds)."""
+    probe = AdaptiveLookahead(k_max, overlap=overlap, costs=costs)  # its own acceptance: none, the pair's alone
+    with costs.lock:
+        alpha = probe.alpha()
+        if alpha is None or costs.verify.w == 0 or costs.draft_tokens == 0:
+            return None
+        pricing = probe._pricing(1)
+    if pricing is None:
+        return None
+    rounds, t0 = pricing
+    k, _ = best_lookahead(alpha, rounds, t0, k_max, overlap)
+    return max(1, k)

@@ -169,6 +169,7 @@ class LoopConfig:
     constraint: model_pb2.Constraint | None = None
     logprobs: int | None = None  # report each token's log probability, with this many top tokens
     cache: bool = False  # the speculation cache (orchestrator.speculation_cache), where it serves
+    measured: bool = False  # lookahead is the pair's measured choice: the rounds keep measuring it (a fixed policy)
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -377,9 +378,10 @@ class SpeculativeLoop:
             self.policy = AdaptiveLookahead(
                 config.lookahead, overlap=self.overlap, load=RUNNING.count, costs=self.costs
             )
-        elif self.overlap and config.coupled and self.costs.sharing is not None:  # the kind of round only
+        elif config.coupled and (config.measured or self.overlap and self.costs.sharing is not None):
+            # the kind of round only, and what the pair measures for a measured lookahead
             self.policy = AdaptiveLookahead(
-                config.lookahead, overlap=True, fixed=True, load=RUNNING.count, costs=self.costs
+                config.lookahead, overlap=self.overlap, fixed=True, load=RUNNING.count, costs=self.costs
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: _Proposal | None = None  # the next round's drafts, from a continuation

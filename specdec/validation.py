@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from specdec.errors import InvalidArgument
 
 MAX_LOOKAHEAD = 32  # draft tokens per round, at the orchestrator and the draft service
-DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none
+DEFAULT_LOOKAHEAD = 4  # draft tokens per round when a request names none and its pair has measured nothing
+MEASURED_LOOKAHEAD = 16  # the largest k a measured default gives (orchestrator.generation.default_lookahead)
 MAX_DECODE_STEPS = 64  # one-token steps of the target in one plain Score (ScoreRequest.decode_steps)
 MAX_TREE_NODES = 64  # tokens of a draft tree
 TREE_BRANCHES = 4  # children an expanded node of a draft tree may have (draws a node, in sampling mode)

@@ -15,13 +15,20 @@ from cli.main import build_parser
 from deploy.configs import OrchestratorConfig
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults, loop_config, request_defaults
+from orchestrator.lookahead import PairCosts
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 
 PAIR = SimpleNamespace(
-    vocab_size=100, max_context=512, draft=object(), eos_token_ids=frozenset(), shared_device=False, tree_verify=True
+    vocab_size=100,
+    max_context=512,
+    draft=object(),
+    eos_token_ids=frozenset(),
+    shared_device=False,
+    tree_verify=True,
+    costs=PairCosts(),  # nothing measured: a measured default is DEFAULT_LOOKAHEAD
 )
 
 
@@ -34,7 +41,7 @@ def config(defaults: RequestDefaults, **speculation):
 
 def test_unset_fields_take_the_orchestrator_defaults_and_set_ones_stand():
     plain = config(RequestDefaults())
-    assert (plain.lookahead, plain.adaptive) == (4, False)
+    assert (plain.lookahead, plain.adaptive, plain.measured) == (4, False, True)
     defaults = RequestDefaults(lookahead=16, adaptive=True)
     assert (config(defaults).lookahead, config(defaults).adaptive) == (16, True)
     chosen = config(defaults, lookahead=3, adaptive=False)  # explicit false: not the server's true

@@ -1,0 +1,104 @@
+"""The lookahead a request gets when neither it nor the server names one: a greedy or invariant-rule
+chain runs at the k its pair's measured costs and acceptance price fastest
+(orchestrator.lookahead.measured_lookahead); 4 before the pair has measured anything, and always for
+a Leviathan sample (its seed replays whatever ran before it). The choice never changes greedy text."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from draft_service.server import serve as serve_draft
+from orchestrator.generation import RequestDefaults
+from orchestrator.lookahead import AdaptiveLookahead, PairCosts, measured_lookahead
+from orchestrator.server import connect
+from orchestrator.server import serve as serve_orchestrator
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.validation import DEFAULT_LOOKAHEAD, MEASURED_LOOKAHEAD
+from target_service.server import serve as serve_target
+
+
+def learned(draft_per_token: float, accepted: float, rounds: int = 40) -> PairCosts:
+    """A pair's costs after rounds at k = 4 and 8 (a verify of 60 ms and 8 ms a token more), the draft
+    costing `draft_per_token` a token, `accepted` of each round's drafts accepted (rounded down)."""
+    costs = PairCosts()
+    policy = AdaptiveLookahead(16, costs=costs)
+    for i in range(rounds):
+        k = (4, 8)[i % 2]
+        policy.update(k, int(k * accepted), draft=draft_per_token * k, target_seconds=0.060 + 0.008 * k)
+    return costs
+
+
+def test_the_measured_k_is_the_price_of_the_pairs_costs():
+    assert measured_lookahead(PairCosts(), MEASURED_LOOKAHEAD, overlap=True) is None  # nothing measured yet
+    cheap = learned(0.002, 1.0)  # a cheap draft that is always right: the most drafts a round
+    assert measured_lookahead(cheap, MEASURED_LOOKAHEAD, overlap=False) == MEASURED_LOOKAHEAD
+    assert measured_lookahead(cheap, 8, overlap=False) == 8
+    dear = learned(0.030, 0.5)  # a draft half the target's step, right half the time: few drafts
+    k = measured_lookahead(dear, MEASURED_LOOKAHEAD, overlap=False)
+    assert 1 <= k < 4
+    # the same price the adaptive policy gives a generation alone on the pair
+    alone = AdaptiveLookahead(MEASURED_LOOKAHEAD, costs=dear)
+    assert alone.next_k() == k
+    hopeless = learned(0.060, 0.0)  # no draft pays: the smallest k, never none (it was asked to speculate)
+    assert measured_lookahead(hopeless, MEASURED_LOOKAHEAD, overlap=False) == 1
+
+
+@pytest.fixture
+def orchestrator(tiny_backends):
+    draft_server, draft_port = serve_draft(tiny_backends["draft"])
+    target_server, target_port = serve_target(tiny_backends["target"])
+    pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
+    server, port = serve_orchestrator(pair, defaults=RequestDefaults(overlap=False))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pair, orchestrator_pb2_grpc.OrchestratorStub(channel)
+    finally:
+        channel.close()
+        for s in (server, draft_server, target_server):
+            s.stop(None)
+
+
+def generate(stub, sampling=None, seed=None, **speculation) -> orchestrator_pb2.GenerateResponse:
+    request = orchestrator_pb2.GenerateRequest(
+        prompt="the measured default",
+        max_new_tokens=40,
+        sampling=sampling or model_pb2.SamplingParams(),
+        speculation=orchestrator_pb2.SpeculationParams(**speculation),
+        seed=seed,
+    )
+    return stub.Generate(request, timeout=120)
+
+
+def test_an_unset_lookahead_runs_at_the_measured_k(orchestrator):
+    pair, stub = orchestrator
+    reference = generate(stub, lookahead=4)  # the pair measures its rounds (and a request's own k stands)
+    assert reference.stats.lookahead == 4
+    chosen = []
+    for _ in range(3):
+        expected = measured_lookahead(pair.costs, MEASURED_LOOKAHEAD, overlap=False)
+        reply = generate(stub)
+        assert reply.stats.lookahead == (expected or DEFAULT_LOOKAHEAD)
+        assert reply.token_ids == reference.token_ids  # greedy: the target's text whatever k
+        chosen.append(expected)
+    assert chosen[-1] is not None  # measured by then
+    assert generate(stub, disabled=True).stats.lookahead == 0
+
+
+def test_a_leviathan_sample_keeps_the_fixed_default_and_its_seed_replays(orchestrator):
+    pair, stub = orchestrator
+    sampled = model_pb2.SamplingParams(temperature=0.8)
+    first = generate(stub, sampled, seed=7)
+    for _ in range(2):
+        generate(stub)  # greedy requests: the pair measures its costs
+    assert measured_lookahead(pair.costs, MEASURED_LOOKAHEAD, overlap=False) is not None
+    again = generate(stub, sampled, seed=7)
+    assert first.stats.lookahead == again.stats.lookahead == DEFAULT_LOOKAHEAD
+    assert again.token_ids == first.token_ids
+    # the invariant rule: the target's own sample whatever k, so it gets the measured k
+    invariant = dict(rule=orchestrator_pb2.RULE_INVARIANT)
+    at_four = generate(stub, sampled, seed=7, lookahead=4, **invariant)
+    expected = measured_lookahead(pair.costs, MEASURED_LOOKAHEAD, overlap=False)
+    measured = generate(stub, sampled, seed=7, **invariant)
+    assert measured.stats.lookahead == expected
+    assert measured.token_ids == at_four.token_ids
