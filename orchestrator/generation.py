@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.availability import Availability
-from orchestrator.lookahead import PairCosts, measured_lookahead
+from orchestrator.lookahead import measured_lookahead
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.pair_costs import PairCosts
 from orchestrator.speculation_cache import CacheRates
 from orchestrator.trees import PairTrees
 from specdec import grammar, validation

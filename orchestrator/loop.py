@@ -72,7 +72,8 @@ import numpy as np
 from orchestrator import RULES, speculation_cache
 from orchestrator import logprobs as token_logprobs
 from orchestrator.availability import Availability
-from orchestrator.lookahead import AdaptiveLookahead, DraftCost, PairCosts
+from orchestrator.lookahead import AdaptiveLookahead
+from orchestrator.pair_costs import DraftCost, PairCosts
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
@@ -348,7 +349,7 @@ class SpeculativeLoop:
         cache_rates: speculation_cache.CacheRates | None = None,
     ):
         """`costs`: what the adaptive policy has measured of this draft/target pair, shared by
-        the generations on it (orchestrator.lookahead.PairCosts); None: this generation's own.
+        the generations on it (orchestrator.pair_costs.PairCosts); None: this generation's own.
         `trees`: what the pair's generations learn of its draft trees (orchestrator.trees), likewise.
         `health`: the draft's and the target's availability, shared by the pair's generations
         (orchestrator.availability); None: this generation's own, up. `draft_timeout`: seconds a draft

@@ -7,8 +7,8 @@ import grpc
 
 from orchestrator.availability import Availability
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate, load_tokenizer
-from orchestrator.lookahead import PairCosts, Sharing
 from orchestrator.loop import RUNNING, SessionLost
+from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition

@@ -10,7 +10,8 @@ import pytest
 
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
-from orchestrator.lookahead import AdaptiveLookahead, PairCosts, measured_lookahead
+from orchestrator.lookahead import AdaptiveLookahead, measured_lookahead
+from orchestrator.pair_costs import PairCosts
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc

@@ -10,22 +10,16 @@ from draft_service.ngram import lookup
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import (
     MARGIN,
-    MEASURED,
-    MISPRICED,
-    REVISIT,
     UNPROVEN,
     AdaptiveLookahead,
-    DraftCost,
-    PairCosts,
     RoundCosts,
     best_lookahead,
-    load_class,
-    profiled,
     round_time,
     speculates,
     speedup,
 )
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.pair_costs import MEASURED, MISPRICED, REVISIT, DraftCost, PairCosts, load_class, profiled
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer

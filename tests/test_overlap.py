@@ -13,17 +13,9 @@ import pytest
 
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
-from orchestrator.lookahead import (
-    AdaptiveLookahead,
-    DraftCost,
-    PairCosts,
-    RoundCosts,
-    Sharing,
-    best_lookahead,
-    profiled,
-    round_time,
-)
+from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.pair_costs import DraftCost, PairCosts, Sharing, profiled
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
 from target_service.server import TargetServicer

@@ -15,7 +15,7 @@ from cli.main import build_parser
 from deploy.configs import OrchestratorConfig
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults, loop_config, request_defaults
-from orchestrator.lookahead import PairCosts
+from orchestrator.pair_costs import PairCosts
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc

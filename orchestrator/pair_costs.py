@@ -1,0 +1,439 @@
+"""What the rounds of every generation on one draft/target pair measure (PairCosts): the target's
+verify line and profiled steps, the draft's cost line, the waits, the acceptance, each kind of
+round's measured/priced ratio per load (Calibration) and each regime's rate under load (Measured).
+The policy that reads them, and the reference for every estimate here, is orchestrator.lookahead
+(its docstring: Policy, Calibration, Measured, Cores, Load). Pure: no clock of its own, no RPC; the
+loop's rounds feed it, under its lock."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DECAY = 0.8  # weight of the past per step (a round of each generation): a window of ~5 steps
+FIT_DECAY = 0.97  # the same for the cost lines: ~30 steps
+MIN_SPREAD = 0.1  # weighted variance of tokens scored below which the slope is unknown
+EXPLORE_EVERY = 8  # steps without speculation before one round tries it again
+MISPRICED = 3.0  # a round's measured/priced ratio counted at most (see Calibration)
+CALIBRATED = 1.0  # steps (a round of each generation) a kind of round needs at a load before its ratio counts
+MEASURED = 4.0  # seconds a regime runs at a load for its rate to count (see Measured)
+REVISIT = 40.0  # seconds before the regime that measured slower runs again for MEASURED seconds
+REVISIT_MAX = 320.0  # the longest wait, after revisits that found it slower still (doubling)
+RATE_WINDOW = 10.0  # seconds of a regime's run its rate weighs (older ones decay by e each)
+IDLE = 1.0  # seconds without a commit on the pair that are a pause, not a measurement
+
+
+def load_class(load: int) -> int:
+    """The loads calibrated together (see Calibration): 0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8..."""
+    return max(0, load - 1).bit_length()
+
+
+def queued(waited: float, compute: float) -> float:
+    """What a request waited beyond its compute, counted up to two computes: a request arriving
+    during a step waits for it (about as long as its own), no more, while the load holds; a
+    longer wait is a transient (behind the prefills of a wave of new prompts: seconds) that
+    says nothing of the rounds to come."""
+    return min(max(0.0, waited - compute), 2 * compute)
+
+
+def profiled(profile: dict[int, float], sessions: float) -> float:
+    """A draft step of `sessions` sessions from its service's profile (step_costs): linear
+    between the sizes timed; below the smallest, the smallest's; past the largest, that step's
+    cost a session (no batching assumed beyond what was measured)."""
+    points = sorted(profile.items())
+    if sessions <= points[0][0]:
+        return points[0][1]
+    for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
+        if sessions <= n1:
+            return t0 + (t1 - t0) * (sessions - n0) / (n1 - n0)
+    n, t = points[-1]
+    return t * sessions / n
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """The draft and the target on one machine's cores (see Cores): the threads each runs with in
+    overlapped rounds (its share, both at once) and in sequential ones (every core, in turn), and
+    what their forwards cost at each as the services timed them at start (Describe's
+    step_costs): the draft's batched step by sessions, the target's forward by tokens."""
+
+    draft_threads: tuple[int, int]  # (overlapped, sequential)
+    target_threads: tuple[int, int]
+    draft: dict[int, dict[int, float]]  # threads -> {sessions: seconds}
+    verify: dict[int, dict[int, float]]  # threads -> {tokens: seconds}
+
+    def threads(self, overlapped: bool) -> tuple[int, int]:
+        """(the draft's, the target's) threads in a round of that kind."""
+        i = 0 if overlapped else 1
+        return self.draft_threads[i], self.target_threads[i]
+
+    def verify_ratio(self, threads: int, tokens: float) -> float:
+        """A target forward of `tokens` tokens on `threads` threads over the same on every core."""
+        every = self.target_threads[1]
+        if threads == every or threads not in self.verify:
+            return 1.0
+        return profiled(self.verify[threads], tokens) / profiled(self.verify[every], tokens)
+
+
+@dataclass
+class DraftCost:
+    """What a round waited for the draft: `seconds` for `tokens` proposed; of which the service
+    reported `compute` seconds in `steps` batched forwards of `step_tokens` tokens in all (all
+    sessions'; steps 0: not reported, or a model-free drafter)."""
+
+    seconds: float
+    tokens: int
+    compute: float = 0.0
+    steps: int = 0
+    step_tokens: int = 0
+    threads: int = 0  # the threads its steps ran with (0: not reported)
+
+
+@dataclass
+class Revisits:
+    """At a load class where both regimes have run (see Measured): the faster, when the slower
+    runs again (`due`, on the clock of measured seconds), the wait that set it, and while the
+    slower runs, until when (None: the faster runs)."""
+
+    faster: bool
+    due: float
+    wait: float
+    until: float | None = None
+
+
+class CostLine:
+    """A weighted least-squares line y = y1 + slope (x - 1) through (x, y) points, older points
+    weighted down by FIT_DECAY per step: a cost per step over the tokens in the step."""
+
+    def __init__(self):
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float, share: float = 1.0) -> None:
+        """A point; `share`: the part of one step it stands for (older points decay by that)."""
+        f = FIT_DECAY**share
+        self.w = f * self.w + 1
+        self.x = f * self.x + x
+        self.y = f * self.y + y
+        self.xx = f * self.xx + x * x
+        self.xy = f * self.xy + x * y
+
+    def mean(self) -> float:
+        return self.y / self.w
+
+    def mean_x(self) -> float:
+        return self.x / self.w
+
+    def fit(self) -> tuple[float, float] | None:
+        """(y1, slope), the slope at least 0 (the mean and 0 where the line would cost nothing
+        at x = 1); None while the points do not spread over enough x to fit a slope."""
+        if self.w == 0:
+            return None
+        mean_x, mean_y = self.mean_x(), self.mean()
+        spread = self.xx / self.w - mean_x**2
+        if spread < MIN_SPREAD:
+            return None
+        slope = max(0.0, (self.xy / self.w - mean_x * mean_y) / spread)
+        y1 = mean_y - slope * (mean_x - 1)
+        return (y1, slope) if y1 > 0 else (mean_y, 0.0)
+
+
+class PairCosts:
+    """What the rounds of every generation on one draft/target pair measure: the target's verify
+    cost line, the waits, the draft's cost line, the acceptance, and how long speculation
+    has been off. One per orchestrator (generation.ModelPair), shared by its generations, as
+    vLLM's dynamic speculative decoding keeps its statistics per engine and not per request: a new
+    generation starts from what the others measured instead of from k_max with no evidence (a
+    short generation under load used to spend most of its rounds learning), and under a steady
+    load where speculation does not pay the explorations are paid once for all generations, not
+    once by each. Updated and read under its lock (generations run on their own threads)."""
+
+    def __init__(self, draft_profile: dict[int, float] | None = None, sharing: Sharing | None = None):
+        self.lock = threading.Lock()
+        # the draft's batched step of n sessions as its service timed it at start (Describe's
+        # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
+        self.draft_profile = dict(draft_profile or {})
+        self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
+        self.draft_scale = [0.0, 0.0]  # [sum, weight] of measured / profiled step, FIT_DECAY
+        self.target_scale = [0.0, 0.0]  # the same for the target's steps on shared cores (target_step)
+        self.accepted = 0.0  # all generations' rounds, weighted by DECAY
+        self.rejections = 0.0
+        # the draft: seconds waited for it, of which its service computed, its steps, the tokens
+        # it proposed (DECAY); and its step's compute over the tokens in the step (all sessions')
+        self.draft_seconds = 0.0
+        self.draft_compute = 0.0
+        self.draft_steps = 0.0
+        self.draft_tokens = 0.0
+        self.draft_line = CostLine()
+        # the target's step compute over the step's tokens, all sessions' together
+        self.verify = CostLine()
+        self.usual_k = 0.0  # drafts proposed a round, weighted like the verify line
+        # seconds a round waited on the target beyond its step's compute (the RPC, and queueing
+        # behind a step in progress), weighted by DECAY: [sum, weight] for rounds that
+        # speculated (k > 0) and rounds that did not
+        self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        # the sessions in the verify step of a speculating round over the generations running
+        # (DECAY; explorations left out: a lone speculating round rides in everyone's step)
+        self.shared = [0.0, 0.0]
+        self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
+        self.explore_after = EXPLORE_EVERY  # steps off before the next exploration
+        # a quiet round's measured seconds over its price, per load class (see Calibration):
+        # {class: {speculated: [sum, weight]}}, each decayed by its own rounds (FIT_DECAY)
+        self.priced: dict[int, dict[bool, list[float]]] = {}
+        # prompts being prefilled on the pair, and a count of every start and end of one: a
+        # round is quiet when the count did not move between its generation's commits
+        self.prefilling = 0
+        self.prefill_events = 0
+        # under load, what the pair's rounds commit a second in each regime (see Measured): {class:
+        # {speculating: [tokens, seconds x generations, seconds measured in all]}}, the first two
+        # over the regime's latest run, decayed by RATE_WINDOW
+        self.rates: dict[int, dict[bool, list[float]]] = {}
+        self.regime: bool | None = None  # under load, whether the pair's rounds speculate
+        self.settled = 0.0  # steps since the regime last changed
+        self.last_commit: float | None = None  # when a round of the pair last committed
+        self.faster: dict[int, Revisits] = {}  # per load class: the faster regime and its revisits
+        self.settled_class = 0  # the load class of the last commit
+
+    def verify_cost(self, k_max: int) -> tuple[float, float] | None:
+        """(T1, b): target seconds for a step of one token and per extra token in the step;
+        None while the steps do not spread over enough sizes to fit a slope."""
+        line = self.verify.fit()
+        return (self.verify.mean(), 0.0) if line is None and k_max <= 1 else line
+
+    def threads(self, overlapped: bool) -> tuple[int | None, int | None]:
+        """The threads of (the draft's, the target's) forwards in a round of that kind; None: the
+        service's own (the services do not share cores)."""
+        return self.sharing.threads(overlapped) if self.sharing is not None else (None, None)
+
+    def _draft_curve(self, threads: int | None) -> dict[int, float]:
+        """The draft's profile at `threads` threads (None, or not timed: at its own)."""
+        if self.sharing is not None and threads in self.sharing.draft:
+            return self.sharing.draft[threads]
+        return self.draft_profile
+
+    def verify_scale(self, threads: int | None) -> Callable[[float], float] | None:
+        """What turns the verify line (fitted at every core's threads where the cores are shared)
+        into the target's step at `threads`; None: the line as it is."""
+        sharing = self.sharing
+        if sharing is None or threads is None or threads == sharing.target_threads[1]:
+            return None
+        return lambda tokens: sharing.verify_ratio(threads, tokens)
+
+    def target_step(self, tokens: float, threads: int | None = None) -> float | None:
+        """Seconds of the target's batched step of `tokens` tokens on `threads` threads (None: every
+        core), where the services share the cores: the target's profile at those threads (its
+        forward of 1-65 tokens) scaled by what its quiet steps measured against the profile at
+        theirs, as the draft's step is priced; None elsewhere, or before a step is measured. Under
+        load the verify line is fitted over steps of a few sizes: its slope came out at 0-1.7 ms a
+        token, and it priced a plain step of 16 on every core near a speculating one on a share."""
+        sharing, (total, weight) = self.sharing, self.target_scale
+        curve = sharing.verify.get(threads or sharing.target_threads[1]) if sharing is not None else None
+        if not curve or not weight:
+            return None
+        return profiled(curve, tokens) * total / weight
+
+    def draft_cost(self, sessions: int, threads: int | None = None) -> float:
+        """Seconds a drafted token costs when `sessions` draft together: the draft's step for
+        that many (draft_step) per token, plus what a round waits for the draft beyond its
+        compute. While the step is unknown (no profile and the steps all of one size, or a
+        service that reports neither), the mean measured cost, and for more sessions than its
+        steps held, no batching assumed: measured by lone rounds only (a pair's first generations), a step of
+        16 sessions was priced as one session's, speculation looked cheap at 16 clients, and
+        each of them opened its draft and waited behind the others' prefills before its rounds
+        measured otherwise. `threads`: its steps' (None: the service's own)."""
+        step = self.draft_step(sessions, threads)
+        if step is None:
+            per_token = self.draft_seconds / self.draft_tokens
+            if self.draft_line.w:  # against the sessions its steps held, on average
+                per_token *= max(1.0, sessions / self.draft_line.mean_x())
+            return per_token
+        waited = max(0.0, self.draft_seconds - self.draft_compute)
+        return (step * self.draft_steps + waited) / self.draft_tokens
+
+    def draft_step(self, sessions: int, threads: int | None = None) -> float | None:
+        """Seconds of the draft's batched step of `sessions` sessions on `threads` threads (None:
+        its own): its service's profile at those threads scaled by what its steps measured against
+        the profile at theirs (the curve's shape from the profile, its level from serving: a
+        handler's and the worker's share of the core), else the line fitted over the steps
+        measured; None while neither is known."""
+        if self.draft_steps == 0:
+            return None
+        curve = self._draft_curve(threads)
+        if curve:
+            total, weight = self.draft_scale
+            return profiled(curve, sessions) * (total / weight if weight else 1.0)
+        line = self.draft_line.fit()
+        return None if line is None else line[0] + line[1] * (sessions - 1)
+
+    def sessions(self, load: int) -> float:
+        """Generations whose blocks share a verify step when `load` speculate: all of them until
+        measured (lockstep), then the share measured of the load."""
+        total, weight = self.shared
+        return load * (total / weight if weight else 1.0)
+
+    def wait(self, speculating: bool) -> float:
+        """Seconds a round waits on the target beyond its step's compute, speculating or not.
+        Speculating rounds not measured lately: the others' (a wait measured at another load says
+        little). Rounds without speculation: their own as last measured, never yet: the others'.
+        Under load speculating rounds queue behind the steps of generations out of step with them
+        (16 clients on 2 shared cores: 50-100 ms), where rounds without speculation share one
+        step; priced with that queueing, a plain step of 16 looked 1.6x its measured cost, and
+        adaptive lookahead speculated at 0.65x speculation off."""
+        total, weight = self.waits[speculating]
+        if weight < 0.5 if speculating else weight == 0:
+            total, weight = self.waits[not speculating]
+        return total / weight if weight else 0.0
+
+    def prefill(self, started: bool) -> None:
+        """A prefill on the pair started or ended (an OpenSession on either service, a draft's
+        catch-up)."""
+        with self.lock:
+            self.prefilling += 1 if started else -1
+            self.prefill_events += 1
+
+    def quiet_since(self) -> int | None:
+        """A mark for the start of a round (see Calibration): None while a prefill runs."""
+        with self.lock:
+            return None if self.prefilling else self.prefill_events
+
+    def quiet(self, since: int | None) -> bool:
+        """Whether no prefill ran since the mark `quiet_since` gave."""
+        with self.lock:
+            return since is not None and since == self.prefill_events and not self.prefilling
+
+    def calibration(self, load: int) -> float | None:
+        """What corrects speculation's priced gain at `load`: the plain rounds' measured/priced
+        ratio there (1 until measured: their price is the verify line's, measured at every load)
+        over the speculating rounds'; None until speculating rounds at that load are measured
+        (see Calibration)."""
+        kinds = self.priced.get(load_class(load), {})
+        on, off = kinds.get(True, (0.0, 0.0)), kinds.get(False, (0.0, 0.0))
+        if on[1] < CALIBRATED:
+            return None
+        return (off[0] / off[1] if off[1] >= CALIBRATED else 1.0) / (on[0] / on[1])
+
+    def calibrate(self, load: int, speculated: bool, ratio: float) -> None:
+        """A quiet round's measured/priced ratio, counted up to MISPRICED; its kind's window at
+        its load decays by the round (a round of each of `load` generations is one step)."""
+        kept = self.priced.setdefault(load_class(load), {True: [0.0, 0.0], False: [0.0, 0.0]})[speculated]
+        share = 1 / max(1, load)  # a round of each generation is one step
+        f = FIT_DECAY**share
+        kept[0] = f * kept[0] + share * min(ratio, MISPRICED)
+        kept[1] = f * kept[1] + share
+
+    def measure(self, load: int, tokens: int, at: float) -> None:
+        """A round of one of `load` generations committed `tokens` at `at` (seconds, the loop's
+        clock): the time since the pair's last commit counts for the regime in force, once every
+        generation has had a round in it and unless the pair was idle (see Measured)."""
+        cls = load_class(load)
+        if cls != self.settled_class:  # a step at a load before it counts there: the arrivals' prefills
+            self.settled, self.settled_class = 0.0, cls
+        seconds = max(0.0, at - self.last_commit) if self.last_commit is not None else IDLE
+        if load > 1 and self.regime is not None and self.settled >= 1 and seconds < IDLE:
+            kept = self.rates.setdefault(cls, {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]})
+            rate, f = kept[self.regime], math.exp(-seconds / RATE_WINDOW)
+            rate[0] = f * rate[0] + tokens
+            rate[1] = f * rate[1] + seconds * load
+            rate[2] += seconds
+        self.last_commit = max(at, self.last_commit or at)  # rounds report from their own threads
+        self.settled += 1 / max(1, load)
+
+    @property
+    def measured(self) -> float:
+        """Seconds measured under load, at every load class and in both regimes: the clock of the
+        revisits."""
+        return sum(kept[2] for kinds in self.rates.values() for kept in kinds.values())
+
+    def measured_choice(self, load: int, priced: bool) -> bool:
+        """Under load, whether the pair's rounds speculate (see Measured), given the price's
+        choice: plain rounds where it chooses them; where it chooses speculation, speculation
+        until measured MEASURED seconds at this load, then plain rounds until they are too; then
+        the faster, the slower revisited for MEASURED seconds after REVISIT, and after twice as
+        long each time a revisit finds it slower still."""
+        cls = load_class(load)
+        kinds = self.rates.get(cls)
+        on, off = (kinds[True][2], kinds[False][2]) if kinds else (0.0, 0.0)
+        if not priced or off < MEASURED <= on:
+            choice = False
+        elif on < MEASURED:
+            choice = True
+        else:
+            choice = self._revisits(cls, kinds)
+        if choice != self.regime:  # a regime's rate is its latest run's
+            self.regime, self.settled = choice, 0.0
+            if kinds:
+                kinds[choice][:2] = [0.0, 0.0]
+        return choice
+
+    def _revisits(self, cls: int, kinds: dict[bool, list[float]]) -> bool:
+        """The regime at a load class where both have run: the faster, the slower for MEASURED
+        seconds when its revisit is due (on the clock of measured seconds)."""
+        clock, decided = self.measured, self.faster.get(cls)
+        if decided is None or (decided.until is not None and clock >= decided.until):
+            if not (kinds[True][1] and kinds[False][1]):  # a run not measured yet: the one in force
+                return bool(self.regime)
+            faster = kinds[True][0] / kinds[True][1] > kinds[False][0] / kinds[False][1]
+            wait = min(2 * decided.wait, REVISIT_MAX) if decided and faster == decided.faster else REVISIT
+            decided = self.faster[cls] = Revisits(faster, clock + wait, wait)
+        elif decided.until is None and clock >= decided.due:
+            decided.until = clock + MEASURED
+        return decided.faster != (decided.until is not None)
+
+    def update(
+        self,
+        proposed: int,
+        accepted: int,
+        draft: DraftCost,
+        target_seconds: float,
+        step: int,
+        target_compute: float,
+        sessions: int = 1,
+        step_sessions: int | None = None,
+        quiet: bool = True,
+        target_threads: int = 0,
+    ) -> None:
+        """One round of one of `sessions` generations running: each reports its rounds, so the
+        windows above count rounds of them all (a round of each of 16 generations is one step,
+        not 16: counted one by one, the line's window shrank to two steps under load and its
+        intercept swung from 12 to 234 ms). `step_sessions`: the sessions in its verify step,
+        for a round that speculated with the others (None: not counted). `quiet`: no prefill ran on
+        the pair during the round; one that did waited behind it, and its wait is not counted
+        (see Calibration). `target_threads`: its verify step's (0: not reported); on shared cores
+        the verify line is fitted at every core's threads (see Cores)."""
+        share = 1 / max(1, sessions)
+        d = DECAY**share
+        if step_sessions:
+            self.shared[0] = d * self.shared[0] + min(1.0, step_sessions / max(1, sessions))
+            self.shared[1] = d * self.shared[1] + 1
+        if quiet:
+            for mode, waited in self.waits.items():
+                waited[0] *= d
+                waited[1] *= d
+                if mode == (proposed > 0):
+                    waited[0] += queued(target_seconds, target_compute)
+                    waited[1] += 1
+        self.accepted = d * self.accepted + accepted
+        self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
+        if draft.tokens:
+            # its queueing capped as the target's is (steps 0: no compute reported, all of it counts)
+            seconds = draft.compute + queued(draft.seconds, draft.compute) if draft.steps else draft.seconds
+            self.draft_seconds = d * self.draft_seconds + seconds
+            self.draft_compute = d * self.draft_compute + (draft.compute if draft.steps else 0.0)
+            self.draft_steps = d * self.draft_steps + draft.steps
+            self.draft_tokens = d * self.draft_tokens + draft.tokens
+            if draft.steps:
+                self.draft_line.add(draft.step_tokens / draft.steps, draft.compute / draft.steps, share)
+            if draft.steps and self.draft_profile and quiet:  # a step beside a prompt's chunks is no decode step
+                f = FIT_DECAY**share
+                curve = self._draft_curve(draft.threads or None)
+                ratio = draft.compute / draft.steps / profiled(curve, draft.step_tokens / draft.steps)
+                self.draft_scale = [f * self.draft_scale[0] + share * ratio, f * self.draft_scale[1] + share]
+        self.usual_k = FIT_DECAY**share * self.usual_k + proposed
+        curve = self.sharing.verify.get(target_threads) if self.sharing is not None else None
+        if curve and quiet:
+            f = FIT_DECAY**share
+            ratio = target_compute / profiled(curve, step)
+            self.target_scale = [f * self.target_scale[0] + share * ratio, f * self.target_scale[1] + share]
+        scale = self.verify_scale(target_threads or None)
+        self.verify.add(step, target_compute / scale(step) if scale else target_compute, share)
