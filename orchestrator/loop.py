@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import itertools
 import math
 import threading
@@ -69,17 +68,17 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from orchestrator import RULES, speculation_cache
 from orchestrator import logprobs as token_logprobs
+from orchestrator import speculation_cache
 from orchestrator.availability import Availability
 from orchestrator.lookahead import AdaptiveLookahead
 from orchestrator.pair_costs import DraftCost, PairCosts
+from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, SessionLost
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
-from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
-from specdec.validation import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, TREE_DRAWS
+from specdec.validation import MAX_LOOKAHEAD, TREE_DRAWS
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -124,187 +123,6 @@ class _Running:
 
 
 RUNNING = _Running()
-
-
-class SessionLost(Unavailable):
-    """A side's service lost the session: it went away, or came back with empty caches.
-
-    Raised by stubs that can recover; they also have `reopen(session_id, token_ids, timeout)`,
-    which waits for the service and opens the session again holding `token_ids`. `gone`: the
-    service did not answer (UNAVAILABLE, or past its budget); else it answered without the
-    session (NOT_FOUND: it restarted, or reaped it).
-    """
-
-    def __init__(self, stub, message: str, gone: bool = True):
-        super().__init__(message)
-        self.stub = stub
-        self.gone = gone
-
-    # A call failing with one of these means the service, or its copy of the session, is gone. A
-    # server that stops cancels the calls it was running: CANCELLED (the orchestrator's own
-    # cancellations end its futures, not as errors).
-    CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
-
-    @classmethod
-    def of(cls, stub, where: str, err: BaseException) -> SessionLost | None:
-        """`err`, a call of `stub`'s to the service `where` names, as the session's loss; None
-        for an error that is not one."""
-        if isinstance(err, grpc.RpcError) and err.code() in cls.CODES:
-            return cls(stub, f"{where}: {err.details()}", err.code() != grpc.StatusCode.NOT_FOUND)
-        return None
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    sampling: SamplingParams
-    max_new_tokens: int
-    lookahead: int = DEFAULT_LOOKAHEAD  # k, or the largest k when adaptive
-    speculate: bool = True
-    adaptive: bool = False  # choose k per round (orchestrator.lookahead)
-    overlap: bool = False  # the draft proposes round r + 1 while the target verifies round r
-    seed: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
-    rule: str = "leviathan"  # one of RULES
-    tree_nodes: int = 0  # > 0: each round a draft tree of this many tokens at most, depth <= lookahead
-    # Structured output: the grammar both services hold with the session (OpenSessionRequest.constraint)
-    constraint: model_pb2.Constraint | None = None
-    logprobs: int | None = None  # report each token's log probability, with this many top tokens
-    cache: bool = False  # the speculation cache (orchestrator.speculation_cache), where it serves
-    measured: bool = False  # lookahead is the pair's measured choice: the rounds keep measuring it (a fixed policy)
-
-    def __post_init__(self):
-        if self.rule not in RULES:
-            raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
-
-    @property
-    def coupled(self) -> bool:
-        """Drafts are accepted iff equal to the target's token (greedy, or the invariant rule)."""
-        return self.sampling.greedy or self.rule == "invariant"
-
-    @property
-    def noise_seed(self) -> int | None:
-        """The seed the services key the invariant rule's noise by; None: they draw nothing."""
-        return None if self.sampling.greedy or self.rule != "invariant" else self.seed
-
-
-@dataclass
-class LoopStats:
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    generated_tokens: int = 0
-    committed_tokens: int = 0  # what the rounds committed, before stop handling
-    draft_seconds: float = 0.0  # waiting on the draft service
-    target_seconds: float = 0.0  # waiting on the target service
-    drafted_tokens: int = 0  # tokens the draft service proposed, continuations thrown away included
-    draft_compute_seconds: float = 0.0  # of which the draft service reported computing
-    target_compute_seconds: float = 0.0  # of which the target service reported computing
-    draft_forward_seconds: float = 0.0  # of the draft's compute, its forwards'
-    target_forward_seconds: float = 0.0  # of the target's compute, its forwards'
-    draft_core_seconds: float = 0.0  # the draft's forward seconds times the threads they ran with
-    target_core_seconds: float = 0.0  # the target's
-    round_seconds: float = 0.0  # in rounds, prefill excluded
-    wire_bytes: int = 0  # serialized round messages, both directions
-    recoveries: int = 0  # sessions re-opened after a service lost them
-    cache_branches: int = 0  # proposals the speculation cache prepared for rejections
-    cache_hits: int = 0  # ... and those a round used
-    rounds_without_draft: int = 0  # rounds that wanted drafts and went without them: the draft was lost
-    overlapped_rounds: int = 0  # rounds whose drafts the draft proposed while the target verified
-    draft_mask_seconds: float = 0.0  # structured output: the draft's grammar masks
-    target_mask_seconds: float = 0.0  # the target's
-
-    def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
-        """What a Propose reports: its tokens, its compute, its forwards and their threads."""
-        self.drafted_tokens += len(proposal.token_ids)
-        self.draft_compute_seconds += proposal.compute_seconds
-        self.draft_forward_seconds += proposal.forward_seconds
-        self.draft_core_seconds += proposal.forward_seconds * proposal.threads
-        self.draft_mask_seconds += proposal.mask_seconds
-
-    def add_scores(self, scores: model_pb2.ScoreResponse) -> None:
-        """What a Score reports: its compute, its forward and its threads."""
-        self.target_compute_seconds += scores.compute_seconds
-        self.target_forward_seconds += scores.forward_seconds
-        self.target_core_seconds += scores.forward_seconds * scores.threads
-        self.target_mask_seconds += scores.mask_seconds
-
-
-@dataclass
-class Round:
-    """What one round committed (after stop handling) and how."""
-
-    token_ids: list[int]
-    proposed: int
-    accepted: int
-    finish_reason: str = ""  # "", "length" or "stop"
-    # Tokens the rule committed, before stop handling: the accepted drafts and the recovered or
-    # bonus token (none when a continuation's first token took the bonus position).
-    committed: int = 0
-    without_draft: bool = False  # it would have drafted, but the draft was lost (LoopStats.rounds_without_draft)
-    # LoopConfig.logprobs set: each token's (orchestrator.logprobs.Entry)
-    logprobs: list[token_logprobs.Entry] = field(default_factory=list)
-
-
-@dataclass
-class _Proposal:
-    """Draft tokens for a round (or its continuation), as the draft service proposed them."""
-
-    tokens: list[int]
-    probs: list[float]  # sampling: draft_probs of each token
-    uniforms: list[float]  # sampling: the uniforms that drew them
-    lost: bool = False  # a continuation whose rows a restarted draft service lost: proposed again
-    report: model_pb2.ProposeResponse | None = None  # the service's reply (its costs), when proposed now
-    # The speculation cache: each token's (draft's runner-up there, its probability, the runner-up's)
-    alts: list[tuple[int, float, float]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, response: model_pb2.ProposeResponse, uniforms: list[float]) -> _Proposal:
-        alts = list(zip(response.runner_up_ids, response.top_probs, response.runner_up_probs, strict=True))
-        return cls(list(response.token_ids), list(response.token_probs), list(uniforms), report=response, alts=alts)
-
-    def after(self, n: int) -> _Proposal:
-        """Its tokens past the first n (a continuation's, once its first is committed)."""
-        return _Proposal(self.tokens[n:], self.probs[n:], self.uniforms[n:], alts=self.alts[n:])
-
-
-@dataclass(frozen=True)
-class _Draws:
-    """One round's uniforms, a fixed number whatever happens, so a seed replays a generation:
-    the drafts, their acceptance tests (one more for a continuation's first token), the
-    continuation's drafts, and the recovered or bonus token."""
-
-    draft: list[float]
-    accept: list[float]
-    continuation: list[float]
-    final: float
-    steps: tuple[float, ...] = ()  # several plain steps a Score, the Leviathan rule: each step's token's
-
-    def stepped(self, rng: np.random.Generator, lookahead: int, overlap: bool, steps: int) -> _Draws:
-        """These draws with the uniforms of `steps` plain steps in one Score: this round's last
-        token's, then each later step's, drawn as that many plain rounds would draw them."""
-        later = [self.draw(rng, lookahead, greedy=False, overlap=overlap).final for _ in range(steps - 1)]
-        return dataclasses.replace(self, steps=(self.final, *later))
-
-    @classmethod
-    def draw(cls, rng: np.random.Generator, lookahead: int, greedy: bool, overlap: bool) -> _Draws:
-        if greedy:
-            return cls([], [], [], 0.0)
-        if not overlap:  # the sequential rounds' draws, as they always were
-            u = rng.random(2 * lookahead + 1).tolist()
-            return cls(u[:lookahead], u[lookahead : 2 * lookahead], [], u[-1])
-        u = rng.random(3 * lookahead + 3).tolist()
-        n = lookahead + 1
-        return cls(u[:lookahead], u[lookahead : lookahead + n], u[lookahead + n : lookahead + 2 * n], u[-1])
-
-    @classmethod
-    def draw_tree(cls, rng: np.random.Generator, lookahead: int, nodes: int, greedy: bool) -> _Draws:
-        """A tree round's: its children's draws (TREE_DRAWS a depth: TREE_BRANCHES for each expanded node),
-        a test a node, the last token."""
-        if greedy:
-            return cls([], [], [], 0.0)
-        drawn = lookahead * TREE_DRAWS
-        u = rng.random(drawn + nodes + 1).tolist()
-        return cls(u[:drawn], u[drawn:-1], [], u[-1])
 
 
 def _wait_quietly(future, timeout: float | None) -> None:
@@ -385,7 +203,7 @@ class SpeculativeLoop:
                 config.lookahead, overlap=self.overlap, fixed=True, load=RUNNING.count, costs=self.costs
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
-        self._carried: _Proposal | None = None  # the next round's drafts, from a continuation
+        self._carried: Proposal | None = None  # the next round's drafts, from a continuation
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
@@ -672,9 +490,9 @@ class SpeculativeLoop:
             tree = self.trees.choice.tree(cfg.sampling.greedy)
         # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
         if tree:
-            draws = _Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
+            draws = Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
         else:
-            draws = _Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
+            draws = Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
         steps = self._plain_steps(k)  # none with drafts (a tree has them)
         if steps and not cfg.coupled:
             draws = draws.stepped(self.rng, cfg.lookahead, self.overlap, steps)
@@ -703,7 +521,7 @@ class SpeculativeLoop:
         """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
         where no draft is waited for: speculation off or the draft lost, no policy measuring the
         round, and no logprobs; and not the first round (the first token streams alone). None: one.
-        Under the Leviathan rule each step's token takes the draws of a plain round (_Draws.stepped)."""
+        Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         waiting = self.draft is not None and not self._draft_lost
@@ -734,7 +552,7 @@ class SpeculativeLoop:
                 self._carried.lost = True  # its rows went with the service: propose it again
         self.stats.recoveries += 1
 
-    def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[_Proposal, float]:
+    def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[Proposal, float]:
         """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds). More
         pending commits than a round makes (the draft's session opened or idle while rounds went
         without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
@@ -757,7 +575,7 @@ class SpeculativeLoop:
         with self._stats_lock:
             self.stats.add_proposal(proposal)
         self.draft.length, self.draft.pending = proposal.length, []
-        return _Proposal.of(proposal, uniforms[:k]), seconds
+        return Proposal.of(proposal, uniforms[:k]), seconds
 
     @property
     def _caching(self) -> bool:
@@ -766,14 +584,14 @@ class SpeculativeLoop:
         cfg = self.config
         return cfg.cache and cfg.coupled and self.overlap and not cfg.tree_nodes
 
-    def _continue(self, k: int, uniforms, drafts: _Proposal):
+    def _continue(self, k: int, uniforms, drafts: Proposal):
         """An overlapped round's continuation: k drafts past `drafts` (taken as accepted), then, with
         the speculation cache, the proposals for the likeliest rejections that the draft has time for
         while the target verifies: (continuation, its seconds, [(Branch, a call future)])."""
         after, seconds = self._propose(k, uniforms, drafts.tokens, concurrent=True)
         return after, seconds, self._branch(drafts, after) if self._caching else []
 
-    def _branch(self, drafts: _Proposal, after: _Proposal) -> list:
+    def _branch(self, drafts: Proposal, after: Proposal) -> list:
         """Issue the cache's proposals for this round's likeliest rejections (at a draft, or at the
         continuation's first token, tested at the bonus position): they commit nothing on the draft
         (its cache keeps a tail of each), so one no longer wanted is simply cancelled."""
@@ -811,7 +629,7 @@ class SpeculativeLoop:
             return method.future(request, timeout=timeout)
         return _CONTINUATIONS.submit(method, request, timeout=timeout)
 
-    def _take_branch(self, issued: list, rejection: int | None, token: int) -> _Proposal | None:
+    def _take_branch(self, issued: list, rejection: int | None, token: int) -> Proposal | None:
         """The next round's drafts, if the cache prepared this round's outcome (a rejection after
         `rejection` accepted tokens, `token` the target's there); the other proposals cancelled."""
         hit = None
@@ -830,9 +648,9 @@ class SpeculativeLoop:
         with self._stats_lock:
             self.stats.add_proposal(response)
         self.stats.cache_hits += 1
-        return _Proposal.of(response, [])
+        return Proposal.of(response, [])
 
-    def _decode_round(self, steps: int, draws: _Draws, start: float) -> Round:
+    def _decode_round(self, steps: int, draws: Draws, start: float) -> Round:
         """Several plain rounds in one Score (_plain_steps): the target chooses each token as a
         plain round's last one is chosen (greedy, the invariant rule, or the draws' step uniforms)."""
         cfg = self.config
@@ -860,10 +678,10 @@ class SpeculativeLoop:
         self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
         return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
 
-    def _speculate(self, k: int, wanted: int, draws: _Draws, start: float, measure: bool = False) -> Round:
+    def _speculate(self, k: int, wanted: int, draws: Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
-        drafts = _Proposal([], [], [])
+        drafts = Proposal([], [], [])
         draft_time = fresh = continued = 0.0
         carried, next_carried = self._carried, None  # kept until the round succeeds: a retry reuses it
         drafted = 0  # tokens the draft proposed in this round (for the policy's cost per token)
@@ -1024,7 +842,7 @@ class SpeculativeLoop:
             logprobs = token_logprobs.chain(scores, committed, min(accepted, k), None if cfg.coupled else target_row)
         return self._commit(committed, proposed=proposed, accepted=accepted, logprobs=logprobs)
 
-    def _tree_round(self, depth: int, draws: _Draws, start: float) -> Round:
+    def _tree_round(self, depth: int, draws: Draws, start: float) -> Round:
         """A round over a draft tree (tree_nodes > 0): the draft proposes a tree of depth
         `depth`, the target verifies it in one forward; greedy and the invariant rule walk it
         here (rule.tree_greedy_path), the Leviathan rule on the target (rule.tree_walk)."""
@@ -1077,7 +895,7 @@ class SpeculativeLoop:
         committed = [tokens[i] for i in path] + [last]
         return self._commit(committed, proposed=len(tokens), accepted=len(path), logprobs=logprobs)
 
-    def _tree_request(self, depth: int, draws: _Draws) -> model_pb2.ProposeRequest:
+    def _tree_request(self, depth: int, draws: Draws) -> model_pb2.ProposeRequest:
         cfg = self.config
         return model_pb2.ProposeRequest(
             session=self.draft.ref(),
