@@ -123,9 +123,10 @@ def model_stubs(draft_address: str, target_address: str, token: str | None = Non
 
 
 @contextlib.contextmanager
-def pipeline(draft_backend, target_backend, limits=None, admission=None, target_address=None):
+def pipeline(draft_backend, target_backend, limits=None, admission=None, target_address=None, lookahead=4):
     """The three services in this process (or the target at `target_address` instead);
-    stopped however the test ends."""
+    stopped however the test ends. `lookahead`: the orchestrator's default, fixed so that two
+    requests run alike and their rounds compare (None: measured, the server's own default)."""
     servers = {}
     limits = limits or SessionLimits()
     try:
@@ -135,7 +136,7 @@ def pipeline(draft_backend, target_backend, limits=None, admission=None, target_
             servers["target"], target_port = hosting.serve_model(target, target_backend)
             target_address = f"127.0.0.1:{target_port}"
         addresses = {"draft": f"127.0.0.1:{draft_port}", "target": target_address}
-        config = OrchestratorConfig(admission=admission or AdmissionLimits())
+        config = OrchestratorConfig(admission=admission or AdmissionLimits(), lookahead=lookahead)
         orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
         servers["orchestrator"] = orchestrator.server
         addresses["orchestrator"] = f"127.0.0.1:{orchestrator.port}"

@@ -22,7 +22,8 @@ import openai
 import pytest
 
 from deploy.local import LocalPipeline, PipelineConfig
-from orchestrator.openai_api import MAX_BODY_BYTES, APIError, serve_http
+from orchestrator.openai_api import MAX_BODY_BYTES, serve_http
+from orchestrator.openai_json import APIError
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
 from specdec.models import ModelSpec

@@ -1,0 +1,449 @@
+"""OpenAI's JSON on either side of the orchestrator's gRPC API, for its HTTP front door
+(orchestrator.openai_api): request JSON -> GenerateRequest, GenerateResponse / GenerateChunk ->
+OpenAI JSON and SSE chunks, and gRPC status -> HTTP status and OpenAI's error shape (one table).
+
+It refuses up front only what the gRPC API has no field for (n > 1, penalties, tools, ...), so
+that no parameter is silently ignored, and what OpenAI's API bounds tighter than the gRPC API
+(temperature in [0, 2]). A request sets a GenerateRequest field only when the client gave the
+parameter. Structured output (response_format; vLLM's structured_outputs and guided_*) becomes
+GenerateRequest.constraint, logprobs / top_logprobs GenerateRequest.logprobs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from starlette.responses import JSONResponse
+
+import orchestrator
+from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.validation import MAX_LOGPROBS
+
+TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's; the gRPC API takes any finite temperature >= 0
+
+# gRPC status -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is a full server (its
+# admission queue, or a model service's session or KV-cache caps): 429, which OpenAI's clients
+# retry. gRPC's own "message larger than max" is RESOURCE_EXHAUSTED too: 413 (from_rpc).
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# The field a gRPC message names first -> the OpenAI parameter ("prompt": the endpoint's input).
+PARAMS = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "speculation.lookahead": "speculation.lookahead",
+    "speculation.tree_nodes": "speculation.tree_nodes",
+    "max_new_tokens": "max_tokens",
+    "token_ids": "prompt",
+    "prompt": "prompt",
+    "messages": "messages",
+}
+# Parameters without a GenerateRequest field: accepted only at the value that changes nothing.
+NEUTRAL = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "echo": False,
+    "suffix": "",
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+# Structured output: OpenAI's response_format, and the extras vLLM names (structured_outputs, guided_*),
+# each to the Constraint field it sets.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+CONSTRAINTS = {"response_format", "structured_outputs", *GUIDED}
+COMMON |= CONSTRAINTS
+ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besides COMMON)
+    "chat": ("messages", {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs"}),
+    "completions": ("prompt", {"prompt", "speculation", "logprobs"}),
+}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class APIError(Exception):
+    """An error to send in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        code = {404: "model_not_found", 401: "invalid_api_key"}.get(self.status)
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status)
+
+    @classmethod
+    def from_rpc(
+        cls, err: grpc.RpcError, endpoint: str, max_tokens: str = "max_tokens", constraint: str = "response_format"
+    ) -> APIError:
+        """`max_tokens`: the name the client gave max_new_tokens (max_completion_tokens in chat);
+        `constraint`: the parameter that set the request's constraint."""
+        status, kind = STATUS.get(err.code(), (500, "server_error"))
+        message, param = err.details() or err.code().name, None
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+            return cls(413, f"the request is too large for the orchestrator: {message}")
+        if status == 400:
+            field = message.split(" ", 1)[0].rstrip(":")
+            param = {**PARAMS, "max_new_tokens": max_tokens}.get(field)
+            if field.startswith("constraint"):
+                param = constraint
+            if param == "prompt":
+                param = ENDPOINTS[endpoint][0]
+            if param:
+                message = param + message[len(field) :]
+        return cls(status, message, param, kind)
+
+
+# -- requests ----------------------------------------------------------------------------
+def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrator_pb2.GenerateRequest, dict]:
+    """The GenerateRequest for an OpenAI request body, and the options of its answer
+    ({"stream": bool, "include_usage": bool, "max_tokens": the parameter's name}). Raises
+    APIError (400, 404) naming the parameter."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # null means "not given" in OpenAI's API
+    input_param, own = ENDPOINTS[endpoint]
+    for name, value in body.items():
+        if name in NEUTRAL:
+            if value != NEUTRAL[name]:
+                raise APIError(400, f"{name}={json.dumps(value)} is not supported by specdec", name)
+        elif name not in COMMON | own | IGNORED:
+            raise APIError(400, f"unknown parameter {name!r}", name)
+    if body.get("model") != model:
+        if "model" not in body:
+            raise APIError(400, "model is required", "model")
+        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}", "model")
+
+    request = orchestrator_pb2.GenerateRequest()
+    if input_param not in body:
+        raise APIError(400, f"{input_param} is required", input_param)
+    if endpoint == "chat":
+        request.messages.messages.extend(_messages(body["messages"]))
+    else:
+        _set_prompt(request, body["prompt"])
+    max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_name in body:
+        request.max_new_tokens = _integer(body, max_name, 0, 2**31 - 1)
+    if "temperature" in body:
+        request.sampling.temperature = _number(body, "temperature", *TEMPERATURE_RANGE)
+    if "top_p" in body:
+        request.sampling.top_p = _number(body, "top_p")
+    if "top_k" in body:
+        request.sampling.top_k = _integer(body, "top_k", -(2**31), 2**31 - 1)
+    if "seed" in body:
+        request.seed = _integer(body, "seed", 0, 2**64 - 1)
+    if "stop" in body:
+        stop = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise APIError(400, "stop must be a string or a list of strings", "stop")
+        request.stop_strings.extend(stop)
+    if "speculation" in body:
+        _set_speculation(request.speculation, body["speculation"])
+    constraint = _set_constraint(request.constraint, body)
+    if constraint is None:
+        request.ClearField("constraint")
+    logprobs = _logprobs(body, endpoint)
+    if logprobs is not None:
+        request.logprobs = logprobs
+    options = {**_stream_options(body), "max_tokens": max_name, "constraint": constraint or "response_format"}
+    return request, {**options, "logprobs": logprobs is not None}
+
+
+def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        out.append(orchestrator_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), i)))
+    return out
+
+
+def _content(content, i: int) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _set_prompt(request, prompt) -> None:
+    """A string, or token ids; a list of one of them (one prompt: n = 1)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise APIError(400, "prompt must be a string or a list of token ids (one prompt)", "prompt")
+
+
+# speculation.rule over HTTP -> the gRPC enum
+RULES = {name: orchestrator_pb2.Rule.Value(f"RULE_{name.upper()}") for name in orchestrator.RULES}
+
+
+def _set_speculation(msg, value) -> None:
+    if not isinstance(value, dict) or set(value) - {"lookahead", "adaptive", "disabled", "rule", "tree_nodes"}:
+        raise APIError(400, "speculation takes lookahead, adaptive, disabled, rule and tree_nodes", "speculation")
+    for name in ("lookahead", "tree_nodes"):
+        if name in value:
+            setattr(msg, name, _integer(value, name, 0, 2**31 - 1, "speculation."))
+    if "rule" in value:
+        if value["rule"] not in RULES:
+            raise APIError(400, f"speculation.rule must be one of {', '.join(RULES)}", "speculation.rule")
+        msg.rule = RULES[value["rule"]]
+    for name in ("adaptive", "disabled"):
+        if name in value:
+            if not isinstance(value[name], bool):
+                raise APIError(400, f"speculation.{name} must be true or false", f"speculation.{name}")
+            setattr(msg, name, value[name])
+
+
+def _set_constraint(msg: model_pb2.Constraint, body: dict) -> str | None:
+    """Fill the request's Constraint from whichever parameter sets one (at most one may); the
+    parameter's name, or None (response_format {"type": "text"} sets none)."""
+    given = [name for name in sorted(CONSTRAINTS) if name in body]
+    if given and given[0] == "response_format" and body["response_format"] == {"type": "text"}:
+        given = given[1:]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: one constraint a request ({given[0]} is given too)", given[1])
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name in GUIDED:
+        _constraint_kind(msg, GUIDED[name], value, name)
+    elif name == "structured_outputs":
+        kinds = set(value) & set(STRUCTURED) if isinstance(value, dict) else set()
+        if not isinstance(value, dict) or len(kinds) != 1 or set(value) - set(STRUCTURED):
+            raise APIError(400, f"structured_outputs takes one of {', '.join(STRUCTURED)}", name)
+        [kind] = kinds
+        _constraint_kind(msg, STRUCTURED[kind], value[kind], f"{name}.{kind}")
+    else:
+        _response_format(msg, value)
+    return name
+
+
+def _response_format(msg, value) -> None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object" and set(value) == {"type"}:
+        msg.json_object = True
+    elif kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
+        spec = value["json_schema"]
+        if "schema" not in spec or set(spec) - {"name", "description", "schema", "strict"}:
+            raise APIError(
+                400, "response_format.json_schema takes name, description, schema and strict", "response_format"
+            )
+        _constraint_kind(msg, "json_schema", spec["schema"], "response_format")
+    else:
+        raise APIError(
+            400, 'response_format is {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            '"json_schema": {"name", "schema", "strict"}}', "response_format"
+        )  # fmt: skip
+
+
+def _constraint_kind(msg, kind: str, value, param: str) -> None:
+    """Constraint.<kind> from a parameter's value: a JSON schema as an object (or its JSON text),
+    a choice as a list of strings, the others as a string."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            msg.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            msg.json_schema = json.dumps(value)
+        else:
+            raise APIError(400, f"{param} must be a JSON schema (an object)", param)
+    elif kind == "json_object":
+        if value is not True:
+            raise APIError(400, f"{param} must be true", param)
+        msg.json_object = True
+    elif kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise APIError(400, f"{param} must be a non-empty list of non-empty strings", param)
+        msg.choice.choices.extend(value)
+    elif not isinstance(value, str) or not value:
+        raise APIError(400, f"{param} must be a non-empty string", param)
+    else:
+        setattr(msg, kind, value)
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """GenerateRequest.logprobs: chat's logprobs (true) with top_logprobs, completions' logprobs (a
+    count); None when not asked for."""
+    if endpoint == "completions":
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
+    wanted = body.get("logprobs", False)
+    if not isinstance(wanted, bool):
+        raise APIError(400, "logprobs must be true or false", "logprobs")
+    if "top_logprobs" in body:
+        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if not wanted:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return top
+    return 0 if wanted else None
+
+
+def _stream_options(body: dict) -> dict:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options", {})
+    if options and not stream:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(400, "stream_options takes include_usage", "stream_options")
+    return {"stream": stream, "include_usage": bool(options.get("include_usage", False))}
+
+
+def _integer(body: dict, name: str, low: int, high: int, prefix: str = "") -> int:
+    value = body[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise APIError(400, f"{prefix}{name} must be an integer in {low}..{high}", prefix + name)
+    return value
+
+
+def _number(body: dict, name: str, low: float | None = None, high: float | None = None) -> float:
+    """A number; in low..high when they are given (json.loads takes NaN, which fails the check)."""
+    value = body[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise APIError(400, f"{name} must be a number", name)
+    if low is not None and not low <= value <= high:
+        raise APIError(400, f"{name} must be a number in [{low:g}, {high:g}], got {value}", name)
+    return float(value)
+
+
+# -- responses ---------------------------------------------------------------------------
+def usage(stats: orchestrator_pb2.GenerateStats) -> dict:
+    n, m = stats.prompt_tokens, stats.generated_tokens
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def speculation_stats(stats: orchestrator_pb2.GenerateStats) -> dict:
+    """The extension field `specdec` of a response (and of a stream's last chunk)."""
+    return {
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "tokens_per_second": stats.tokens_per_second,
+        "wall_seconds": stats.wall_seconds,
+        "seed": stats.seed,
+    }
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What every response and chunk of one request shares."""
+
+    endpoint: str
+    model: str
+    id: str
+    created: int
+    logprobs: bool = False  # the client asked for them
+
+    @classmethod
+    def start(cls, endpoint: str, model: str, logprobs: bool = False) -> Completion:
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), logprobs)
+
+    def _logprobs(self, entries, offset: int = 0) -> dict | None:
+        """A choice's `logprobs` in the endpoint's shape (None unless asked for); `offset`: where the
+        tokens' text starts in the completion (completions' text_offset)."""
+        if not self.logprobs:
+            return None
+        if self.endpoint == "chat":
+            return {"content": [_token_logprob(e, top=True) for e in entries], "refusal": None}
+        offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=offset))[:-1]
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{t.token: _finite(t.logprob) for t in e.top if t.logprob > -math.inf} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+    def response(self, r: orchestrator_pb2.GenerateResponse) -> dict:
+        if self.endpoint == "chat":
+            choice, kind = {"message": {"role": "assistant", "content": r.text}}, "chat.completion"
+        else:
+            choice, kind = {"text": r.text}, "text_completion"
+        choice = {"index": 0, **choice, "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason}
+        return self._object(kind, [choice], usage=usage(r.stats), specdec=speculation_stats(r.stats))
+
+    def chunk(self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool, offset: int = 0) -> dict:
+        if self.endpoint == "chat":
+            delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+            choice, kind = {"delta": delta}, "chat.completion.chunk"
+        else:
+            choice, kind = {"text": c.text}, "text_completion"
+        logprobs = self._logprobs(c.logprobs, offset)
+        choice = {"index": 0, **choice, "logprobs": logprobs, "finish_reason": c.finish_reason or None}
+        r = c.rounds
+        extension = {
+            "spans": [[s.length, s.drafted] for s in c.spans],
+            "tokens": len(c.token_ids),
+            "round_counts": {"rounds": r.rounds, "draft_tokens": r.draft_tokens, "accepted_tokens": r.accepted_tokens},
+        }
+        if c.finish_reason:
+            extension.update(speculation_stats(c.stats))
+        extra = {"usage": None} if include_usage else {}
+        return self._object(kind, [choice], specdec=extension, **extra)
+
+    def usage_chunk(self, stats: orchestrator_pb2.GenerateStats) -> dict:
+        kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        return self._object(kind, [], usage=usage(stats))
+
+
+LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token with no probability (JSON has no -inf)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > -math.inf else LOWEST_LOGPROB
+
+
+def _token_logprob(entry: orchestrator_pb2.TokenLogprob, top: bool = False) -> dict:
+    """A token's entry of chat's logprobs.content (with its top_logprobs)."""
+    out = {"token": entry.token, "logprob": _finite(entry.logprob), "bytes": list(entry.token_bytes)}
+    if top:
+        out["top_logprobs"] = [_token_logprob(t) for t in entry.top if t.logprob > -math.inf]
+    return out
+
+
+# -- the app -----------------------------------------------------------------------------
