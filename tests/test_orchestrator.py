@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from draft_service.server import serve as serve_draft
+from orchestrator.generation import RequestDefaults
 from orchestrator.server import check_pair, connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.backend import HFBackend
@@ -26,7 +27,8 @@ def pipeline(tiny_backends):
     draft_server, draft_port = serve_draft(tiny_backends["draft"])
     target_server, target_port = serve_target(tiny_backends["target"])
     pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
-    orch_server, orch_port = serve_orchestrator(pair)
+    # a fixed default k: the same request twice runs the same rounds (the measured default would not)
+    orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=4))
     stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
     yield stub, pair
     for server in (orch_server, draft_server, target_server):
