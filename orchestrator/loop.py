@@ -520,12 +520,15 @@ class SpeculativeLoop:
     def _plain_steps(self, k: int) -> int | None:
         """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
         where no draft is waited for: speculation off or the draft lost, no policy measuring the
-        round, and no logprobs; and not the first round (the first token streams alone). None: one.
-        Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
+        round, and no logprobs; or the draft's session still opening (its prefill beside these
+        rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
+        off); and not the first round (the first token streams alone). None: one. Under the
+        Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
-        waiting = self.draft is not None and not self._draft_lost
-        if k or waiting or self.policy is not None or cfg.logprobs is not None:
+        opening = self._draft_opening is not None and not self._draft_opening.done()
+        waiting = self.draft is not None and not self._draft_lost and not opening
+        if k or waiting or (self.policy is not None and not opening) or cfg.logprobs is not None:
             return None
         if not self.generated or remaining <= 1:
             return None
@@ -661,7 +664,8 @@ class SpeculativeLoop:
                 append_tokens=self.target.pending,
                 sampling=self._sampling,
                 noise_seed=cfg.noise_seed,
-                threads=self._threads(self.target, concurrent=False),
+                # on its share while the draft's prefill runs beside (see Threads)
+                threads=self._threads(self.target, concurrent=self._draft_opening is not None),
                 decode_steps=steps,
                 stop_token_ids=sorted(cfg.stop_token_ids),
                 step_uniforms=draws.steps,

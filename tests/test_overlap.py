@@ -14,7 +14,7 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
-from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.loop import PLAIN_STEPS, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import DraftCost, PairCosts, Sharing, profiled
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -230,6 +230,28 @@ def test_adaptive_rounds_start_before_the_drafts_prefill_ends():
     short.opened.set()
     wait_until(lambda: len(short.calls) == 2, within=10)
     assert short.calls == ["open", "close"]
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+
+
+def test_rounds_beside_the_drafts_prefill_take_several_target_steps():
+    """Rounds that go without drafts only because the draft's session is still opening ask the
+    target for several steps a Score, as speculation off does (a short answer under a grammar ran
+    one-token rounds to its end while the draft prefilled, 0.7x speculation off); once the draft is
+    open the rounds speculate. Greedy text unchanged."""
+    target_probs = random_markov(12, 33, alpha=0.2)
+    draft, target = pair(target_probs, target_probs)
+    plain, _ = run(draft, target, SamplingParams(), 80, speculate=False)
+    slow = SlowOpen(draft)
+    loop = SpeculativeLoop(slow, target, [0, 1, 2], LoopConfig(SamplingParams(), 80, lookahead=4))
+    rounds = loop.rounds()
+    early = [next(rounds) for _ in range(3)]
+    assert [r.proposed for r in early] == [0, 0, 0]
+    # the first token alone, then PLAIN_STEPS, then as many as the measured overhead asks
+    assert [len(r.token_ids) for r in early[:2]] == [1, PLAIN_STEPS] and len(early[2].token_ids) >= PLAIN_STEPS
+    slow.opened.set()
+    wait_until(lambda: slow.calls, within=10)
+    later = list(rounds)
+    assert loop.generated == plain and sum(r.proposed for r in later) > 0
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
 
