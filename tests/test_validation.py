@@ -283,13 +283,15 @@ def test_cli_reports_bad_input_in_one_line(services, args, expected):
 
 
 def test_unset_fields_take_their_defaults(services):
-    """No max_new_tokens: 128; no lookahead: 4; no sampling: greedy; an explicit seed 0 is a seed."""
+    """No max_new_tokens: 128; no lookahead: the server's (this pipeline's 4, reported in the stats;
+    tests/test_default_lookahead.py has the measured one); no sampling: greedy; an explicit seed 0
+    is a seed."""
     reply = services.orchestrator.Generate(orchestrator_pb2.GenerateRequest(token_ids=ids_of(NO_EOS_PROMPT)))
     assert len(reply.token_ids) == 128 and reply.finish_reason == "length"
     greedy = gen(token_ids=ids_of(NO_EOS_PROMPT), sampling=sampling(temperature=0), speculation=lookahead(4))
     assert services.orchestrator.Generate(greedy).token_ids == reply.token_ids[:8]
     rounds = reply.stats.rounds  # k = 4 in every round but the last few (k < the tokens left)
-    assert 4 * (rounds - 4) <= reply.stats.draft_tokens <= 4 * rounds
+    assert reply.stats.lookahead == 4 and 4 * (rounds - 4) <= reply.stats.draft_tokens <= 4 * rounds
     seeded = gen(token_ids=ids_of(NO_EOS_PROMPT), sampling=sampling(temperature=1.0), seed=0, max_new_tokens=24)
     first, second = (services.orchestrator.Generate(seeded) for _ in range(2))
     assert first.stats.seed == 0 and first.token_ids == second.token_ids
