@@ -412,8 +412,8 @@ def measured_lookahead(costs: PairCosts, k_max: int, overlap: bool) -> int | Non
         if alpha is None or costs.verify.w == 0 or costs.draft_tokens == 0:
             return None
         pricing = probe._pricing(1)
-    if pricing is None:
-        return None
-    rounds, t0 = pricing
-    k, _ = best_lookahead(alpha, rounds, t0, k_max, overlap)
+        if pricing is None:
+            return None
+        rounds, t0 = pricing
+        k, _ = best_lookahead(alpha, rounds, t0, k_max, overlap)  # the prices read the costs: under the lock
     return max(1, k)
