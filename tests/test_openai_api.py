@@ -95,20 +95,23 @@ def test_chat_greedy_text_equals_grpc(stack, client):
     assert r.choices[0].finish_reason == ref.finish_reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats.prompt_tokens, len(ref.token_ids))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.specdec["rounds"] == ref.stats.rounds and r.specdec["draft_tokens"] > 0
+    # its own rounds: how many ran before the draft's session was open is timing (greedy rounds do
+    # not wait for it), so another request's count may differ
+    assert r.specdec["rounds"] > 0 and 0 < r.specdec["accepted_tokens"] <= r.specdec["draft_tokens"]
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [ref.finish_reason]
     # One chunk per committed round; the spans cover each chunk's text and show accepted drafts.
-    assert 1 < len(chunks) <= ref.stats.rounds
+    final = chunks[-1].specdec  # the stream's own statistics
+    assert 1 < len(chunks) <= final["rounds"]
     spans = [s for c in chunks for s in c.specdec["spans"]]
     for c in chunks:
         assert sum(n for n, _ in c.specdec["spans"]) == len(c.choices[0].delta.content or "")
     assert any(drafted for _, drafted in spans) and not all(drafted for _, drafted in spans)
-    assert sum(c.specdec["round_counts"]["rounds"] for c in chunks) == ref.stats.rounds
-    assert sum(c.specdec["round_counts"]["accepted_tokens"] for c in chunks) == ref.stats.accepted_tokens
+    assert sum(c.specdec["round_counts"]["rounds"] for c in chunks) == final["rounds"]
+    assert sum(c.specdec["round_counts"]["accepted_tokens"] for c in chunks) == final["accepted_tokens"]
 
 
 def test_completions_text_and_token_ids_equal_grpc(stack, client):
