@@ -27,7 +27,7 @@ def pipeline(tiny_backends):
     draft_server, draft_port = serve_draft(tiny_backends["draft"])
     target_server, target_port = serve_target(tiny_backends["target"])
     pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
-    # a fixed default k: the same request twice runs the same rounds (the measured default would not)
+    # a fixed default k: a stream and a unary request run at the same k (the measured one may move between them)
     orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=4))
     stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
     yield stub, pair
@@ -52,7 +52,9 @@ def test_stream_equals_unary(pipeline):
         assert chunks[-1].finish_reason == unary.finish_reason
         assert len(chunks) > 2  # streamed as rounds committed
         s = unary.stats
-        assert s.rounds == chunks[-1].stats.rounds and s.generated_tokens == len(unary.token_ids)
+        assert s.generated_tokens == len(unary.token_ids) == chunks[-1].stats.generated_tokens
+        if sampling.temperature > 0:  # a seeded Leviathan sample replays its rounds; greedy rounds do not
+            assert s.rounds == chunks[-1].stats.rounds  # wait for the draft's session: their count is timing
         assert unary.finish_reason == "stop" or s.generated_tokens == 40
         assert s.draft_tokens > 0 and 0 <= s.acceptance_rate <= 1
         # Overlapped rounds (the default): a round commits its accepted drafts and one target token,
