@@ -4,7 +4,8 @@ For each concurrency c, c clients at once send greedy `Generate` calls over gRPC
 --prompts prompts of bench/prompts.json, cycled; max(c, prompts) requests in all, c in
 flight; with --duration, each client sends them back to back for that many seconds: a steady
 load), for speculation off, each fixed k and adaptive k (and with --trees, adaptive k with draft
-trees of each node budget: each round a tree or a chain, whichever measured faster), per drafter.
+trees of each node budget: each round a tree or a chain, whichever measured faster; with
+--measured, the lookahead unset: the server's default), per drafter.
 Reported per cell:
 total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
 (median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
@@ -37,6 +38,7 @@ class ConcurrencyConfig:
     drafters: tuple[str, ...] = ("llamacpp",)
     ks: tuple[int, ...] = (4,)
     adaptive: bool = True
+    measured: bool = False  # a row with the lookahead unset: the server's default k
     trees: tuple[int, ...] = ()  # node budgets: adaptive rows with draft trees beside the chains-only one
     max_tokens: int = 48
     prompts: int = 4
@@ -134,6 +136,8 @@ def run(config: ConcurrencyConfig) -> dict:
     modes = [("-", 0)] + [(str(k), 0) for k in config.ks]
     if config.adaptive:
         modes += [("adaptive", 0)] + [("adaptive", n) for n in config.trees]
+    if config.measured:
+        modes += [("measured", 0)]
     with ExitStack() as stack:
         for i, drafter in enumerate(config.drafters):
             # Admit every client at once: the orchestrator's default (8 generating) would queue the rest.

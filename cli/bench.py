@@ -43,7 +43,8 @@ def add_bench_parser(sub) -> None:
         "--measured",
         action="store_true",
         help="add a row per drafter with the lookahead unset (k 'measured'): the k a server without --lookahead "
-        "gives a greedy chain, priced from the pair's measured costs and acceptance (its median in the JSON)",
+        "gives a greedy chain, priced from the pair's measured costs and acceptance (its median in the JSON); "
+        "with --concurrency, under load that k or plain rounds, as the pair measures them",
     )
     b.add_argument(
         "--trees",
@@ -273,6 +274,7 @@ def bench(args) -> int:
             drafters=config.drafters,
             ks=config.ks,
             adaptive=config.adaptive,
+            measured=config.measured,
             trees=config.trees,
             max_tokens=config.max_tokens,
             prompts=args.prompts,

@@ -212,7 +212,9 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     pair's measured costs and acceptance price fastest (orchestrator.lookahead.measured_lookahead, up
     to validation.MEASURED_LOOKAHEAD), where its text does not depend on k (greedy, the invariant rule), once the
     pair has measured them; DEFAULT_LOOKAHEAD before that, and always for a Leviathan sample (its seed
-    replays whatever ran before it), draft trees and adaptive lookahead (its largest k)."""
+    replays whatever ran before it), draft trees and adaptive lookahead (its largest k). Under load
+    such a generation runs that k or plain rounds, whichever the pair measures faster (`measured`:
+    orchestrator.lookahead's Default k)."""
     if config.adaptive or config.tree_nodes or not config.coupled or not config.speculate:
         return config
     k = measured_lookahead(pair.costs, validation.MEASURED_LOOKAHEAD, config.overlap)

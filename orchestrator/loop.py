@@ -200,7 +200,12 @@ class SpeculativeLoop:
         elif config.coupled and (config.measured or self.overlap and self.costs.sharing is not None):
             # the kind of round only, and what the pair measures for a measured lookahead
             self.policy = AdaptiveLookahead(
-                config.lookahead, overlap=self.overlap, fixed=True, load=RUNNING.count, costs=self.costs
+                config.lookahead,
+                overlap=self.overlap,
+                fixed=True,
+                measured=config.measured,
+                load=RUNNING.count,
+                costs=self.costs,
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: Proposal | None = None  # the next round's drafts, from a continuation
@@ -211,6 +216,7 @@ class SpeculativeLoop:
         self._ended = False
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
+        self._policy_plain = False  # under load, the adaptive policy chose this round plain (_plain_steps)
         self.draft_health, self.target_health = health or (Availability("draft"), Availability("target"))
         self.cache_rates = cache_rates or speculation_cache.CacheRates()
         self._spare = speculation_cache.Spare()  # the draft's time to spare in overlapped rounds
@@ -361,9 +367,10 @@ class SpeculativeLoop:
         )
 
     def _drafts_wanted(self) -> bool:
-        """Whether to open the draft's session now: at once, or under adaptive lookahead once the
-        policy speculates (under a load where speculation does not pay, the draft prefills nothing)."""
-        return not self.config.adaptive or self.policy.would_speculate()
+        """Whether to open the draft's session now: at once, or under a policy that may stop (adaptive
+        lookahead, the measured default under load) once it speculates (under a load where speculation
+        does not pay, the draft prefills nothing)."""
+        return self.policy is None or self.policy.would_speculate()
 
     @property
     def _waits_for_draft(self) -> bool:
@@ -476,6 +483,8 @@ class SpeculativeLoop:
         wanted = self._wanted_k() if self.draft is not None else 0  # asked once a round: the policy counts them
         # The first round is the target's alone (see First token).
         ready = self.draft is not None and bool(self.generated) and self._draft_ready(wanted, self._waits_for_draft)
+        # under load, the policy chose a plain round: its rounds take several steps (_plain_steps)
+        self._policy_plain = wanted == 0 and self.policy is not None and self.policy.may_stop and RUNNING.count() > 1
         wanted = wanted if ready else 0
         self._round_speculates = wanted > 0  # under load, its requests run beside others' (see Threads)
         if not ready:
@@ -522,13 +531,17 @@ class SpeculativeLoop:
         where no draft is waited for: speculation off or the draft lost, no policy measuring the
         round, and no logprobs; or the draft's session still opening (its prefill beside these
         rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
-        off); and not the first round (the first token streams alone). None: one. Under the
-        Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
+        off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
+        speculation off at 16 clients; the policy measures the steps as plain rounds,
+        _measure_steps); and not the first round (the first token streams alone). None: one. Under
+        the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
         waiting = self.draft is not None and not self._draft_lost and not opening
-        if k or waiting or (self.policy is not None and not opening) or cfg.logprobs is not None:
+        if k or cfg.logprobs is not None:
+            return None
+        if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
             return None
         if not self.generated or remaining <= 1:
             return None
@@ -680,7 +693,31 @@ class SpeculativeLoop:
         # (overhead a round, compute a step): each decode round weighs half, the ones before it the other half
         last = self._plain_costs or measured
         self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
+        if self._policy_plain:
+            self._measure_steps(scores, target_time)
         return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
+
+    def _measure_steps(self, scores, target_time: float) -> None:
+        """A decode round's steps, to the policy, as the plain rounds they replace: each step's
+        share of its wait, compute and round time (the prices are a plain round's), all its tokens
+        committed now (the rates)."""
+        steps = max(1, len(scores.argmax_token_ids))
+        now = time.perf_counter()
+        self.policy.update(
+            0,
+            0,
+            DraftCost(0.0, 0),
+            target_time / steps,
+            scores.step_tokens or None,
+            scores.compute_seconds / steps or None,
+            None,
+            (now - self._committed[0]) / steps,
+            self.policy.costs.quiet(self._committed[1]),
+            scores.threads,
+            steps,
+            now,
+        )
+        self._committed = (now, self.policy.costs.quiet_since())
 
     def _speculate(self, k: int, wanted: int, draws: Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config

@@ -11,7 +11,7 @@ import pytest
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
 from orchestrator.lookahead import AdaptiveLookahead, measured_lookahead
-from orchestrator.pair_costs import PairCosts
+from orchestrator.pair_costs import MEASURED, DraftCost, PairCosts
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -103,3 +103,38 @@ def test_a_leviathan_sample_keeps_the_fixed_default_and_its_seed_replays(orchest
     measured = generate(stub, sampled, seed=7, **invariant)
     assert measured.stats.lookahead == expected
     assert measured.token_ids == at_four.token_ids
+
+
+def test_under_load_the_measured_default_speculates_only_where_its_regime_measures_faster():
+    """The measured default's k stands alone; under load the pair's regimes decide between it and
+    plain rounds, as for adaptive lookahead (what each commits a second, measured in turn). A
+    request's own fixed k keeps it and is no regime's: its commits are not counted as one."""
+    costs = PairCosts()
+    load = [8]
+    measured = AdaptiveLookahead(8, overlap=True, fixed=True, measured=True, load=lambda: load[0], costs=costs)
+    fixed = AdaptiveLookahead(8, overlap=True, fixed=True, load=lambda: load[0], costs=costs)
+    for i in range(60):  # a cheap draft, mostly right: the price promises speculation at 8 clients
+        k = (2, 4)[i % 2]
+        draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
+        target = 0.1 + 0.004 * (8 * (k + 1) - 1)
+        measured.update(k, k - (i % 4 < 2), draft, target, 8 * (k + 1), target, step_sessions=8)
+    clock, spent = 100.0, {True: 0.0, False: 0.0}
+    fixed.update(8, 8, DraftCost(0.3, 8), 0.2, 72, 0.2, 8, committed=9, at=clock)
+    assert costs.rates == {}  # a fixed k's rounds measure no regime
+    while clock < 100 + 4 * MEASURED:  # 8 generations: speculating 10 tokens a second each, plain 12.5
+        k = measured.next_k()
+        assert k in (0, 8)
+        took = (k / 10.0 if k else 1 / 12.5) / 8
+        clock += took
+        spent[k > 0] += took
+        if k:
+            draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
+            target = 0.1 + 0.004 * (8 * (k + 1) - 1)
+            measured.update(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock)
+        else:
+            measured.update(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock)
+    assert spent[True] >= MEASURED and spent[False] >= MEASURED  # each regime measured
+    assert measured.next_k() == 0 and measured.may_stop  # plain rounds commit more: taken
+    assert fixed.next_k() == 8 and not fixed.may_stop  # a request's own k stands
+    load[0] = 1
+    assert measured.next_k() == 8  # alone: its k

@@ -14,7 +14,7 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
-from orchestrator.loop import PLAIN_STEPS, LoopConfig, SpeculativeLoop
+from orchestrator.loop import PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import DraftCost, PairCosts, Sharing, profiled
 from specdec.engine import SessionEngine
 from specdec.sampling import SamplingParams
@@ -277,6 +277,38 @@ def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
     assert loop.generated == plain
     explored = [r for r in rest if r.proposed]
     assert counting.calls[:1] == ["open"] and explored  # an exploration opened it, then drafted
+    assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
+
+
+@pytest.mark.parametrize("measured", [False, True], ids=["adaptive", "measured-default"])
+def test_under_load_plain_rounds_the_policy_chose_take_several_target_steps(measured):
+    """Under load, where the pair's measured costs say no draft pays, an adaptive generation and
+    one at the measured default k (the lookahead unset) go without drafts, open no draft session,
+    and ask the target for several steps a Score as speculation off does (one-token rounds ran
+    0.87x speculation off at 16 clients; the measured default kept speculating at 0.53x). Alone,
+    the measured default speculates at its k. Greedy text unchanged."""
+    target_probs = random_markov(12, 33, alpha=0.2)
+    draft, target = pair(target_probs, np.roll(target_probs, 1, axis=1))  # never the target's argmax
+    plain, _ = run(draft, target, SamplingParams(), 120, speculate=False)
+    costs = PairCosts()
+    learn = LoopConfig(SamplingParams(), 300, lookahead=4, adaptive=True)
+    list(SpeculativeLoop(draft, target, [0, 1, 2], learn, costs=costs).rounds())  # learns: no k pays
+    config = LoopConfig(SamplingParams(), 120, lookahead=4, adaptive=not measured, measured=measured)
+    RUNNING.add(7)  # seven other generations on the pair
+    try:
+        counting = SlowOpen(draft)
+        counting.opened.set()
+        loop = SpeculativeLoop(counting, target, [0, 1, 2], config, costs=costs)
+        loaded = list(loop.rounds())
+    finally:
+        RUNNING.add(-7)
+    assert loop.generated == plain and counting.calls == []  # no draft session opened
+    assert [len(r.token_ids) for r in loaded[:2]] == [1, PLAIN_STEPS] and not any(r.proposed for r in loaded)
+    if measured:  # alone it speculates at its k, whatever the price
+        alone = SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs)
+        rounds = list(alone.rounds())
+        speculating = [r for r in rounds if r.proposed]  # all but those before its draft's session opened
+        assert alone.generated == plain and len(speculating) > 0.8 * len(rounds)
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
 
