@@ -255,17 +255,25 @@ def test_rounds_beside_the_drafts_prefill_take_several_target_steps():
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
 
+def hopeless(n: int):
+    """A pair whose draft is never the target's argmax, the target's greedy text of n tokens, and
+    the pair's costs after an adaptive generation of 300 tokens on it (they say no k pays)."""
+    target_probs = random_markov(12, 33, alpha=0.2)
+    draft, target = pair(target_probs, np.roll(target_probs, 1, axis=1))
+    plain, _ = run(draft, target, SamplingParams(), n, speculate=False)
+    costs = PairCosts()
+    learn = LoopConfig(SamplingParams(), 300, lookahead=4, adaptive=True)
+    list(SpeculativeLoop(draft, target, [0, 1, 2], learn, costs=costs).rounds())
+    return draft, target, plain, costs
+
+
 def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
     """On a pair where speculation does not pay (every draft rejected), a new adaptive generation
     opens no draft session: under such a load the draft prefilled every prompt for nothing, on
     the core the orchestrator and the clients then had to share. When an exploration wants
     drafts, the session opens holding the tokens committed so far, and output is unchanged."""
-    target_probs = random_markov(12, 33, alpha=0.2)
-    draft, target = pair(target_probs, np.roll(target_probs, 1, axis=1))  # never the target's argmax
-    plain, _ = run(draft, target, SamplingParams(), 300, speculate=False)
-    costs = PairCosts()
+    draft, target, plain, costs = hopeless(300)
     config = LoopConfig(SamplingParams(), 300, lookahead=4, adaptive=True)
-    list(SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs).rounds())  # learns: no k pays
     assert AdaptiveLookahead(4, costs=costs).would_speculate() is False
     counting = SlowOpen(draft)
     counting.opened.set()
@@ -287,12 +295,7 @@ def test_under_load_plain_rounds_the_policy_chose_take_several_target_steps(meas
     and ask the target for several steps a Score as speculation off does (one-token rounds ran
     0.87x speculation off at 16 clients; the measured default kept speculating at 0.53x). Alone,
     the measured default speculates at its k. Greedy text unchanged."""
-    target_probs = random_markov(12, 33, alpha=0.2)
-    draft, target = pair(target_probs, np.roll(target_probs, 1, axis=1))  # never the target's argmax
-    plain, _ = run(draft, target, SamplingParams(), 120, speculate=False)
-    costs = PairCosts()
-    learn = LoopConfig(SamplingParams(), 300, lookahead=4, adaptive=True)
-    list(SpeculativeLoop(draft, target, [0, 1, 2], learn, costs=costs).rounds())  # learns: no k pays
+    draft, target, plain, costs = hopeless(120)
     config = LoopConfig(SamplingParams(), 120, lookahead=4, adaptive=not measured, measured=measured)
     RUNNING.add(7)  # seven other generations on the pair
     try:
