@@ -12,7 +12,9 @@ total tokens/s (all tokens over the wall time of the whole cell), per-request to
 in one process: transformers `generate` of one request at a time (with the process's threads,
 and pinned to one core with one thread, as the target service runs on 2 cores: the cost of
 speculation off beyond its forwards), and of a left-padded batch of c prompts at once
-(tokens/s of the batch). Prints a table, writes concurrency.json and
+(tokens/s of the batch); and where the target runs on llama.cpp (the default pair on a CPU), the
+service's engine in process with c sessions decoded as one batch (their prefills included): the
+bound of speculation off at c clients. Prints a table, writes concurrency.json and
 concurrency.png (total tokens/s vs concurrency) to --out.
 """
 
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, hf_generate, load_prompts
+from deploy import configs as deploy_configs
 from specdec import models
 from specdec.limits import AdmissionLimits
 
@@ -109,6 +112,31 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
     return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
 
 
+def _llamacpp_batch(spec: models.ModelSpec, batch: list[list[int]], max_tokens: int) -> dict:
+    """The target service's own engine in this process (specdec.llamacpp, its threads): the c prompts
+    prefilled one after another in its chunks, then decoded greedily as one batched forward a step,
+    max_tokens each: what c sessions cost the engine alone, the bound of speculation off at c clients."""
+    import torch
+
+    from specdec.llamacpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(spec, default_file=models.f32_gguf_path)
+    slots = [backend.new_cache() for _ in batch]
+    t0 = time.perf_counter()
+    last = []
+    for slot, ids in zip(slots, batch, strict=True):
+        for i in range(0, len(ids), backend.prefill_chunk):
+            [rows] = backend.forward_batch([(slot, ids[i : i + backend.prefill_chunk], 1)])
+        last.append(int(torch.argmax(rows[-1])))
+    for _ in range(max_tokens - 1):
+        rows = backend.forward_batch([(slot, [token], 1) for slot, token in zip(slots, last, strict=True)])
+        last = [int(torch.argmax(r[-1])) for r in rows]
+    wall = time.perf_counter() - t0
+    for slot in slots:
+        backend.release(slot)
+    return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
+
+
 def run(config: ConcurrencyConfig) -> dict:
     import grpc
 
@@ -132,6 +160,11 @@ def run(config: ConcurrencyConfig) -> dict:
         rows["hf-generate 1 request, 1 core"] = {str(c): one_core for c in config.concurrency}
         rows["hf-generate padded batch"] = {
             str(c): _hf_batch(model, tokenizer, requests(c)[:c], config.max_tokens) for c in config.concurrency
+        }
+    if deploy_configs.target_runtime(config.target, config.target_backend) == "llamacpp":
+        # the engine alone, batched: what bounds speculation off under load (the prompts' prefills included)
+        rows["llama.cpp in process, batch of c"] = {
+            str(c): _llamacpp_batch(config.target, requests(c)[:c], config.max_tokens) for c in config.concurrency
         }
     modes = [("-", 0)] + [(str(k), 0) for k in config.ks]
     if config.adaptive:
