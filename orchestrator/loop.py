@@ -12,17 +12,7 @@ Invariant: nothing is drawn here; the services compute each position's noise fro
 and a draft is accepted iff it equals the target's token, as in greedy decoding: a seed then
 gives the target's own sample, whatever the lookahead, drafter, overlap or schedule.
 
-First token. The first round is a plain round of the target, right after its prefill on every
-core: a request's first token waits for the target's prefill alone, as with the target alone,
-never for the draft's. The draft's session opens after it where the services share one machine's
-cores (its prefill on its share, beside the target's next rounds), at once where they do not (on
-its own host or device, beside the target's prefill). Rounds go without drafts until it is open
-(exact: a round with no draft is a plain round), then speculate, in the same generation. One
-exception keeps a seed's promise: a Leviathan sample at a fixed k waits, at its second round, for
-the draft's session, so that its text does not depend on when the draft was ready.
-A generation that ends before the draft's session is open cancels its OpenSession: the draft
-stops between two prefill chunks (what it computed stays in its prefix cache) rather than take
-the cores from the next request's prefill.
+First token, and a service lost mid-generation: orchestrator.sessions.
 
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
 specdec.placement), every request names the threads its forwards may use: the services' shares
@@ -38,23 +28,10 @@ The loop knows nothing of text: the caller (orchestrator.generation) detokenises
 handles stop strings, and may stop consuming at any round; the sessions are closed then.
 `draft` and `target` are anything with the stubs' methods (gRPC stubs, or in-process
 adapters in tests).
-
-A stub may raise SessionLost when its service lost the session (it died or restarted). The
-two sides are not alike (orchestrator.availability). The target's: the loop has it re-open the
-session at the committed prefix and re-runs the round from the same committed state with the same
-random draws (orchestrator.recovery provides such stubs), waiting for it up to the deadline. The
-draft's: the round goes on without it (a plain round, exact), the draft counts as lost when it did
-not answer (or answered past `draft_timeout`), and rounds go without speculation until it answers
-again; then its session re-opens at the committed prefix, in the background, and speculation
-resumes. The one wait for a draft: under the Leviathan rule, a round that rejected a draft needs
-the draft's row there for the residual, and a draft lost between its proposal and that row is
-waited for (up to the deadline) and the round re-run, since no other choice of the round's last
-token keeps the law exact.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import itertools
 import math
@@ -62,8 +39,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -74,6 +49,7 @@ from orchestrator.availability import Availability
 from orchestrator.lookahead import AdaptiveLookahead
 from orchestrator.pair_costs import DraftCost, PairCosts
 from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, SessionLost
+from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, wait_quietly
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
@@ -82,10 +58,6 @@ from specdec.validation import MAX_LOOKAHEAD, TREE_DRAWS
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
-# Seconds a CloseSession may take; a service also reaps what it opened for a caller who left.
-CLOSE_TIMEOUT = 2.0
-# Seconds a new request gives a target that did not answer to answer again before it fails.
-FAIL_FAST = 1.0
 # Target-only rounds without a draft to wait for (speculation off, or a lost draft) run several
 # one-token steps of the target in one Score (ScoreRequest.decode_steps): a round's RPC and the
 # orchestrator's work (~2 ms, docs/performance.md) paid once for them all. PLAIN_STEPS at first; then
@@ -95,9 +67,6 @@ FAIL_FAST = 1.0
 PLAIN_STEPS = 4
 MAX_PLAIN_STEPS = 16
 ROUND_OVERHEAD_SHARE = 0.05
-# A draft answering one of these refuses the generation (full, or its context too short for it):
-# the generation goes on without drafts.
-DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
 
 
 def decode_steps(overhead: float, step: float) -> int:
@@ -125,34 +94,7 @@ class _Running:
 RUNNING = _Running()
 
 
-def _wait_quietly(future, timeout: float | None) -> None:
-    """Let a continuation finish before the round's own error goes up (no request of the
-    session is left in flight); its result and its error no longer matter."""
-    if future is not None:
-        try:
-            future.result(timeout=timeout)
-        except BaseException:  # noqa: BLE001, S110 - the round already failed with another error
-            pass
-
-
-# Continuations run here, beside the round's Score call; a thread is idle while its round waits.
-_CONTINUATIONS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="specdec-continuation")
-
-
-@dataclass
-class _Side:
-    """The orchestrator's view of one service's session."""
-
-    stub: object
-    session_id: str
-    length: int = 0  # committed length the service has applied
-    pending: list[int] = field(default_factory=list)  # committed here, not yet sent
-
-    def ref(self) -> model_pb2.SessionRef:
-        return model_pb2.SessionRef(session_id=self.session_id, expected_length=self.length)
-
-
-class SpeculativeLoop:
+class SpeculativeLoop(GenerationSessions):
     def __init__(
         self,
         draft,
@@ -184,8 +126,8 @@ class SpeculativeLoop:
         self.stats = LoopStats()
         # The caller's deadline bounds the whole generation; each RPC gets what is left of it.
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.draft = _Side(draft, self.session_id) if config.speculate else None
-        self.target = _Side(target, self.session_id)
+        self.draft = Side(draft, self.session_id) if config.speculate else None
+        self.target = Side(target, self.session_id)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(config.seed)
         # A tree round is sequential (a continuation assumes one path accepted, a tree has many);
@@ -257,7 +199,7 @@ class SpeculativeLoop:
             try:
                 self._open(self.target, self.prompt, concurrent=False, new=True)
             except BaseException:
-                _wait_quietly(self._draft_opening, self._timeout())
+                wait_quietly(self._draft_opening, self._timeout())
                 raise
             if self.policy:
                 self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
@@ -277,189 +219,16 @@ class SpeculativeLoop:
             elif self._draft_opened and self.draft_health.up:
                 self._close(self.draft)
             elif self._draft_opened:  # a draft that may not answer: not waited for
-                _CONTINUATIONS.submit(self._close, self.draft)
+                CONTINUATIONS.submit(self._close, self.draft)
             self._close(self.target)
 
-    def _close(self, side: _Side) -> None:
-        try:  # its own timeout: the request's deadline may have passed
-            side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=side.session_id), timeout=CLOSE_TIMEOUT)
-        except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
-            pass
-
-    def _threads(self, side: _Side, concurrent: bool) -> int | None:
+    def _threads(self, side: Side, concurrent: bool) -> int | None:
         """The threads a request of `side` may use (see Threads): its share of the cores if the
         other service computes meanwhile, for this generation or, in overlapped rounds, for others;
         every core if not; None where the services do not share cores (their own)."""
         overlapped = concurrent or (self._round_speculates and RUNNING.count() > 1)
         draft, target = self.costs.threads(overlapped)
         return draft if side is self.draft else target
-
-    def _open(self, side: _Side, tokens: list[int], concurrent: bool = True, new: bool = False) -> None:
-        """Open the side's session holding `tokens`. `new`: a new request's target, which fails at
-        once (UNAVAILABLE) if the target does not answer within FAIL_FAST seconds; else a lost
-        service is waited for."""
-        request = model_pb2.OpenSessionRequest(
-            session_id=side.session_id,
-            prompt_token_ids=tokens,
-            threads=self._threads(side, concurrent),
-            **self._session_fields,
-        )
-        with self._prefilling():
-            try:
-                if side is self.draft and hasattr(side.stub.OpenSession, "future"):
-                    self._draft_open_call = side.stub.OpenSession.future(request, timeout=self._timeout())
-                    if self._ended:  # the generation ended while this was being sent
-                        self._cancel_draft_open()
-                    try:
-                        self._draft_open_call.result()
-                    except grpc.RpcError as err:  # as the stub's own calls raise it
-                        where = f"{getattr(side.stub, 'name', 'draft')} service at {getattr(side.stub, 'address', '')}"
-                        lost = SessionLost.of(side.stub, where, err)
-                        if lost is None:
-                            raise
-                        raise lost from err
-                else:
-                    side.stub.OpenSession(request, timeout=self._timeout())
-            except SessionLost as lost:
-                if side is self.draft:  # rounds go without it (_draft_ready)
-                    raise
-                if not (new and lost.gone):
-                    side.stub.reopen(side.session_id, tokens, timeout=self._timeout(), **self._session_fields)
-                    self.target_health.found()
-                else:  # a connection gone stale, a service moved (a Ray actor): found again at once, or failed
-                    try:
-                        side.stub.probe(FAIL_FAST)
-                    except Exception as err:  # noqa: BLE001 - whatever keeps it from answering
-                        self.target_health.lost(str(lost))
-                        raise Unavailable(f"the target service is unavailable: {lost}; retry later") from err
-                    side.stub.OpenSession(request, timeout=self._timeout())
-        side.length = len(tokens)
-
-    def _cancel_draft_open(self) -> None:
-        """Stop the draft's prefill of a generation that ended before it: the service drops it
-        between two chunks (what it computed stays in its prefix cache), so that it does not take
-        the cores from the next request's prefill (a 1,300-token prompt: ~16 s of the draft's core)."""
-        call = self._draft_open_call
-        if call is not None:
-            call.cancel()
-
-    @contextlib.contextmanager
-    def _prefilling(self, prefills: bool = True):
-        """Tell the pair's adaptive costs a prefill runs meanwhile: rounds of any generation on it
-        wait behind it, and are not calibrated by (see lookahead's Calibration)."""
-        counted = prefills and self.policy is not None
-        if counted:
-            self.policy.costs.prefill(started=True)
-        try:
-            yield
-        finally:
-            if counted:
-                self.policy.costs.prefill(started=False)
-
-    def _open_draft(self, concurrent: bool = True) -> None:
-        """Send the draft's OpenSession (on the continuation pool) holding the tokens committed so
-        far; those committed from now on reach it with its first Propose. `concurrent`: the target
-        decodes meanwhile (else the rounds wait for it: it may take every core)."""
-        tokens, self.draft.pending = self.prompt + self.generated, []
-        self._draft_opened = True
-        self._draft_opening = _CONTINUATIONS.submit(
-            contextvars.copy_context().run, self._open, self.draft, tokens, concurrent
-        )
-
-    def _drafts_wanted(self) -> bool:
-        """Whether to open the draft's session now: at once, or under a policy that may stop (adaptive
-        lookahead, the measured default under load) once it speculates (under a load where speculation
-        does not pay, the draft prefills nothing)."""
-        return self.policy is None or self.policy.would_speculate()
-
-    @property
-    def _waits_for_draft(self) -> bool:
-        """Whether rounds wait for the draft's session to open rather than go without it: a
-        Leviathan sample at a fixed k, whose text would otherwise depend on when the draft is
-        ready (see First token)."""
-        return not self.config.adaptive and not self.config.coupled and not self._draft_was_lost
-
-    def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
-        """Whether the draft's session is open; its open's error goes up here, but a lost draft's,
-        which rounds go without. An adaptive generation opens it when its policy first wants drafts
-        (`wanted`) and does not wait for it: under load the draft prefills many prompts (the Q8_0
-        draft on one core: ~0.2 s each), so its rounds go without speculation until it is open
-        (k = 0; the tokens they commit reach the draft with its first Propose). After a loss it
-        re-opens, likewise without waiting, once the draft answers again."""
-        if self._draft_lost:
-            if self._draft_refused or not self.draft_health.up:
-                return False
-            self._draft_lost = False  # the draft is back: re-open, and speculate once it is open
-            self._open_draft()
-            return False
-        if not self._draft_opened:
-            if wanted <= 0:
-                return False
-            self._open_draft(concurrent=not wait)
-        if not self.draft_health.up:  # lost meanwhile (another generation saw it): do not call it
-            self._lose_draft()
-            return False
-        opening = self._draft_opening
-        if opening is None:
-            return True
-        if not wait and not opening.done():
-            return False
-        self._draft_opening = None
-        try:
-            opening.result(timeout=self._timeout())
-        except (SessionLost, grpc.RpcError) as err:
-            if not self._draft_failed(err):
-                raise
-            return False
-        self._without_draft = False
-        return True
-
-    def _draft_failed(self, err: BaseException) -> bool:
-        """Whether `err`, from a draft call, is the draft's loss (then handled: rounds go without
-        it) rather than an error to raise. A draft that refuses this generation (its sessions or KV
-        budget full, its context shorter than the target's) is gone for the rest of it."""
-        lost = self._as_lost(err)
-        if lost is None and isinstance(err, grpc.RpcError) and err.code() in DRAFT_REFUSALS:
-            self._draft_refused = True
-            lost = SessionLost(self.draft.stub, err.details(), gone=False)
-        if lost is not None:
-            self._lose_draft(lost)
-        return lost is not None
-
-    def _as_lost(self, err: BaseException) -> SessionLost | None:
-        """A draft call's error as the draft's loss: the service gone or restarted (SessionLost), or
-        past its budget (a deadline that was not the request's); None for any other error."""
-        if isinstance(err, SessionLost):
-            return err
-        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            left = self._timeout()
-            if left is None or left > 0:  # not the request's own deadline
-                return SessionLost(self.draft.stub, f"the draft service did not answer within {self.draft_timeout} s")
-        return None
-
-    def _lose_draft(self, lost: SessionLost | None = None) -> None:
-        """This generation's draft session is gone: rounds go without drafts, and it re-opens
-        once the draft answers (at once when the service answered without the session)."""
-        if lost is not None and lost.gone:
-            self.draft_health.lost(str(lost))
-        self._draft_lost = self._without_draft = self._draft_was_lost = True
-        if self._carried is not None:
-            self._carried.lost = True  # a continuation's rows went with it (a re-run proposes it again)
-        # The service may still hold the session (a connection lost, an answer late): closed in the
-        # background, and the next one has an id of its own, which a late close cannot reach.
-        old, opening, self._draft_opening = _Side(self.draft.stub, self.draft.session_id), self._draft_opening, None
-        if self._draft_opened:
-            if opening is not None:
-                opening.add_done_callback(lambda _: _CONTINUATIONS.submit(self._close, old))
-            else:
-                _CONTINUATIONS.submit(self._close, old)
-        self._draft_opened = False
-        self._draft_incarnation += 1
-        self.draft.session_id = f"{self.session_id}.{self._draft_incarnation}"
-
-    def _draft_call(self, method, request):
-        """A draft RPC within the draft's budget (`draft_timeout`): (response, seconds)."""
-        return self._call(method, request, self.draft_timeout)
 
     # -- one round -------------------------------------------------------------------------
     def _call(self, method, request, budget: float | None = None):
@@ -550,24 +319,6 @@ class SpeculativeLoop:
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
-    def _reopen(self, lost: SessionLost) -> None:
-        """Wait for the service that lost the session (up to the deadline) and re-open it there,
-        holding the committed prefix: the target's, or the draft's when a round needs its row."""
-        draft = self.draft is not None and lost.stub is self.draft.stub
-        side, health = (self.draft, self.draft_health) if draft else (self.target, self.target_health)
-        if lost.gone:
-            health.lost(str(lost))
-        committed = self.prompt + self.generated
-        side.stub.reopen(side.session_id, committed, timeout=self._timeout(), **self._session_fields)
-        health.found()
-        side.length, side.pending = len(committed), []
-        if draft:
-            self._draft_lost = self._without_draft = False
-            self._draft_opened, self._draft_opening = True, None
-            if self._carried is not None:
-                self._carried.lost = True  # its rows went with the service: propose it again
-        self.stats.recoveries += 1
-
     def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[Proposal, float]:
         """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds). More
         pending commits than a round makes (the draft's session opened or idle while rounds went
@@ -643,7 +394,7 @@ class SpeculativeLoop:
         timeout = None if math.isinf(timeout) else timeout
         if hasattr(method, "future"):
             return method.future(request, timeout=timeout)
-        return _CONTINUATIONS.submit(method, request, timeout=timeout)
+        return CONTINUATIONS.submit(method, request, timeout=timeout)
 
     def _take_branch(self, issued: list, rejection: int | None, token: int) -> Proposal | None:
         """The next round's drafts, if the cache prepared this round's outcome (a rejection after
@@ -749,7 +500,7 @@ class SpeculativeLoop:
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
-            continuation = _CONTINUATIONS.submit(ctx.run, self._continue, k_next + 1, draws.continuation, drafts)
+            continuation = CONTINUATIONS.submit(ctx.run, self._continue, k_next + 1, draws.continuation, drafts)
         beside = continuation is not None or self._draft_opening is not None  # a continuation, the draft's prefill
         try:
             scores, target_time = self._call(
@@ -767,7 +518,7 @@ class SpeculativeLoop:
                 ),
             )
         except BaseException:
-            _wait_quietly(continuation, self._timeout())
+            wait_quietly(continuation, self._timeout())
             if continuation is not None and continuation.done() and continuation.exception() is None:
                 for _, future in continuation.result()[2]:  # the cache's branches: this round is re-run
                     future.cancel()
@@ -986,20 +737,3 @@ class SpeculativeLoop:
             if side is not None:
                 del side.pending[max(0, len(side.pending) - dropped) :]
         self.stats.generated_tokens = len(self.generated)
-
-    def flush(self) -> None:
-        """Send pending commits now (Append), so both caches hold exactly the committed prefix."""
-        drafting = self._draft_ready(wait=True)  # False: no draft, its session never opened, or lost
-        for side in (self.draft if drafting else None, self.target):
-            if side is not None and side.pending:
-                try:
-                    side.stub.Append(
-                        model_pb2.AppendRequest(session=side.ref(), token_ids=side.pending),
-                        timeout=self._timeout(),
-                    )
-                except (SessionLost, grpc.RpcError) as err:
-                    if side is self.target or not self._draft_failed(err):
-                        raise
-                    continue
-                side.length += len(side.pending)
-                side.pending = []
