@@ -112,15 +112,13 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
     return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
 
 
-def _llamacpp_batch(spec: models.ModelSpec, batch: list[list[int]], max_tokens: int) -> dict:
-    """The target service's own engine in this process (specdec.llamacpp, its threads): the c prompts
-    prefilled one after another in its chunks, then decoded greedily as one batched forward a step,
-    max_tokens each: what c sessions cost the engine alone, the bound of speculation off at c clients."""
+def _llamacpp_batch(backend, batch: list[list[int]], max_tokens: int) -> dict:
+    """The target service's own engine in this process (a specdec.llamacpp backend, its threads): the
+    c prompts prefilled one after another in its chunks, then decoded greedily as one batched forward
+    a step, max_tokens each: what c sessions cost the engine alone, the bound of speculation off at c
+    clients."""
     import torch
 
-    from specdec.llamacpp import LlamaCppBackend
-
-    backend = LlamaCppBackend(spec, default_file=models.f32_gguf_path)
     slots = [backend.new_cache() for _ in batch]
     t0 = time.perf_counter()
     last = []
@@ -163,9 +161,13 @@ def run(config: ConcurrencyConfig) -> dict:
         }
     if deploy_configs.target_runtime(config.target, config.target_backend) == "llamacpp":
         # the engine alone, batched: what bounds speculation off under load (the prompts' prefills included)
+        from specdec.llamacpp import LlamaCppBackend
+
+        backend = LlamaCppBackend(config.target, default_file=models.f32_gguf_path)  # loaded once
         rows["llama.cpp in process, batch of c"] = {
-            str(c): _llamacpp_batch(config.target, requests(c)[:c], config.max_tokens) for c in config.concurrency
+            str(c): _llamacpp_batch(backend, requests(c)[:c], config.max_tokens) for c in config.concurrency
         }
+        del backend  # its model and caches freed before the pipelines start
     modes = [("-", 0)] + [(str(k), 0) for k in config.ks]
     if config.adaptive:
         modes += [("adaptive", 0)] + [("adaptive", n) for n in config.trees]
