@@ -16,6 +16,7 @@ from bench.chaos import run as run_chaos
 from bench.chaos import text as chaos_text
 from cli import options
 from cli.generate import local_pipeline
+from orchestrator import RULES
 from specdec import models, security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -120,6 +121,13 @@ def add_bench_parser(sub) -> None:
         help="the structured-output benchmark (bench/structured.py) instead: the target alone and speculation at "
         "the first of --ks, without and with a JSON schema, per --temperatures (first --drafters, default the "
         "pair's): tokens/s, speedup, acceptance, the grammar masks' ms per token",
+    )
+    b.add_argument(
+        "--structured-rule",
+        choices=RULES,
+        default=RULES[0],
+        help="with --structured: the sampling rule of its sampled rows (default leviathan; invariant gives the "
+        "target's own sample with and without speculation, so the answers are the same length in both)",
     )
     b.add_argument(
         "--ttft",
@@ -244,6 +252,7 @@ def bench(args) -> int:
             target=config.target,
             draft=config.draft,
             out=config.out,
+            rule=args.structured_rule,
         )
         if args.quick:
             sc = structured.quick(sc)
