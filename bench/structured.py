@@ -96,7 +96,7 @@ def run(config: StructuredConfig) -> dict:
                         if constraint is not None and result["finish"] == "stop":
                             json.loads(result["text"])  # the schema's output parses (it ended with it)
                         results[(t, method, SCHEMA_ROW if constraint else FREE)] = result
-                    length = replace(bench, max_tokens=results[(t, "off", SCHEMA_ROW)]["tokens"])
+                    length = replace(bench, max_tokens=max(1, results[(t, "off", SCHEMA_ROW)]["tokens"]))
                     for method, k in cut:
                         results[(t, method, CUT)] = _specdec_generate(stub, prompt_ids, length, t, k)
                     if rep:
