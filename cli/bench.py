@@ -189,12 +189,15 @@ def bench(args) -> int:
         raise SystemExit(f"specdec bench: --llama-speculative {binary} is not an executable (make llama-tools)")
     if args.duration is not None and not (args.concurrency and 0 < args.duration < math.inf):
         raise SystemExit("specdec bench: --duration needs --concurrency and a number of seconds > 0")
+    ks = tuple(int(k) for k in floats(args.ks))
+    if not ks or min(ks) < 1:  # adaptive lookahead's bound and the timelines' k are the largest
+        raise SystemExit(f"specdec bench: --ks needs one or more lookaheads >= 1 (e.g. 4 or 2,4,8), not {args.ks!r}")
 
     config = BenchConfig(
         target=options.model_spec(args, "target-"),
         draft=options.model_spec(args, "draft-"),
         drafters=tuple(d for d in args.drafters.split(",") if d),
-        ks=tuple(int(k) for k in floats(args.ks)),
+        ks=ks,
         adaptive=not args.no_adaptive,
         measured=args.measured,
         trees=tuple(int(n) for n in floats(args.trees)),

@@ -131,6 +131,13 @@ def test_a_duration_needs_clients_and_seconds(flags):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("ks", ["", "0,4"])
+def test_ks_needs_a_lookahead(ks):
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", "--ks", ks], capture_output=True, text=True)
+    assert out.returncode == 1 and "--ks needs one or more lookaheads >= 1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_overlap_bound_is_the_busier_device():
     verify = {1: 0.050, 5: 0.090, 9: 0.110}  # seconds by tokens fed
     assert costs.verify_cost(verify, 3) == pytest.approx(0.070)  # interpolated
