@@ -112,15 +112,27 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
     return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
 
 
-def _llamacpp_batch(backend, batch: list[list[int]], max_tokens: int) -> dict:
+def _llamacpp_batch(backend, requests: list[list[int]], c: int, max_tokens: int) -> dict:
     """The target service's own engine in this process (a specdec.llamacpp backend, its threads): the
-    c prompts prefilled one after another in its chunks, then decoded greedily as one batched forward
-    a step, max_tokens each: what c sessions cost the engine alone, the bound of speculation off at c
-    clients."""
+    requests in waves of c, each wave's prompts prefilled one after another in its chunks, then decoded
+    greedily as one batched forward a step, max_tokens each: what c sessions cost the engine alone, the
+    bound of speculation off at c clients. Every c runs the same prompts (a cell's clients cycle through
+    them all), so its "x c=1" is the bound of speculation off's: one client's prefills weigh the same."""
+    t0 = time.perf_counter()
+    for first in range(0, len(requests), c):
+        _llamacpp_wave(backend, requests[first : first + c], max_tokens)
+    wall = time.perf_counter() - t0
+    return {
+        "total_tokens_per_second": len(requests) * max_tokens / wall,
+        "p50_latency": wall * c / len(requests),
+        "p99_latency": wall * c / len(requests),
+    }
+
+
+def _llamacpp_wave(backend, batch: list[list[int]], max_tokens: int) -> None:
     import torch
 
     slots = [backend.new_cache() for _ in batch]
-    t0 = time.perf_counter()
     last = []
     for slot, ids in zip(slots, batch, strict=True):
         for i in range(0, len(ids), backend.prefill_chunk):
@@ -129,10 +141,8 @@ def _llamacpp_batch(backend, batch: list[list[int]], max_tokens: int) -> dict:
     for _ in range(max_tokens - 1):
         rows = backend.forward_batch([(slot, [token], 1) for slot, token in zip(slots, last, strict=True)])
         last = [int(torch.argmax(r[-1])) for r in rows]
-    wall = time.perf_counter() - t0
     for slot in slots:
         backend.release(slot)
-    return {"total_tokens_per_second": len(batch) * max_tokens / wall, "p50_latency": wall, "p99_latency": wall}
 
 
 def run(config: ConcurrencyConfig) -> dict:
@@ -165,7 +175,7 @@ def run(config: ConcurrencyConfig) -> dict:
 
         backend = LlamaCppBackend(config.target, default_file=models.f32_gguf_path)  # loaded once
         rows["llama.cpp in process, batch of c"] = {
-            str(c): _llamacpp_batch(backend, requests(c)[:c], config.max_tokens) for c in config.concurrency
+            str(c): _llamacpp_batch(backend, requests(c), c, config.max_tokens) for c in config.concurrency
         }
         del backend  # its model and caches freed before the pipelines start
     modes = [("-", 0)] + [(str(k), 0) for k in config.ks]

@@ -29,6 +29,15 @@ measured on the Q8_0 draft:
 With all three a session's logits are bit for bit the same alone, batched with others, under
 churn and after a re-prefill.
 
+A step whose streams skip an id (a session between two requests, a freed one) would be two
+ubatches, each reading every weight: a gap cost the F32 target's step of 8 sessions 50.7 -> 68.5 ms
+and of 16, 76 -> 99 ms (three gaps: 131). So a short gap is filled (MAX_FILL): each missing
+stream gets one token without logits at its next position, removed after the decode
+(llama_memory_seq_rm, as a rollback removes a rejected draft), and the step is one ubatch. The
+filled stream is as it was: its next token takes the same cell (a rollback's guarantee). Filled,
+the F32 target's step of 8 with one gap cost 43.5 ms (61.2 split), with three 42.2 (89.4); the Q8_0
+draft's 26.6 (34.5) and 26.1 (36.2).
+
 A shared prompt prefix (specdec.prefix) is copied from one session's stream to another's with
 llama.cpp's per-sequence state (llama_state_seq_get_data / set_data: the source's cells, in
 position order, written to the empty destination stream from its first cell), then cut to the
@@ -66,6 +75,12 @@ from specdec.kvcache import Slot
 SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 MAX_SEQUENCES = 16  # sessions one context holds; more: RESOURCE_EXHAUSTED (the KV of all, allocated at start)
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
+# A gap of at most this many stream ids in a step is filled (module docstring): while its fillers cost
+# less than the second ubatch. A filler costs a token's share of a batched step (the F32 target: 3.5 ms,
+# the Q8_0 draft: 2.4), the second ubatch about one session's step (19 ms, 7.5 ms).
+MAX_FILL = 2
+F32_MAX_FILL = 4
+FILL_TOKEN = 0  # what fills it (never read: no logits, removed after the decode)
 UBATCH_TOKENS = 32  # tokens of one session a ubatch holds: under the tiled attention kernel's 64
 # An F32 model's ubatch (plain attention): its prefill of 1,336 tokens on 2 cores took 5.7 s in
 # 128-token ubatches against 6.5 s in 32-token ones (in process, medians of 4; 512: 6.2 s).
@@ -114,7 +129,7 @@ class LlamaCppBackend:
         params = llama_cpp.llama_context_default_params()
         # A stream of n_ctx cells per session, so a session's logits are its own (module docstring).
         params.n_ctx = MAX_SEQUENCES * n_ctx
-        params.n_batch = BATCH_TOKENS
+        params.n_batch = BATCH_TOKENS + MAX_SEQUENCES  # a step's tokens and its fillers
         params.n_seq_max = MAX_SEQUENCES
         params.kv_unified = False
         # Sliding-window layers (Gemma 2/3) keep every cell, not the window's: a rollback then leaves
@@ -126,8 +141,10 @@ class LlamaCppBackend:
             params.type_k = params.type_v = GGML_TYPE_F32
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             params.n_ubatch = F32_UBATCH_TOKENS
+            self.max_fill = F32_MAX_FILL
         else:
             params.n_ubatch = UBATCH_TOKENS
+            self.max_fill = MAX_FILL
         # Prompt tokens a prefill step feeds (specdec.engine): one ubatch. A quantised draft's
         # prefill costs the same in chunks of 32 as of 128 (700 tokens on one core: 5.8 s against
         # 5.5-5.9), and a generation that ends cancels its draft's prefill between two chunks: the
@@ -136,8 +153,11 @@ class LlamaCppBackend:
         params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._llama = llama_cpp
-        self._batch = _internals.LlamaBatch(n_tokens=BATCH_TOKENS, embd=0, n_seq_max=1, verbose=False)
+        self._batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
         self._free = list(range(MAX_SEQUENCES))
+        self._slots: dict[int, Slot] = {}  # the sessions' streams by id: where a filler goes
+        self._n_ctx = n_ctx
+        self.filled = 0  # filler tokens decoded so far (the module docstring)
         self.vocab_size = int(self._model.n_vocab())
         self.max_context = min(n_ctx, int(self._model.n_ctx_train()))
         self.eos_token_ids = [int(self._model.token_eos())]
@@ -152,7 +172,9 @@ class LlamaCppBackend:
         if not self._free:
             raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
         self._free.sort()
-        return Slot(self._free.pop(0))  # the lowest: a step's sessions stay consecutive streams
+        slot = Slot(self._free.pop(0))  # the lowest: a step's sessions stay consecutive streams
+        self._slots[slot.index] = slot
+        return slot
 
     def set_threads(self, n: int) -> None:
         self._llama.llama_set_n_threads(self._ctx.ctx, n, n)
@@ -160,6 +182,7 @@ class LlamaCppBackend:
 
     def release(self, cache: Slot) -> None:
         self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
+        self._slots.pop(cache.index, None)
         self._free.append(cache.index)
 
     def free_caches(self) -> int:
@@ -199,25 +222,31 @@ class LlamaCppBackend:
         return logits
 
     def _decode(self, items) -> list[torch.Tensor]:
+        """One llama_decode of the items (in increasing streams), the short gaps between them filled."""
         batch = self._batch.batch
         batch.n_tokens = 0
-        first = []  # the batch index of each item's first position with logits
-        for slot, tokens, n_logits in items:
+        for _, tokens, n_logits in items:
             assert len(tokens) <= BATCH_TOKENS, "a prompt is fed in chunks of prefill_chunk tokens (specdec.engine)"
             assert 1 <= n_logits <= len(tokens), (n_logits, len(tokens))
+        fillers = self._fillers([slot.index for slot, _, _ in items])
+        entries = [(slot.index, slot.length, tokens, n_logits) for slot, tokens, n_logits in items]
+        first = []  # the batch index of each item's first position with logits
+        for stream, position, tokens, n_logits in sorted(entries + [(*f, [FILL_TOKEN], 0) for f in fillers]):
             wanted = len(tokens) - n_logits
             for i, token in enumerate(tokens):
-                j = batch.n_tokens
-                batch.token[j], batch.pos[j] = token, slot.length + i
-                batch.seq_id[j][0], batch.n_seq_id[j] = slot.index, 1
-                batch.logits[j] = i >= wanted
-                batch.n_tokens += 1
-            first.append(batch.n_tokens - n_logits)
-        code = self._llama.llama_decode(self._ctx.ctx, batch)
+                _put(batch, stream, position + i, token, i >= wanted)
+            if n_logits:  # an item's (a filler has none)
+                first.append(batch.n_tokens - n_logits)
+        try:
+            code = self._llama.llama_decode(self._ctx.ctx, batch)
+        finally:
+            for stream, position in fillers:  # each stream as it was (a rollback)
+                self._ctx.kv_cache_seq_rm(stream, position, -1)
         if code == 1:  # nothing was placed: the batch can be run again (alone, by the worker)
             raise ResourceExhausted(f"a session's llama.cpp KV stream ({self.max_context} cells) is full; retry later")
         if code != 0:
             raise RuntimeError(f"llama_decode failed with code {code}")
+        self.filled += len(fillers)
         for slot, tokens, _ in items:
             slot.length += len(tokens)
         # llama.cpp stores the rows asked for contiguously in batch order: an item's rows follow
@@ -226,6 +255,20 @@ class LlamaCppBackend:
             torch.from_numpy(np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(n, self.vocab_size)))
             for j, (_, _, n) in zip(first, items, strict=True)
         ]
+
+    def _fillers(self, streams: list[int]) -> list[tuple[int, int]]:
+        """(stream, position) of a filler for each id missing between the increasing `streams`,
+        where a gap is at most max_fill ids, the fillers are no more than the sessions, and the gap's
+        streams have a free cell; the others stay gaps."""
+        out = []
+        for before, after in zip(streams, streams[1:]):
+            gap = range(before + 1, after)
+            if not 0 < len(gap) <= self.max_fill or len(out) + len(gap) > len(streams):
+                continue  # too long a gap, or more fillers than sessions: two ubatches cost less
+            positions = [self._slots[i].length if i in self._slots else 0 for i in gap]
+            if all(position < self._n_ctx for position in positions):
+                out += zip(gap, positions)
+        return out
 
     def crop(self, cache: Slot, keep: int) -> None:
         if keep < cache.length:
@@ -241,6 +284,15 @@ class LlamaCppBackend:
         if (digest := self.__dict__.get("_tokenizer_digest")) is None:
             digest = self.__dict__["_tokenizer_digest"] = vocab_digest(self.tokenizer)
         return digest
+
+
+def _put(batch, stream: int, position: int, token: int, logits: bool) -> None:
+    """A token of `stream` at `position` at the end of a llama_batch."""
+    j = batch.n_tokens
+    batch.token[j], batch.pos[j] = token, position
+    batch.seq_id[j][0], batch.n_seq_id[j] = stream, 1
+    batch.logits[j] = logits
+    batch.n_tokens += 1
 
 
 def _file_type(model) -> int:

@@ -194,6 +194,28 @@ def test_llamacpp_target_greedy_equals_transformers():
     assert len(sampled[0]) == 12 and sampled[0] == sampled[1]  # seeded, from a fresh state each time
 
 
+@pytest.mark.real_model
+def test_the_engine_row_runs_every_prompt_at_every_concurrency():
+    """The engine alone's row (the bound of speculation off) runs all of a cell's prompts at every c,
+    in waves of c: its "x c=1" weighs the same prefills as the clients' (who cycle through them all)."""
+    from specdec import models
+    from specdec.llamacpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(models.ModelSpec(models.DEFAULT_ALIAS))
+    free = backend.free_caches()
+    steps, forward = [], backend.forward_batch
+    backend.forward_batch = lambda items: steps.append([len(tokens) for _, tokens, _ in items]) or forward(items)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    for c in (1, 2, 4):
+        steps.clear()
+        cell = concurrency._llamacpp_batch(backend, prompts, c, 3)
+        prefills = sorted(widths[0] for widths in steps if widths[0] > 1)
+        decodes = [widths for widths in steps if widths[0] == 1]
+        assert prefills == [2, 2, 3, 4], c  # every prompt, once
+        assert decodes == [[1] * c] * (2 * len(prompts) // c), c  # max_tokens - 1 batched steps a wave
+        assert cell["total_tokens_per_second"] > 0 and backend.free_caches() == free
+
+
 def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, tmp_path):
     """--concurrency with --trees: adaptive rows with draft trees beside the chains-only one."""
     from specdec.models import ModelSpec

@@ -416,3 +416,53 @@ def test_sessions_batched_together_equal_each_alone(services, prompts):
         prompt = list(requests[0].token_ids.ids)
         assert_equal_but_near_ties(services.target, prompt, list(got[0]), list(expected[0]), "batched")
     assert open_sessions(services.target) == 0 and open_sessions(services.draft) == 0
+
+
+@real_model
+@pytest.mark.parametrize("which", ["draft", "target"])
+def test_a_filled_gap_leaves_every_stream_as_it_was(backends, prompts, which):
+    """Steps whose streams skip ids: a short gap is filled (a token in each missing stream, removed
+    after the decode) so that the step is one ubatch. Every session's logits, the skipped ones' after
+    their fillers included, are those of the session alone: bit for bit on the Q8_0 draft (whose
+    numbers the Leviathan rule reads), up to the rounding that any batch moves them by on the F32
+    target (test_shape_moves_logits_only_in_the_last_bits): a stale filler would move them far more."""
+    backend = backends[0 if which == "draft" else 1]
+    rng = np.random.default_rng(3)
+    n, steps = 6, 8
+    own = [[int(t) for t in rng.integers(0, 5000, steps)] for _ in range(n)]  # each session's tokens
+
+    def skipped(t: int) -> set[int]:  # gaps of 1 (session 2), and of 3 (1 to 3) every third step
+        return {1, 2, 3} if t % 3 == 0 else {2} if t % 2 == 0 else set()
+
+    caches = [backend.new_cache() for _ in range(n)]
+    filled = backend.filled
+    together = [[] for _ in range(n)]
+    try:
+        for i, cache in enumerate(caches):
+            backend.forward(cache, prompts[i % len(prompts)], 1)
+        fed = [0] * n
+        for t in range(3 * steps):
+            items = [(c, [own[i][fed[i]]], 1) for i, c in enumerate(caches) if i not in skipped(t) and fed[i] < steps]
+            if not items:
+                continue
+            for (cache, _, _), rows in zip(items, backend.forward_batch(items), strict=True):
+                i = caches.index(cache)
+                together[i].append(rows[0].clone())
+                fed[i] += 1
+        assert fed == [steps] * n
+    finally:
+        for cache in caches:
+            backend.release(cache)
+    assert backend.filled > filled  # the gaps of 1 were filled
+    for i in range(n):
+        alone = backend.new_cache()
+        try:
+            backend.forward(alone, prompts[i % len(prompts)], 1)
+            expected = [backend.forward(alone, [token], 1)[0].clone() for token in own[i]]
+        finally:
+            backend.release(alone)
+        for got, want in zip(together[i], expected, strict=True):
+            if which == "draft":
+                assert torch.equal(got, want), i
+            else:
+                assert float((got - want).abs().max()) < NEAR_TIE / 10 and got.argmax() == want.argmax(), i
