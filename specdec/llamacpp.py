@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -261,13 +262,13 @@ class LlamaCppBackend:
         where a gap is at most max_fill ids, the fillers are no more than the sessions, and the gap's
         streams have a free cell; the others stay gaps."""
         out = []
-        for before, after in zip(streams, streams[1:]):
+        for before, after in itertools.pairwise(streams):
             gap = range(before + 1, after)
             if not 0 < len(gap) <= self.max_fill or len(out) + len(gap) > len(streams):
                 continue  # too long a gap, or more fillers than sessions: two ubatches cost less
             positions = [self._slots[i].length if i in self._slots else 0 for i in gap]
             if all(position < self._n_ctx for position in positions):
-                out += zip(gap, positions)
+                out += zip(gap, positions, strict=True)
         return out
 
     def crop(self, cache: Slot, keep: int) -> None:
