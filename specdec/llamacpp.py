@@ -30,8 +30,7 @@ With all three a session's logits are bit for bit the same alone, batched with o
 churn and after a re-prefill.
 
 A step whose streams skip an id (a session between two requests, a freed one) would be two
-ubatches, each reading every weight: a gap cost the F32 target's step of 8 sessions 50.7 -> 68.5 ms
-and of 16, 76 -> 99 ms (three gaps: 131). So a short gap is filled (MAX_FILL): each missing
+ubatches, each reading every weight. So a short gap is filled (MAX_FILL): each missing
 stream gets one token without logits at its next position, removed after the decode
 (llama_memory_seq_rm, as a rollback removes a rejected draft), and the step is one ubatch. The
 filled stream is as it was: its next token takes the same cell (a rollback's guarantee). Filled,
@@ -155,8 +154,7 @@ class LlamaCppBackend:
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._llama = llama_cpp
         self._batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
-        self._free = list(range(MAX_SEQUENCES))
-        self._slots: dict[int, Slot] = {}  # the sessions' streams by id: where a filler goes
+        self._slots: dict[int, Slot] = {}  # the sessions' streams by id (the others are free): where a filler goes
         self._n_ctx = n_ctx
         self.filled = 0  # filler tokens decoded so far (the module docstring)
         self.vocab_size = int(self._model.n_vocab())
@@ -170,11 +168,11 @@ class LlamaCppBackend:
         return self._tokenizer()
 
     def new_cache(self) -> Slot:
-        if not self._free:
+        # the lowest free id: a step's sessions stay consecutive streams
+        index = next((i for i in range(MAX_SEQUENCES) if i not in self._slots), None)
+        if index is None:
             raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
-        self._free.sort()
-        slot = Slot(self._free.pop(0))  # the lowest: a step's sessions stay consecutive streams
-        self._slots[slot.index] = slot
+        slot = self._slots[index] = Slot(index)
         return slot
 
     def set_threads(self, n: int) -> None:
@@ -184,10 +182,9 @@ class LlamaCppBackend:
     def release(self, cache: Slot) -> None:
         self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
         self._slots.pop(cache.index, None)
-        self._free.append(cache.index)
 
     def free_caches(self) -> int:
-        return len(self._free)
+        return MAX_SEQUENCES - len(self._slots)
 
     def copy_prefix(self, src: Slot, dst: Slot, n: int) -> None:
         """Stream dst holds src's first n positions (the module docstring)."""
