@@ -5,8 +5,9 @@ For each concurrency c, c clients at once send greedy `Generate` calls over gRPC
 flight; with --duration, each client sends them back to back for that many seconds: a steady
 load), for speculation off, each fixed k and adaptive k (and with --trees, adaptive k with draft
 trees of each node budget: each round a tree or a chain, whichever measured faster; with
---measured, the lookahead unset: the server's default), per drafter.
-Reported per cell:
+--measured, the lookahead unset: the server's default), per drafter. The methods of one c run
+side by side (with --duration, half the time each in order and half in reverse: `schedule`), so a
+column's ratios are not a drift of the machine between cells minutes apart. Reported per cell:
 total tokens/s (all tokens over the wall time of the whole cell), per-request tokens/s
 (median), p50 and p99 latency (nearest rank). Side by side, what a user would otherwise run
 in one process: transformers `generate` of one request at a time (with the process's threads,
@@ -60,9 +61,14 @@ def nearest_rank(values: list[float], q: float) -> float:
 
 
 def _cell(requests: list, c: int, generate, duration: float | None = None) -> dict:
+    """Run `generate(ids)` over the requests, c at a time (see _runs): tokens and latencies."""
+    return summarise([_runs(requests, c, generate, duration)])
+
+
+def _runs(requests: list, c: int, generate, duration: float | None = None) -> tuple[list[dict], float]:
     """Run `generate(ids)` over the requests, c at a time; with `duration`, each of c clients
-    cycles through them from its own offset until `duration` seconds have passed. Tokens and
-    latencies.
+    cycles through them from its own offset until `duration` seconds have passed. (The runs,
+    the wall time.)
 
     One client runs on the calling thread: the in-process `generate` rows ran at 0.55-0.6x their
     speed on a pool thread once the main thread had run a forward (torch's OpenMP on a second
@@ -85,7 +91,14 @@ def _cell(requests: list, c: int, generate, duration: float | None = None) -> di
         runs = each(generate, requests)
     else:
         runs = [run for done in each(client, range(c)) for run in done]
-    wall = time.perf_counter() - t0
+    return runs, time.perf_counter() - t0
+
+
+def summarise(parts: list[tuple[list[dict], float]]) -> dict:
+    """A cell from its parts' (runs, wall time): total tokens over the total wall time, the median
+    request's tokens/s, p50 and p99 latency over every run."""
+    runs = [run for done, _ in parts for run in done]
+    wall = sum(seconds for _, seconds in parts)
     latencies = [r["wall"] for r in runs]
     return {
         "requests": len(runs),
@@ -95,6 +108,18 @@ def _cell(requests: list, c: int, generate, duration: float | None = None) -> di
         "p50_latency": nearest_rank(latencies, 0.5),
         "p99_latency": nearest_rank(latencies, 0.99),
     }
+
+
+def schedule(methods: int, concurrency: tuple[int, ...], duration: float | None) -> list[tuple[int, int, float | None]]:
+    """The order of a pipeline's cells: (c, method, seconds), the methods of one c side by side, so
+    a column's ratios are of cells run minutes apart at most (these machines drift by up to 2x over
+    minutes). With a duration each method runs half of it in the methods' order, then half in the
+    reverse order: every method's cell is centred on the same moment, and a steady drift slows
+    them alike. A cell of one wave cannot be halved: the order alternates from one c to the next."""
+    order = list(range(methods))
+    if duration is None:
+        return [(c, m, None) for i, c in enumerate(concurrency) for m in (order if i % 2 == 0 else order[::-1])]
+    return [(c, m, duration / 2) for c in concurrency for m in order + order[::-1]]
 
 
 def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict:
@@ -199,6 +224,7 @@ def run(config: ConcurrencyConfig) -> dict:
             )
             pipeline = stack.enter_context(LocalPipeline(cfg, log=print))
             stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
+            methods = []  # (row name, generate), in the table's order
             for mode, nodes in modes if i == 0 else modes[1:]:
                 name = "specdec-off" if mode == "-" else f"specdec {drafter} k={mode}"
                 name += f" tree {nodes}" if nodes else ""
@@ -208,8 +234,13 @@ def run(config: ConcurrencyConfig) -> dict:
                 def generate(ids, stub=stub, mode=mode, nodes=nodes):
                     return _specdec_generate(stub, ids, bench, 0.0, mode, tree_nodes=nodes)
 
-                for c in config.concurrency:
-                    rows[name][str(c)] = _cell(requests(c), c, generate, config.duration)
+                methods.append((name, generate))
+            parts: dict[tuple[str, int], list] = {}
+            for c, m, seconds in schedule(len(methods), config.concurrency, config.duration):
+                name, generate = methods[m]
+                parts.setdefault((name, c), []).append(_runs(requests(c), c, generate, seconds))
+                if len(parts[name, c]) == (1 if seconds is None else 2):
+                    rows[name][str(c)] = summarise(parts[name, c])
                     print(f"{name} c={c}: {rows[name][str(c)]['total_tokens_per_second']:.1f} tok/s", flush=True)
             stack.close()  # one pipeline at a time: they share the cores
     results = {"config": {k: str(v) for k, v in asdict(config).items()}, "rows": rows}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,34 @@ def test_a_concurrency_cell_holds_c_clients_for_its_duration():
     steady = concurrency._cell(["a", "b", "c", "d"], 2, generate, duration=0.3)
     assert steady["requests"] == len(sent) > 8 and flight[1] == 2 and set(sent) == {"a", "b", "c", "d"}
     assert steady["total_tokens_per_second"] == pytest.approx(2 * len(sent) / 0.3, rel=0.25)
+
+
+def test_the_methods_of_one_concurrency_run_side_by_side():
+    """A column's cells run together; with a duration, each method half the time in order and half
+    in reverse, so every method's cell is centred on the same moment (a linear drift of the machine
+    slows them alike); one wave a cell alternates the order from one c to the next."""
+    steady = concurrency.schedule(3, (1, 8), 60.0)
+    assert [(c, m) for c, m, _ in steady] == [(1, 0), (1, 1), (1, 2), (1, 2), (1, 1), (1, 0)] + [
+        (8, 0),
+        (8, 1),
+        (8, 2),
+        (8, 2),
+        (8, 1),
+        (8, 0),
+    ]
+    assert all(seconds == 30.0 for _, _, seconds in steady)
+    for m in range(3):  # the mean position of each method's halves, in a column of 6 slots
+        assert statistics.mean(i for i, (_, n, _) in enumerate(steady[:6]) if n == m) == 2.5
+    waves = concurrency.schedule(2, (1, 2, 4), None)
+    assert waves == [(1, 0, None), (1, 1, None), (2, 1, None), (2, 0, None), (4, 0, None), (4, 1, None)]
+
+
+def test_a_cell_of_two_halves_counts_both():
+    half = ([{"tokens": 10, "wall": 1.0, "tokens_per_second": 10.0}] * 3, 3.0)
+    other = ([{"tokens": 10, "wall": 2.0, "tokens_per_second": 5.0}], 2.0)
+    cell = concurrency.summarise([half, other])
+    assert cell["requests"] == 4 and cell["tokens"] == 40 and cell["total_tokens_per_second"] == 8.0
+    assert cell["p99_latency"] == 2.0 and cell["request_tokens_per_second"] == 10.0
 
 
 @pytest.mark.parametrize("duration", [None, 0.05])
