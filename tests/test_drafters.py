@@ -261,6 +261,25 @@ def test_under_load_the_regime_that_commits_more_a_second_is_taken():
     assert costs.measured_choice(16, priced=False) is False and costs.measured_choice(16, priced=True) is True
 
 
+def test_a_fixed_k_under_load_calibrates_the_price_at_its_load():
+    """A request that names k speculates under load whatever the price says; its quiet rounds are
+    compared with their price as the policy's are, so that adaptive lookahead at that load starts
+    from what they measured, not from the formula's promise (after k = 4 at 8 clients, the formula
+    uncalibrated promised 1.69x, and adaptive lookahead spent 8 s of a 60 s cell measuring
+    speculation at 0.4x). Alone a fixed k is not priced (the price is the formula's there)."""
+    costs = PairCosts()
+    eight = loaded(8, 4.0, costs)
+    assert costs.calibration(8) is None and eight._best_k() > 0 and eight.promised > 1 + UNPROVEN
+    alone = AdaptiveLookahead(k_max=4, fixed=True, costs=costs)
+    assert alone._best_k() == 4 and alone.priced is None
+    fixed = AdaptiveLookahead(k_max=4, overlap=True, fixed=True, load=lambda: 8, costs=costs)
+    for _ in range(16):  # two steps of 8 generations' rounds, each 2.5 times its price
+        assert fixed._best_k() == 4
+        fixed.update(4, 2, DraftCost(0.2, 4, 0.2, 4, 32), 0.15, 40, 0.15, 8, round_seconds=2.5 * fixed.priced[0])
+    assert costs.calibration(8) == pytest.approx(0.4, rel=0.01)
+    assert eight.promised * 0.4 < 1 and eight._best_k() == 0 and costs.rates == {}  # nothing to measure
+
+
 def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_load():
     """The price misses more of a speculating round's time at some loads than at others
     (measured over quiet rounds: 0.9-1.4 of it at 8 clients, 1.5-2.2 at 16). The pair keeps each
