@@ -355,13 +355,12 @@ class AdaptiveLookahead:
         rounds, t0 = pricing
         if self.fixed:  # the cheaper kind of round at k_max
             k = self.k_max
-            self.overlapping = self.overlap and round_time(alpha, k, rounds[True], True) <= round_time(
-                alpha, k, rounds[False], False
-            )
+            times = {mode: round_time(alpha, k, rounds[mode], mode) for mode in (True, False)}
+            self.overlapping = self.overlap and times[True] <= times[False]
             if n == 1:
                 return k
             if not self.measured:  # under load its rounds calibrate the price (see Calibration)
-                self.priced = (round_time(alpha, k, rounds[self.overlapping], self.overlapping), t0, n)
+                self.priced = (times[self.overlapping], t0, n)
                 return k
         else:
             k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
