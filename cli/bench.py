@@ -144,6 +144,26 @@ def add_bench_parser(sub) -> None:
         metavar="N",
         help="with --ttft: the system prompt cut to its first N characters (default 0: whole)",
     )
+    b.add_argument(
+        "--serving",
+        default="",
+        metavar="CLIENTS",
+        help="comma list of concurrent clients (e.g. 1,8,64,256): the serving-path benchmark (bench/serving.py) "
+        "instead: stand-in models that cost no core (--standins), closed-loop gRPC clients, tokens/s of each "
+        "--serving-methods beside c x one client, and each process's CPU per token; --duration s a cell (15)",
+    )
+    b.add_argument(
+        "--serving-methods",
+        default="off,k4,adaptive,default",
+        metavar="LIST",
+        help="with --serving: comma list of off, kN (a fixed k), adaptive, default (default off,k4,adaptive,default)",
+    )
+    b.add_argument(
+        "--standins",
+        default="10,2,0.8",
+        metavar="TARGET_MS,DRAFT_MS,AGREE",
+        help="with --serving: the target's and the draft's forward in ms and their agreement (default 10,2,0.8)",
+    )
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
     options.add_model_flags(b, models.DEFAULT_TARGET_DTYPE, "target-")
     options.add_model_flags(b, models.DEFAULT_DRAFT_DTYPE, "draft-")
@@ -178,17 +198,19 @@ def add_loadtest_parser(sub) -> None:
 
 
 def bench(args) -> int:
-    from bench.run import BenchConfig  # torch and the models: only for this command
-    from bench.run import main as run_bench
-
     def floats(text):
         return tuple(float(x) for x in text.split(",") if x)
+
+    if args.serving:
+        return _serving(args, floats)
+    from bench.run import BenchConfig  # torch and the models: only for this command
+    from bench.run import main as run_bench
 
     binary = args.llama_speculative
     if binary and not (binary.is_file() and os.access(binary, os.X_OK)):
         raise SystemExit(f"specdec bench: --llama-speculative {binary} is not an executable (make llama-tools)")
     if args.duration is not None and not (args.concurrency and 0 < args.duration < math.inf):
-        raise SystemExit("specdec bench: --duration needs --concurrency and a number of seconds > 0")
+        raise SystemExit("specdec bench: --duration needs --concurrency (or --serving) and a number of seconds > 0")
     ks = tuple(int(k) for k in floats(args.ks))
     if not ks or min(ks) < 1:  # adaptive lookahead's bound and the timelines' k are the largest
         raise SystemExit(f"specdec bench: --ks needs one or more lookaheads >= 1 (e.g. 4 or 2,4,8), not {args.ks!r}")
@@ -368,6 +390,29 @@ def chaos(args) -> int:
 
 
 COMMANDS = {"bench": bench, "loadtest": load_test, "chaos": chaos}
+
+
+def _serving(args, floats) -> int:
+    from bench import serving  # no torch in this process: the stand-ins run in the services
+
+    try:
+        target_ms, draft_ms, agreement = floats(args.standins)
+        config = serving.ServingConfig(
+            clients=tuple(int(c) for c in floats(args.serving)),
+            methods=tuple(m for m in args.serving_methods.split(",") if m),
+            target_ms=target_ms,
+            draft_ms=draft_ms,
+            agreement=agreement,
+            max_tokens=args.max_tokens,
+            duration=15.0 if args.duration is None else args.duration,
+        )
+    except ValueError as err:
+        raise SystemExit(f"specdec bench --serving: {err}") from None
+    cells = serving.run(config)
+    print(serving.table(cells, config))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps(serving.as_json(cells, config), indent=2))
+    return 0
 
 
 def _one_drafter(args, config) -> str:

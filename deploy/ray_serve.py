@@ -166,12 +166,7 @@ def application(config: ServeConfig):
 
     pair = config.pair
     admission = pair.orchestrator.admission
-    bundles = [
-        _bundle(
-            pair.draft_resources.bundle(), {"CPU": pair.orchestrator_cpus}
-        ),  # the replica (the orchestrator) and the draft
-        pair.target_resources.bundle(),
-    ]
+    bundles = pair_bundles(pair)
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     pairs = serve.deployment(
         serve_replicas.Pair,
@@ -207,6 +202,39 @@ def application(config: ServeConfig):
     return door.bind(pairs, door_config)
 
 
+def pair_bundles(pair: RayDeployConfig) -> list[dict[str, float]]:
+    """A pair's placement group: the replica (its orchestrator) with the draft, and the target."""
+    return [_bundle(pair.draft_resources.bundle(), {"CPU": pair.orchestrator_cpus}), pair.target_resources.bundle()]
+
+
+def check_fits(config: ServeConfig, cluster: dict[str, float] | None = None, nodes: int | None = None) -> None:
+    """Refuse at once a deployment the cluster cannot place (Serve would wait for it without an
+    error, saying every 30 s that a replica has not been scheduled): what its pairs need (the
+    replicas it starts with) against what the cluster has (`cluster`, `nodes`: Ray's, by default)."""
+    import ray
+
+    cluster = ray.cluster_resources() if cluster is None else cluster
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive")) if nodes is None else nodes
+    pair = config.pair
+    count = config.min_replicas if config.autoscaled else config.replicas
+    each = _bundle(*pair_bundles(pair))
+    short = {k: v * count for k, v in each.items() if v * count > cluster.get(k, 0.0) + 1e-9}
+    if short:
+        need = ", ".join(f"{v:g} {k}" for k, v in short.items())
+        has = ", ".join(f"{cluster.get(k, 0.0):g} {k}" for k in short)
+        per = ", ".join(f"{v:g} {k}" for k, v in each.items())
+        raise RuntimeError(
+            f"the cluster cannot place {count} pair(s): they need {need} ({per} a pair), the cluster has {has}; "
+            "give fewer --replicas (--min-replicas), fewer resources a pair (--draft-cpus, --target-cpus, "
+            "--target-gpus ...), or add nodes"
+        )
+    if pair.placement == "spread" and count and nodes < 2:
+        raise RuntimeError(
+            f"--placement spread puts a pair's draft and target on two nodes; the cluster has {nodes} node(s): "
+            "add a node, or use --placement pack"
+        )
+
+
 def _bundle(*parts: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in parts:
@@ -233,6 +261,7 @@ def up(config: ServeConfig, log: Callable[[str], None] = lambda msg: None) -> Se
         raise RuntimeError(
             f"a Serve application named {name!r} is already up: run `specdec ray down --name {name}` first"
         )
+    check_fits(config)
     t0 = time.perf_counter()
     options = serve_options(config)
     serve.start(**options)

@@ -7,7 +7,7 @@ import time
 
 from draft_service.drafters import MODEL, Drafter
 from specdec import validation, wire
-from specdec.engine import SessionEngine
+from specdec.engine import SessionCall, SessionEngine
 from specdec.lifecycle import serve_model
 from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
@@ -32,11 +32,17 @@ def _metered(proposal, steps: list):
 
 
 class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine: SessionEngine, drafter: Drafter = MODEL):
-        super().__init__(engine)
+    service_name = SERVICE_NAME
+
+    def __init__(self, engine: SessionEngine, drafter: Drafter = MODEL, telemetry=None):
+        super().__init__(engine, telemetry)
         self.drafter = drafter
 
     def Propose(self, request, context):
+        return self.engine.run_call(self.propose_call(request), context)
+
+    def propose_call(self, request: model_pb2.ProposeRequest) -> SessionCall:
+        """A Propose, validated, for the model worker (the unary RPC's and the step stream's)."""
         validation.propose_request(request, self.engine.backend.vocab_size)
         ref = request.session
 
@@ -97,17 +103,23 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                     response.runner_up_probs.append(second_prob)
             return response
 
-        threads = validation.threads(request)
-        return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
+        return SessionCall(ref.session_id, ref.expected_length, run, validation.threads(request))
 
     def ProposalRow(self, request, context):
+        return self.engine.run_call(self.row_call(request), context)
+
+    def row_call(self, request: model_pb2.ProposalRowRequest) -> SessionCall:
+        """A ProposalRow, for the model worker."""
         ref = request.session
 
         def row(session):
             token = request.token_id if request.HasField("token_id") else None
             return wire.encode_row(self.drafter.proposal_row(session, request.position, token))
 
-        return self.engine.call(ref.session_id, ref.expected_length, row, context)
+        return SessionCall(ref.session_id, ref.expected_length, row)
+
+    def step_calls(self) -> dict:
+        return {"propose": ("Propose", self.propose_call), "proposal_row": ("ProposalRow", self.row_call)}
 
 
 def serve(
@@ -128,8 +140,8 @@ def serve(
     (specdec.lifecycle).
     """
 
-    def add_servicer(engine, server):
-        model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter), server)
+    def add_servicer(engine, server, telemetry):
+        model_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(engine, drafter, telemetry), server)
 
     return serve_model(
         backend,

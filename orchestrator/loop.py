@@ -65,6 +65,9 @@ MAX_REOPENS_PER_ROUND = 8
 # ROUND_OVERHEAD_SHARE of it (decode_steps), up to MAX_PLAIN_STEPS: 4 on a CPU's 25 ms step, 12 on a
 # GPU's 4 ms one. The stream gets a round's tokens together (4 steps: ~0.1 s on a CPU; 16: ~0.06 s on a GPU).
 PLAIN_STEPS = 4
+# Generations running in this orchestrator past which a fixed k's greedy or invariant rounds no
+# longer overlap (SpeculativeLoop._overlapping).
+OVERLAP_LOAD = 4
 MAX_PLAIN_STEPS = 16
 ROUND_OVERHEAD_SHARE = 0.05
 
@@ -177,8 +180,14 @@ class SpeculativeLoop(GenerationSessions):
 
     @property
     def _overlapping(self) -> bool:
-        """Whether the rounds overlap where allowed: the policy's choice, else always."""
-        return self.policy is None or self.policy.overlapping
+        """Whether the rounds overlap where allowed: the policy's choice; else always, but under load
+        where the text does not depend on the schedule (greedy, the invariant rule): past
+        OVERLAP_LOAD generations the services are kept busy by the other generations' rounds, and a
+        continuation (with the speculation cache's branches) is draft work that a rejection throws
+        away, on a draft every session shares."""
+        if self.policy is not None:
+            return self.policy.overlapping
+        return not (self.config.coupled and RUNNING.count() > OVERLAP_LOAD)
 
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -349,7 +358,7 @@ class SpeculativeLoop(GenerationSessions):
         """Whether the speculation cache serves this generation: overlapped chains whose output does
         not depend on their drafts (greedy, the invariant rule): see orchestrator.speculation_cache."""
         cfg = self.config
-        return cfg.cache and cfg.coupled and self.overlap and not cfg.tree_nodes
+        return cfg.cache and cfg.coupled and self.overlap and self._overlapping and not cfg.tree_nodes
 
     def _continue(self, k: int, uniforms, drafts: Proposal):
         """An overlapped round's continuation: k drafts past `drafts` (taken as accepted), then, with

@@ -10,6 +10,7 @@ from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate,
 from orchestrator.loop import RUNNING, SessionLost
 from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
+from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits, RecoveryConfig
@@ -20,6 +21,7 @@ from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
+DRAFT_SERVICE, TARGET_SERVICE = "specdec.v1.DraftService", "specdec.v1.TargetService"
 DRAFT_START_WAIT = 10.0  # seconds the orchestrator's start waits for its draft before serving without it
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a client request; beyond it gRPC answers RESOURCE_EXHAUSTED
 
@@ -56,7 +58,10 @@ def connect(
     def channel(address: str, wait: float) -> grpc.Channel:
         return telemetry.channel(_channel(address, wait, security))
 
-    target = ResilientStub(model_pb2_grpc.TargetServiceStub, target_address, channel, "target", recovery, wait_seconds)
+    # Propose, ProposalRow and Score on each service's step stream (orchestrator.step_link), the rest unary.
+    target_stub = step_stub(model_pb2_grpc.TargetServiceStub, TARGET_SERVICE, TARGET_STEPS, telemetry)
+    draft_stub = step_stub(model_pb2_grpc.DraftServiceStub, DRAFT_SERVICE, DRAFT_STEPS, telemetry)
+    target = ResilientStub(target_stub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     target_health = Availability("target", lambda: target.address, target.probe, recovery)
     tokenizer = load_tokenizer(target.GetTokenizer(model_pb2.GetTokenizerRequest()))
@@ -67,9 +72,7 @@ def connect(
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
     if draft_address:
         wait = min(wait_seconds, DRAFT_START_WAIT)
-        draft = ResilientStub(
-            model_pb2_grpc.DraftServiceStub, draft_address, channel, "draft", recovery, wait, optional=True
-        )
+        draft = ResilientStub(draft_stub, draft_address, channel, "draft", recovery, wait, optional=True)
 
         def draft_tokenizer():
             return load_tokenizer(draft.GetTokenizer(model_pb2.GetTokenizerRequest()))

@@ -70,7 +70,7 @@ from specdec.errors import (
 from specdec.kvcache import Tree
 from specdec.limits import KVBudget, SessionLimits
 from specdec.prefix import PrefixCache, common_prefix
-from specdec.worker import Worker
+from specdec.worker import Item, Worker
 
 # Prompt tokens a session feeds per worker step, where its backend does not say (`prefill_chunk`: the
 # torch backend feeds PREFILL_BUDGET, one forward costing less than the same tokens in four; a llama.cpp
@@ -108,6 +108,18 @@ class Session:
     constraint: Any = None
     # The rows its logits have: the vocabulary the pair shares (OpenSessionRequest.vocab_size); 0: all.
     vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class SessionCall:
+    """A request on one session, validated and ready for the worker (SessionEngine.call's arguments):
+    `run(session)`, a function or a generator function of Forwards, once the session's committed
+    length is found to be `expected_length` (None: not checked); its forwards use at most `threads`."""
+
+    session_id: str
+    expected_length: int | None
+    run: Callable
+    threads: int | None = None
 
 
 @dataclass
@@ -165,6 +177,17 @@ class SessionEngine:
         return self.worker.call(
             session_id, lambda: self._on_session(session_id, expected_length, request, threads), context, final
         )
+
+    def run_call(self, call: SessionCall, context=None):
+        """Run `call` on the worker and return its result; `context` (gRPC) cancels it."""
+        return self.call(call.session_id, call.expected_length, call.run, context, threads=call.threads)
+
+    def item(self, call: SessionCall, deadline: float | None = None) -> Item:
+        """`call` as a worker item, for worker.submit_all (which queues several at once and returns;
+        each item's `future` resolves with its result, `worker.cancel(item)` drops it); `deadline`
+        (time.monotonic()) drops it past it. It runs in the context it is made in (its trace span)."""
+        start = lambda: self._on_session(call.session_id, call.expected_length, call.run, call.threads)  # noqa: E731
+        return Item(call.session_id, start, deadline=deadline)
 
     def _on_session(self, session_id: str, expected_length: int | None, request: Callable, threads=None) -> Generator:
         session = self._get(session_id)

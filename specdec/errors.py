@@ -46,5 +46,9 @@ class ResourceExhausted(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceeded(SpecdecError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Cancelled(SpecdecError):
     code = grpc.StatusCode.CANCELLED

@@ -34,6 +34,8 @@ from specdec.security import ServerSecurity
 from specdec.service import add_health, make_server, wrap_handler
 from specdec.telemetry import Telemetry, disabled
 
+SPARE_THREADS = 16  # a model service's gRPC threads beyond one per session (its streams, Describe, probes)
+
 
 class Admission:
     """A counting semaphore with a bounded queue that gives up on requests that ended."""
@@ -207,8 +209,11 @@ def serve_model(
     telemetry.watch(engine)
     gate = Gate([f"/{service_name}/OpenSession"])
     interceptors = [*telemetry.server_interceptors(), gate]
-    server, bound = make_server(host, port, security=security, interceptors=interceptors)
-    add_servicer(engine, server)
+    # A thread a call in flight: every session's OpenSession at once (each waits for its prefill),
+    # beside the step streams and the odd unary call; the steps' calls take no thread of their own.
+    workers = engine.limits.max_sessions + SPARE_THREADS
+    server, bound = make_server(host, port, workers, security=security, interceptors=interceptors)
+    add_servicer(engine, server, telemetry)
     reaper = Reaper(engine, engine.limits.idle_ttl, engine.limits.unclaimed_ttl)
     return _launch(server, gate, service_name, lambda: engine.open_sessions, [reaper, engine]), bound
 

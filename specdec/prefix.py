@@ -191,6 +191,8 @@ class PrefixCache:
         best, hit, whole = None, 0, False
         for holder in holders:
             kept = isinstance(holder, Retained)
+            if hit == len(wanted) and (whole or not kept):  # none does better (many sessions, one system prompt)
+                continue
             tokens, length = (holder.tokens, len(holder.tokens)) if kept else (holder.cached, reusable(holder))
             if tokens[:known] != wanted[:known]:  # a hash collision
                 continue

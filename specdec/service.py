@@ -22,6 +22,7 @@ from specdec import grammar, placement, validation
 from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
 from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
+from specdec.steps import StepStream
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -202,9 +203,22 @@ class SessionServicer:
     """The session RPCs of a model service, delegating to a SessionEngine: each validates at
     the edge, then runs on the engine's model worker and waits (a cancelled call is dropped)."""
 
-    def __init__(self, engine: SessionEngine):
+    service_name = ""  # "specdec.v1.DraftService": its methods' full names (telemetry)
+
+    def __init__(self, engine: SessionEngine, telemetry=None):
         self.engine = engine
+        self.telemetry = telemetry  # specdec.telemetry.Telemetry: the step stream's calls' spans and metrics
         self.unknown_closes = UnknownCloses()
+
+    def step_calls(self) -> dict[str, tuple[str, Callable]]:
+        """What the step stream takes: StepCall's oneof field -> (the unary method's name, its request
+        -> an engine.SessionCall)."""
+        return {}
+
+    def Steps(self, request_iterator, context):
+        """Many sessions' calls on one stream (specdec.steps)."""
+        stream = StepStream(self.engine, self.step_calls(), self.service_name, self.telemetry)
+        yield from stream.serve(request_iterator, context)
 
     def OpenSession(self, request, context):
         start = time.monotonic()

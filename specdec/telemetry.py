@@ -34,7 +34,7 @@ import importlib
 import itertools
 import os
 import time
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -208,8 +208,9 @@ class Telemetry:
         if self.tracing:
             from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
-            not_health = filters.negate(filters.health_check())  # probes would bury the requests
-            interceptors.insert(0, server_interceptor(tracer_provider=self._tracer_provider, filter_=not_health))
+            # Probes would bury the requests; a step stream's calls have spans of their own (step_server).
+            traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("Steps")))
+            interceptors.insert(0, server_interceptor(tracer_provider=self._tracer_provider, filter_=traced))
         return interceptors
 
     def channel(self, channel: grpc.Channel) -> grpc.Channel:
@@ -218,10 +219,12 @@ class Telemetry:
             return channel
         channel = grpc.intercept_channel(channel, _WireTimer(self._instruments))
         if self.tracing:  # outermost: the client span covers the timing
-            from opentelemetry.instrumentation.grpc import client_interceptor
+            from opentelemetry.instrumentation.grpc import client_interceptor, filters
             from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
-            channel = intercept_channel(channel, client_interceptor(tracer_provider=self._tracer_provider))
+            calls = filters.negate(filters.method_name("Steps"))  # a step stream's calls: step_client
+            interceptor = client_interceptor(tracer_provider=self._tracer_provider, filter_=calls)
+            channel = intercept_channel(channel, interceptor)
         return channel
 
     # -- HTTP (orchestrator.openai_api) ---------------------------------------------------
@@ -250,6 +253,36 @@ class Telemetry:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         return list(carrier.items())
+
+    # -- the step stream (specdec.steps, orchestrator.step_link): a unary call's telemetry, per call
+    def step_server(self, method: str, carrier: Mapping[str, str], request) -> StepCallSpan:
+        """A step stream's call on its service (`method`: its unary RPC's full name): a server span,
+        the child of the caller's span in `carrier`, and the server duration, as a unary call has."""
+        from opentelemetry import propagate, trace
+
+        parent = propagate.extract(carrier) if self.tracing else None
+        span = self._tracer.start_span(method, context=parent, kind=trace.SpanKind.SERVER)
+        span.set_attributes(_request_attributes(request))
+        attrs = {**self._attrs, "rpc.method": method.rsplit("/", 1)[-1]}
+        return StepCallSpan(span, lambda seconds: self._instruments.server_duration.record(seconds, attrs))
+
+    def step_client(self, method: str) -> tuple[StepCallSpan, dict[str, str]]:
+        """A step stream's call from the orchestrator: a client span in the current context, the
+        carrier of its context for StepCall.trace, and on its end the time on the wire."""
+        from opentelemetry import propagate, trace
+
+        span = self._tracer.start_span(method, kind=trace.SpanKind.CLIENT)
+        carrier: dict[str, str] = {}
+        if self.tracing:
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+        short = {"rpc.method": method.rsplit("/", 1)[-1]}
+
+        def wire(seconds: float, server: float) -> None:
+            wire_seconds = max(0.0, seconds - server)
+            self._instruments.wire_duration.record(wire_seconds, short)
+            span.set_attributes({"specdec.server_seconds": server, "specdec.wire_seconds": wire_seconds})
+
+        return StepCallSpan(span, wire), carrier
 
     # -- model services ------------------------------------------------------------------
     def backend(self, backend):
@@ -506,6 +539,29 @@ class _Instruments:
         self.server_duration = hist("specdec.rpc.server.duration", "s", "Time the service spent on a call")
         self.forward_duration = hist("specdec.forward.duration", "s", "Time of one model forward pass")
         self.forward_tokens = meter.create_counter("specdec.forward.tokens", "{token}", "Tokens fed to the model")
+
+
+class StepCallSpan:
+    """The span of one step stream call and what its end records (Telemetry.step_server, step_client)."""
+
+    def __init__(self, span, record: Callable[..., None]):
+        self.span = span
+        self._record = record
+
+    def current(self):
+        """A context in which the span is the current one (what runs for the call is its child)."""
+        from opentelemetry import trace
+
+        return trace.use_span(self.span, end_on_exit=False)
+
+    def end(self, seconds: float, code: grpc.StatusCode, *record) -> None:
+        """The call ended after `seconds` with `code`; `record`: what the recorder takes after them."""
+        from opentelemetry.trace import Status, StatusCode
+
+        self._record(seconds, *record)
+        if code != grpc.StatusCode.OK:
+            self.span.set_status(Status(StatusCode.ERROR, code.name))
+        self.span.end()
 
 
 class _ServerTimer(grpc.ServerInterceptor):

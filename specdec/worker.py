@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 
-from specdec.errors import Cancelled, Unavailable
+from specdec.errors import Cancelled, DeadlineExceeded, Unavailable
 
 log = logging.getLogger("specdec")
 
@@ -58,15 +58,26 @@ FORGET = 1.0  # seconds after which a served key that did not come back is no lo
 class Item:
     """A unit of work: start() returns a generator that yields forward requests."""
 
-    def __init__(self, key: str | None, start: Callable[[], Generator], final: bool = False):
+    def __init__(
+        self, key: str | None, start: Callable[[], Generator], final: bool = False, deadline: float | None = None
+    ):
         self.key = key
         self.start = start
         self.final = final  # the key's last item: no caller comes back for it
+        self.deadline = deadline  # time.monotonic() past which it is dropped (a step stream's call); None: never
         self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
         self.future: Future = Future()
         self.gen: Generator | None = None
         self.pending = None  # the forward request it waits on
         self.cancelled = False
+
+    def dropped(self, now: float) -> BaseException | None:
+        """Why the item goes no further (cancelled, or past its deadline), or None."""
+        if self.cancelled:
+            return Cancelled("the call was cancelled or its deadline passed")
+        if self.deadline is not None and now > self.deadline:
+            return DeadlineExceeded("the call's deadline passed before it was done")
+        return None
 
 
 class Worker:
@@ -102,22 +113,35 @@ class Worker:
             self._stopped = True
             self._cond.notify_all()
 
-    def call(self, key: str | None, start: Callable[[], Generator], context=None, final: bool = False):
-        """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it;
-        `final`: the item ends its key (no later item of it is waited for)."""
-        item = Item(key, start, final)
+    def submit(
+        self, key: str | None, start: Callable[[], Generator], final: bool = False, deadline: float | None = None
+    ) -> Item:
+        """Queue an item and return at once; its `future` resolves with its result. `final`: the item
+        ends its key (no later item of it is waited for); `deadline` (time.monotonic()): dropped past
+        it with DeadlineExceeded."""
+        return self.submit_all([Item(key, start, final, deadline)])[0]
+
+    def submit_all(self, items: list[Item]) -> list[Item]:
+        """Queue several items at once (submit's): the next step admits them all together."""
         self.start()
         with self._cond:
             if self._stopped:
                 raise Unavailable("the model worker has stopped")
-            self._queue.append(item)
-            served = self._served.pop(key, None)
-            if served is not None:
-                now = time.monotonic()
-                self._gaps[key] = (now - served, now)
+            now = time.monotonic()
+            for item in items:
+                self._queue.append(item)
+                served = self._served.pop(item.key, None)
+                if served is not None:
+                    self._gaps[item.key] = (now - served, now)
             self._cond.notify_all()
-        if context is not None and not context.add_callback(lambda: self._cancel(item)):
-            self._cancel(item)  # the call had already ended
+        return items
+
+    def call(self, key: str | None, start: Callable[[], Generator], context=None, final: bool = False):
+        """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it;
+        `final`: as submit's."""
+        item = self.submit(key, start, final)
+        if context is not None and not context.add_callback(lambda: self.cancel(item)):
+            self.cancel(item)  # the call had already ended
         return item.future.result()
 
     def run(self, fn: Callable[[], object]):
@@ -130,7 +154,8 @@ class Worker:
 
         return self.call(None, item)
 
-    def _cancel(self, item: Item) -> None:
+    def cancel(self, item: Item) -> None:
+        """Drop the item: queued, it never runs; running, it stops between forwards (CANCELLED)."""
         with self._cond:
             item.cancelled = True
             self._cond.notify_all()
@@ -175,8 +200,11 @@ class Worker:
                 admitted = self._admit()
             for item in admitted:
                 self._advance(item, None)
-            for item in [i for i in self._active if i.cancelled]:
-                self._fail(item, Cancelled("the call was cancelled or its deadline passed"))
+            now = time.monotonic()
+            for item in self._active[:]:
+                why = item.dropped(now)
+                if why is not None:
+                    self._fail(item, why)
             batch = self._step([i for i in self._active if i.pending is not None])
             if not batch:
                 continue
@@ -224,9 +252,11 @@ class Worker:
         """Move queued items whose key is free to the active set (caller holds the lock)."""
         taken = {i.key for i in self._active if i.key is not None}
         admitted, waiting = [], deque()
+        now = time.monotonic()
         for item in self._queue:
-            if item.cancelled:
-                item.future.set_exception(Cancelled("the call was cancelled or its deadline passed"))
+            why = item.dropped(now)
+            if why is not None:
+                item.future.set_exception(why)
             elif item.key is not None and item.key in taken:
                 waiting.append(item)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from specdec import validation, wire
+from specdec.engine import SessionCall
 from specdec.lifecycle import serve_model
 from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
@@ -18,7 +19,13 @@ SERVICE_NAME = "specdec.v1.TargetService"
 
 
 class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
+    service_name = SERVICE_NAME
+
     def Score(self, request, context):
+        return self.engine.run_call(self.score_call(request), context)
+
+    def score_call(self, request: model_pb2.ScoreRequest) -> SessionCall:
+        """A Score, validated, for the model worker (the unary RPC's and the step stream's)."""
         validation.score_request(request, self.engine.backend.vocab_size)
         ref = request.session
 
@@ -80,8 +87,10 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                     response.row_logprobs.add(own_token=token, own_logprob=logprob, top_ids=ids, top_logprobs=values)
             return response
 
-        threads = validation.threads(request)
-        return self.engine.call(ref.session_id, ref.expected_length, run, context, threads=threads)
+        return SessionCall(ref.session_id, ref.expected_length, run, validation.threads(request))
+
+    def step_calls(self) -> dict:
+        return {"score": ("Score", self.score_call)}
 
 
 def serve(
@@ -101,8 +110,8 @@ def serve(
     (specdec.lifecycle).
     """
 
-    def add_servicer(engine, server):
-        model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine), server)
+    def add_servicer(engine, server, telemetry):
+        model_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(engine, telemetry), server)
 
     return serve_model(
         backend,

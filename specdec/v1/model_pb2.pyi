@@ -388,6 +388,61 @@ class GetTokenizerResponse(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
     def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
 
+class StepCall(_message.Message):
+    __slots__ = ("id", "timeout", "cancel", "trace", "propose", "score", "proposal_row")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_ROW_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    timeout: float
+    cancel: bool
+    trace: _containers.ScalarMap[str, str]
+    propose: ProposeRequest
+    score: ScoreRequest
+    proposal_row: ProposalRowRequest
+    def __init__(self, id: _Optional[int] = ..., timeout: _Optional[float] = ..., cancel: _Optional[bool] = ..., trace: _Optional[_Mapping[str, str]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., proposal_row: _Optional[_Union[ProposalRowRequest, _Mapping]] = ...) -> None: ...
+
+class StepCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[StepCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[StepCall, _Mapping]]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("id", "code", "details", "server_seconds", "propose", "score", "proposal_row")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_ROW_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    details: str
+    server_seconds: float
+    propose: ProposeResponse
+    score: ScoreResponse
+    proposal_row: ProbRow
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., server_seconds: _Optional[float] = ..., propose: _Optional[_Union[ProposeResponse, _Mapping]] = ..., score: _Optional[_Union[ScoreResponse, _Mapping]] = ..., proposal_row: _Optional[_Union[ProbRow, _Mapping]] = ...) -> None: ...
+
+class StepResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -80,6 +80,11 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_v1_dot_model__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_model__pb2.GetTokenizerResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/specdec.v1.DraftService/Steps',
+                request_serializer=specdec_dot_v1_dot_model__pb2.StepCalls.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_model__pb2.StepResults.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -149,6 +154,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Many sessions' Propose and ProposalRow calls on one long-lived stream (StepCall).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +208,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=specdec_dot_v1_dot_model__pb2.GetTokenizerRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_model__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=specdec_dot_v1_dot_model__pb2.StepCalls.FromString,
+                    response_serializer=specdec_dot_v1_dot_model__pb2.StepResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +469,33 @@ class DraftService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/Steps',
+            specdec_dot_v1_dot_model__pb2.StepCalls.SerializeToString,
+            specdec_dot_v1_dot_model__pb2.StepResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TargetServiceStub:
     """The target side: scores a block of draft tokens in one forward pass.
@@ -502,6 +546,11 @@ class TargetServiceStub:
                 '/specdec.v1.TargetService/GetTokenizer',
                 request_serializer=specdec_dot_v1_dot_model__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_model__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/specdec.v1.TargetService/Steps',
+                request_serializer=specdec_dot_v1_dot_model__pb2.StepCalls.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_model__pb2.StepResults.FromString,
                 _registered_method=True)
 
 
@@ -565,6 +614,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Many sessions' Score calls on one long-lived stream (StepCall).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -607,6 +663,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=specdec_dot_v1_dot_model__pb2.GetTokenizerRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_model__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=specdec_dot_v1_dot_model__pb2.StepCalls.FromString,
+                    response_serializer=specdec_dot_v1_dot_model__pb2.StepResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -826,6 +887,33 @@ class TargetService:
             '/specdec.v1.TargetService/GetTokenizer',
             specdec_dot_v1_dot_model__pb2.GetTokenizerRequest.SerializeToString,
             specdec_dot_v1_dot_model__pb2.GetTokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/Steps',
+            specdec_dot_v1_dot_model__pb2.StepCalls.SerializeToString,
+            specdec_dot_v1_dot_model__pb2.StepResults.FromString,
             options,
             channel_credentials,
             insecure,

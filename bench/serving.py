@@ -1,0 +1,209 @@
+"""`specdec bench --serving`: the serving path under load, with stand-in models that cost no core.
+
+The three services start as `specdec serve` starts them (deploy.local), with stand-ins
+(specdec.standin): a target whose batched forward sleeps `target_ms` and a draft whose forward
+sleeps `draft_ms`, agreeing with the target at `agreement`. A forward that sleeps is what an
+accelerator's forward is to its host: a wait, not a core. What the cells measure is therefore the
+serving path itself (the orchestrator, the wire, the services' bookkeeping) as it would run
+beside GPUs, at a scale a few cores can hold.
+
+For each number of clients c and each method (speculation off, a fixed k, adaptive lookahead,
+the server's default), c closed-loop clients (one channel, a call in flight each, no thread a
+client) send Generate back to back; after a warm-up, a cell is the tokens of the requests that
+finished in its window over the window's length. Beside it: c x that method's one-client
+figure (linear scaling) and the ratio, and each process's CPU per generated token in µs (from
+/proc, the client's included). The methods of one c run one after another, in alternating
+order from one c to the next, so no method always runs last.
+
+Owns the load and the report; starts nothing but through deploy.local, and stops it however the
+run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from deploy.local import LocalPipeline, PipelineConfig
+from specdec.limits import AdmissionLimits, SessionLimits
+from specdec.models import ModelSpec
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+METHODS = ("off", "k4", "adaptive", "default")
+PROCESSES = ("orchestrator", "draft", "target")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    clients: tuple[int, ...] = (1, 8, 64)
+    methods: tuple[str, ...] = METHODS  # off, kN (a fixed k = N), adaptive, default (the server's own choice)
+    target_ms: float = 10.0
+    draft_ms: float = 2.0
+    agreement: float = 0.8  # the draft stand-in's, with the target's
+    max_tokens: int = 64
+    duration: float = 15.0  # seconds measured per cell
+    warmup: float = 3.0  # seconds of load before each cell's window
+
+    def __post_init__(self):
+        if not self.clients or min(self.clients) < 1:
+            raise ValueError(f"--serving needs client counts >= 1, got {self.clients}")
+        for method in self.methods:
+            request(method, 1)  # raises on an unknown one
+        if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1:
+            raise ValueError("--duration > 0, a warm-up >= 0 and --max-tokens >= 1")
+        if not 0 <= self.agreement <= 1 or self.target_ms < 0 or self.draft_ms < 0:
+            raise ValueError("stand-ins: forwards of >= 0 ms, an agreement in [0, 1]")
+
+
+@dataclass
+class Cell:
+    method: str
+    clients: int
+    tokens_per_second: float
+    requests: int  # finished in the window
+    errors: dict[str, int] = field(default_factory=dict)  # status code name -> calls
+    cpu_us_per_token: dict[str, float] = field(default_factory=dict)  # process -> µs of CPU a generated token
+
+
+def request(method: str, max_tokens: int) -> orchestrator_pb2.GenerateRequest:
+    """A method's Generate request (ValueError on an unknown method)."""
+    if method == "off":
+        speculation = orchestrator_pb2.SpeculationParams(disabled=True)
+    elif method == "adaptive":
+        speculation = orchestrator_pb2.SpeculationParams(adaptive=True)
+    elif method == "default":
+        speculation = None
+    elif method.startswith("k") and method[1:].isdigit() and int(method[1:]) >= 1:
+        speculation = orchestrator_pb2.SpeculationParams(lookahead=int(method[1:]))
+    else:
+        raise ValueError(f"unknown method {method!r}: off, kN (N >= 1), adaptive or default")
+    return orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=max_tokens, speculation=speculation)
+
+
+def pipeline_config(config: ServingConfig) -> PipelineConfig:
+    """Stand-ins, and limits that let every client generate at once (no queue, no refusal)."""
+    most = max(config.clients)
+    return PipelineConfig(
+        target=ModelSpec(model=f"standin:{config.target_ms:g}"),
+        draft=ModelSpec(model=f"standin:{config.draft_ms:g}:{config.agreement:g}"),
+        session_limits=SessionLimits(max_sessions=2 * most + 8, max_kv_tokens=0),
+        admission=AdmissionLimits(max_concurrent=most, max_queue=most),
+    )
+
+
+def run(config: ServingConfig, log=print) -> list[Cell]:
+    cells = []
+    with LocalPipeline(pipeline_config(config), log=lambda *_: None) as pipeline:
+        channel = grpc.insecure_channel(pipeline.address)
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        pids = {name: proc.pid for name, proc in pipeline.procs.items()}
+        for i, c in enumerate(sorted(config.clients)):
+            for method in config.methods[:: 1 if i % 2 == 0 else -1]:
+                cell = _cell(stub, request(method, config.max_tokens), method, c, config, pids)
+                log(_line(cell))
+                cells.append(cell)
+        channel.close()
+    return cells
+
+
+def _cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dict[str, int]) -> Cell:
+    lock = threading.Lock()
+    finished: list[tuple[float, int]] = []  # (when, tokens) of each request that succeeded
+    errors: dict[str, int] = {}
+    stopping = threading.Event()
+    live = [clients]
+    idle = threading.Event()
+
+    def send():
+        stub.Generate.future(req, timeout=config.warmup + config.duration + 120).add_done_callback(done)
+
+    def done(future):
+        try:
+            tokens = len(future.result().token_ids)
+            with lock:
+                finished.append((time.monotonic(), tokens))
+        except grpc.RpcError as err:
+            with lock:
+                errors[err.code().name] = errors.get(err.code().name, 0) + 1
+        if not stopping.is_set():
+            send()
+            return
+        with lock:
+            live[0] -= 1
+            if not live[0]:
+                idle.set()
+
+    for _ in range(clients):
+        send()
+    time.sleep(config.warmup)
+    cpu0, own0, t0 = _cpu(pids), time.process_time(), time.monotonic()
+    time.sleep(config.duration)
+    cpu1, own1, t1 = _cpu(pids), time.process_time(), time.monotonic()
+    stopping.set()
+    idle.wait(config.duration + 120)
+    with lock:
+        tokens = sum(n for at, n in finished if t0 <= at < t1)
+        requests = sum(1 for at, _ in finished if t0 <= at < t1)
+    per_token = {name: (cpu1[name] - cpu0[name]) / max(tokens, 1) * 1e6 for name in pids}
+    per_token["client"] = (own1 - own0) / max(tokens, 1) * 1e6
+    return Cell(method, clients, tokens / (t1 - t0), requests, dict(errors), per_token)
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    """Seconds of CPU each process has used (user + system), from /proc."""
+    out = {}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _line(cell: Cell) -> str:
+    cpu = ", ".join(f"{name} {us:.0f}" for name, us in cell.cpu_us_per_token.items())
+    errors = f", errors {cell.errors}" if cell.errors else ""
+    rate = f"{cell.tokens_per_second:.1f} tok/s"
+    return f"serving: {cell.method} c={cell.clients}: {rate} (CPU µs a token: {cpu}){errors}"
+
+
+def table(cells: list[Cell], config: ServingConfig) -> str:
+    """One row a method: tokens/s at each c, with / (c x one client) where one client ran."""
+    one = {c.method: c.tokens_per_second for c in cells if c.clients == 1}
+    clients = sorted({c.clients for c in cells})
+    by = {(c.method, c.clients): c for c in cells}
+    head = (
+        f"Stand-ins {config.target_ms:g} ms / {config.draft_ms:g} ms at {config.agreement:g}, "
+        f"{config.max_tokens}-token answers, {config.duration:g} s a cell: tokens/s (/ c x one client)"
+    )
+    lines = [head, "", "| method | " + " | ".join(f"c = {c}" for c in clients) + " |"]
+    lines.append("|---|" + "---:|" * len(clients))
+    for method in config.methods:
+        row = []
+        for c in clients:
+            cell = by.get((method, c))
+            if cell is None:
+                row.append("")
+                continue
+            ratio = f" ({cell.tokens_per_second / (c * one[method]):.2f})" if one.get(method) else ""
+            row.append(f"{cell.tokens_per_second:,.0f}{ratio}")
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    lines += ["", "CPU per generated token (µs): " + ", ".join(PROCESSES) + ", client", ""]
+    lines.append("| method | " + " | ".join(f"c = {c}" for c in clients) + " |")
+    lines.append("|---|" + "---:|" * len(clients))
+    for method in config.methods:
+        row = []
+        for c in clients:
+            cell = by.get((method, c))
+            us = cell.cpu_us_per_token if cell else {}
+            row.append(" / ".join(f"{us[p]:.0f}" for p in (*PROCESSES, "client")) if us else "")
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def as_json(cells: list[Cell], config: ServingConfig) -> dict:
+    return {"config": asdict(config), "cells": [asdict(c) for c in cells]}
