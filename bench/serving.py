@@ -91,7 +91,7 @@ def pipeline_config(config: ServingConfig) -> PipelineConfig:
     return PipelineConfig(
         target=ModelSpec(model=f"standin:{config.target_ms:g}"),
         draft=ModelSpec(model=f"standin:{config.draft_ms:g}:{config.agreement:g}"),
-        session_limits=SessionLimits(max_sessions=2 * most + 8, max_kv_tokens=0),
+        session_limits=SessionLimits(max_sessions=2 * most + 8),
         admission=AdmissionLimits(max_concurrent=most, max_queue=most),
     )
 

@@ -13,6 +13,7 @@ from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
 from specdec.service import SessionServicer
+from specdec.steps import StepMethod
 from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 
@@ -118,8 +119,12 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
 
         return SessionCall(ref.session_id, ref.expected_length, row)
 
-    def step_calls(self) -> dict:
-        return {"propose": ("Propose", self.propose_call), "proposal_row": ("ProposalRow", self.row_call)}
+    def step_calls(self) -> dict[str, StepMethod]:
+        return {
+            **super().step_calls(),
+            "propose": StepMethod("Propose", lambda r, deadline: self.engine.item(self.propose_call(r), deadline)),
+            "proposal_row": StepMethod("ProposalRow", lambda r, deadline: self.engine.item(self.row_call(r), deadline)),
+        }
 
 
 def serve(

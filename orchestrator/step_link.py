@@ -1,8 +1,9 @@
 """The step stream, orchestrator side: every generation's Propose, ProposalRow and Score calls to a
 model service on one long-lived stream (`Steps`, served by specdec.steps).
 
-A generation still makes its calls one at a time and waits for each (orchestrator.loop), but no
-call is an RPC of its own: calls queue in the link's outbox, and the stream's sender takes all that
+A generation still makes its calls one at a time and waits for each (orchestrator.loop), but none
+of its Propose, ProposalRow, Score, OpenSession (but one with a grammar, compiled off the stream)
+and CloseSession is an RPC of its own: calls queue in the link's outbox, and the stream's sender takes all that
 queued since it last sent as one message (StepCalls). Under load the sender is busy while a step's
 results fan out to their generations and their next calls come back, so the calls of a step leave
 together; alone, a call leaves at once. A Python unary call costs 0.2-0.4 ms of CPU on each side
@@ -30,9 +31,11 @@ import grpc
 
 from specdec.v1 import model_pb2
 
-# The calls each service takes on its step stream: stub method -> StepCall's oneof field.
-DRAFT_STEPS = {"Propose": "propose", "ProposalRow": "proposal_row"}
-TARGET_STEPS = {"Score": "score"}
+# The calls each service takes on its step stream: stub method -> StepCall's oneof field. An
+# OpenSession with a constraint stays unary: its grammar compiles off the stream.
+SESSIONS = {"OpenSession": "open_session", "CloseSession": "close_session"}
+DRAFT_STEPS = {"Propose": "propose", "ProposalRow": "proposal_row", **SESSIONS}
+TARGET_STEPS = {"Score": "score", **SESSIONS}
 
 
 class StepError(grpc.RpcError, grpc.Call):
@@ -77,7 +80,11 @@ class StepFuture:
         self._link, self.id, self.field, self.deadline = link, call_id, field, deadline
         self._span = span  # telemetry's StepCallSpan, or None
         self._started = time.perf_counter()
-        self._event = threading.Event()
+        # Held until the call is settled: waiting is acquiring it (a lock, not an Event: no
+        # Condition to build a call, and one wake-up)
+        self._unsettled = threading.Lock()
+        self._unsettled.acquire()
+        self._settled = False
         self._response = None
         self._error: StepError | None = None
         self._callbacks: list = []
@@ -85,10 +92,13 @@ class StepFuture:
 
     def result(self, timeout: float | None = None):
         """The response; raises StepError (DEADLINE_EXCEEDED past the call's deadline or `timeout`)."""
-        wait = self._left(timeout)
-        if not self._event.wait(wait):
-            self._settle(None, StepError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 0.0)
-            self._link.cancel(self)
+        if not self._settled:
+            wait = self._left(timeout)
+            if self._unsettled.acquire(timeout=-1 if wait is None else wait):
+                self._unsettled.release()  # for any other waiter
+            else:
+                self._settle(None, StepError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 0.0)
+                self._link.cancel(self)
         if self._error is not None:
             raise self._error
         return self._response
@@ -101,7 +111,7 @@ class StepFuture:
         return None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._settled
 
     def cancelled(self) -> bool:
         return self._error is not None and self._error.code() == grpc.StatusCode.CANCELLED
@@ -118,7 +128,7 @@ class StepFuture:
 
     def add_done_callback(self, fn) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._settled:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -131,10 +141,10 @@ class StepFuture:
     def _settle(self, response, error: StepError | None, server_seconds: float) -> bool:
         """Resolve once (the first of: the result, a stream's end, the deadline, cancel); True if this did."""
         with self._lock:
-            if self._event.is_set():
+            if self._settled:
                 return False
-            self._response, self._error = response, error
-            self._event.set()
+            self._response, self._error, self._settled = response, error, True
+            self._unsettled.release()
             callbacks, self._callbacks = self._callbacks, []
         if self._span is not None:
             code = grpc.StatusCode.OK if error is None else error.code()
@@ -253,16 +263,26 @@ class StepLink:
 
 
 class _StepMethod:
-    """A stub method that goes over the link: called as a unary method, or .future() as its future."""
+    """A stub method that goes over the link: called as a unary method, or .future() as its future;
+    `unary`: the unary method, for the requests `stays_unary` names."""
 
-    def __init__(self, link: StepLink, method: str, field: str):
+    def __init__(self, link: StepLink, method: str, field: str, unary=None, stays_unary=lambda request: False):
         self._link, self._method, self._field = link, method, field
+        self._unary, self._stays_unary = unary, stays_unary
 
-    def __call__(self, request, timeout: float | None = None, **_):
+    def __call__(self, request, timeout: float | None = None, **kwargs):
+        if self._stays_unary(request):
+            return self._unary(request, timeout=timeout, **kwargs)
         return self.future(request, timeout).result()
 
-    def future(self, request, timeout: float | None = None, **_) -> StepFuture:
+    def future(self, request, timeout: float | None = None, **kwargs):
+        if self._stays_unary(request):
+            return self._unary.future(request, timeout=timeout, **kwargs)
         return self._link.future(self._method, self._field, request, timeout)
+
+
+def _constrained(request) -> bool:
+    return isinstance(request, model_pb2.OpenSessionRequest) and request.HasField("constraint")
 
 
 def step_stub(stub_class, service: str, steps: dict[str, str], telemetry=None):
@@ -274,7 +294,8 @@ def step_stub(stub_class, service: str, steps: dict[str, str], telemetry=None):
             self._unary = stub_class(channel)
             self.link = StepLink(channel, service, telemetry)
             for method, field in steps.items():
-                setattr(self, method, _StepMethod(self.link, method, field))
+                unary = getattr(self._unary, method)
+                setattr(self, method, _StepMethod(self.link, method, field, unary, _constrained))
 
         def __getattr__(self, name: str):
             return getattr(self._unary, name)

@@ -254,6 +254,18 @@ class SessionEngine:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
         `prompt` (specdec.grammar.Matcher)."""
+        return self.worker.wait(self.open_item(session_id, prompt, threads, constraint, vocab_size), context)
+
+    def open_item(
+        self,
+        session_id: str,
+        prompt: list[int],
+        threads: int | None = None,
+        constraint=None,
+        vocab_size: int = 0,
+        deadline: float | None = None,
+    ) -> Item:
+        """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
@@ -262,9 +274,9 @@ class SessionEngine:
             raise InvalidArgument(f"vocab_size {vocab_size} is outside 1..{self.backend.vocab_size} (the model's rows)")
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
-        return self.worker.call(
-            session_id, lambda: self._open(session_id, list(prompt), threads, constraint, vocab_size), context
-        )
+        prompt = list(prompt)
+        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size)  # noqa: E731
+        return Item(session_id, start, deadline=deadline)
 
     def _open(
         self, session_id: str, prompt: list[int], threads: int | None = None, constraint=None, vocab_size: int = 0
@@ -298,10 +310,23 @@ class SessionEngine:
         return len(prompt)
 
     def close(self, session_id: str, context=None) -> None:
+        self.worker.wait(self.close_item(session_id), context)
+
+    def close_item(self, session_id: str, unknown: Callable[[str], None] = lambda _: None) -> Item:
+        """close()'s request as a worker item (the session's last); `unknown(session_id)` where it
+        finds no such session (then NotFound)."""
+
         def close(session):
             self._retire(session_id, session)
 
-        self.call(session_id, None, close, context, final=True)
+        def start():
+            try:
+                yield from self._on_session(session_id, None, close)
+            except NotFound:
+                unknown(session_id)
+                raise
+
+        return Item(session_id, start, final=True)
 
     def close_idle(self, ttl: float, unclaimed: bool = False) -> list[str]:
         """Close sessions unused for more than `ttl` seconds (with `unclaimed`: only those no

@@ -191,8 +191,8 @@ class PrefixCache:
         best, hit, whole = None, 0, False
         for holder in holders:
             kept = isinstance(holder, Retained)
-            if hit == len(wanted) and (whole or not kept):  # none does better (many sessions, one system prompt)
-                continue
+            if hit == len(wanted) and (whole or not kept or len(holder.tokens) > hit):
+                continue  # it cannot do better (many sessions on one system prompt: one compare, not one each)
             tokens, length = (holder.tokens, len(holder.tokens)) if kept else (holder.cached, reusable(holder))
             if tokens[:known] != wanted[:known]:  # a hash collision
                 continue

@@ -22,7 +22,7 @@ from specdec import grammar, placement, validation
 from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
 from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
-from specdec.steps import StepStream
+from specdec.steps import StepMethod, StepStream
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -210,10 +210,31 @@ class SessionServicer:
         self.telemetry = telemetry  # specdec.telemetry.Telemetry: the step stream's calls' spans and metrics
         self.unknown_closes = UnknownCloses()
 
-    def step_calls(self) -> dict[str, tuple[str, Callable]]:
-        """What the step stream takes: StepCall's oneof field -> (the unary method's name, its request
-        -> an engine.SessionCall)."""
-        return {}
+    def step_calls(self) -> dict[str, StepMethod]:
+        """What the step stream takes: StepCall's oneof field -> its StepMethod (a servicer adds its verbs)."""
+        opened = lambda length: model_pb2.OpenSessionResponse(length=length)  # noqa: E731
+        return {
+            "open_session": StepMethod("OpenSession", self._open_item, opened),
+            "close_session": StepMethod("CloseSession", self._close_item, lambda _: model_pb2.Empty()),
+        }
+
+    def _open_item(self, request, deadline: float | None):
+        """OpenSession on the step stream: checked as the unary call is, its constraint compiled here."""
+        vocab = self._vocab(request)
+        constraint = self._constraint(request)
+        args = (request.session_id, list(request.prompt_token_ids), validation.threads(request), constraint, vocab)
+        return self.engine.open_item(*args, deadline=deadline)
+
+    def _close_item(self, request, deadline: float | None):
+        """CloseSession on the step stream: noted where it finds no session, as the unary call does."""
+        return self.engine.close_item(request.session_id, self.unknown_closes.note)
+
+    @staticmethod
+    def _vocab(request) -> int:
+        vocab = request.vocab_size if request.HasField("vocab_size") else 0
+        if request.HasField("vocab_size") and vocab < 1:
+            raise InvalidArgument(f"vocab_size must be at least 1, not {vocab}")
+        return vocab
 
     def Steps(self, request_iterator, context):
         """Many sessions' calls on one stream (specdec.steps)."""
@@ -226,9 +247,7 @@ class SessionServicer:
         if not context.is_active():  # the caller left while this call was queued
             raise Cancelled("the caller stopped waiting for OpenSession")
         threads = validation.threads(request)
-        vocab = request.vocab_size if request.HasField("vocab_size") else 0
-        if request.HasField("vocab_size") and vocab < 1:
-            raise InvalidArgument(f"vocab_size must be at least 1, not {vocab}")
+        vocab = self._vocab(request)
         constraint = self._constraint(request)
         length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, constraint, vocab)
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id

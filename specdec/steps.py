@@ -12,8 +12,8 @@ the stream), its deadline (StepCall.timeout, from when it is read), its cancella
 with `cancel`), and, with telemetry, a server span in the caller's trace and the server duration.
 A stream that ends (the caller gone, the connection lost) cancels its calls still in flight.
 
-Owns the stream's bookkeeping; what a call does is the servicer's (`calls`: the oneof field of
-StepCall -> (the unary method's name, a function from its request to an engine.SessionCall)).
+Owns the stream's bookkeeping; what a call does is the servicer's (`calls`: StepCall's oneof field
+-> a StepMethod).
 """
 
 from __future__ import annotations
@@ -24,28 +24,42 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
 from specdec.v1 import model_pb2
+from specdec.worker import Item
 
 log = logging.getLogger("specdec")
 
 _END = object()  # the reader's last word: no more calls will come
 
 
+@dataclass(frozen=True)
+class StepMethod:
+    """What a step stream's call of one kind is: its unary method's name (telemetry), its request
+    (checked, as the unary RPC checks it) as a worker item given its deadline, and the item's
+    result as the response message (as it is, where the item returns one)."""
+
+    name: str
+    item: Callable[[object, float | None], Item]
+    respond: Callable[[object], object] = lambda result: result
+
+
 class StepStream:
     """One Steps stream: a reader thread that starts the calls, and the handler's generator
     (`results`) that sends what finished."""
 
-    def __init__(self, engine: SessionEngine, calls: dict[str, tuple[str, Callable]], service: str, telemetry=None):
+    def __init__(self, engine: SessionEngine, calls: dict[str, StepMethod], service: str, telemetry=None):
         self.engine = engine
         self.calls = calls
         self.service = service  # "specdec.v1.DraftService": the methods' full names, for telemetry
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
-        self._done: queue.SimpleQueue = queue.SimpleQueue()  # StepResult, or _END
+        self._ready: list[model_pb2.StepResult] = []  # finished, not yet handed to the sender
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # lists of StepResult, or _END
         self._live: dict[int, object] = {}  # id -> worker item, while in flight
         self._owed = 0  # calls read whose result is not sent yet
         self._lock = threading.Lock()
@@ -53,25 +67,36 @@ class StepStream:
     def serve(self, request_iterator, context) -> Iterator[model_pb2.StepResults]:
         """The handler: read calls on a thread of the stream's own, yield results as they finish."""
         context.add_callback(self._cancel_all)  # the stream ended, however: nothing left runs for it
+        self.engine.worker.listen(self._flush)  # a step's results leave together
         reader = threading.Thread(target=self._read, args=(request_iterator,), name="specdec-steps", daemon=True)
         reader.start()
         ended = False
-        while True:
-            first = self._done.get()
-            batch = [first]
-            while True:  # whatever else finished meanwhile goes in the same message
-                try:
-                    batch.append(self._done.get_nowait())
-                except queue.Empty:
-                    break
-            ended = ended or any(r is _END for r in batch)
-            results = [r for r in batch if r is not _END]
-            if results:
-                yield model_pb2.StepResults(results=results)
-            with self._lock:
-                self._owed -= len(results)
-                if ended and not self._owed:
-                    return
+        try:
+            while True:
+                batch = [self._done.get()]
+                while True:  # whatever else finished meanwhile goes in the same message
+                    try:
+                        batch.append(self._done.get_nowait())
+                    except queue.Empty:
+                        break
+                ended = ended or any(r is _END for r in batch)
+                results = [r for part in batch if part is not _END for r in part]
+                if results:
+                    yield model_pb2.StepResults(results=results)
+                with self._lock:
+                    self._owed -= len(results)
+                    # the caller sends no more: done once what it is owed is sent, or at once if it is gone
+                    if ended and (not self._owed or not context.is_active()):
+                        return
+        finally:
+            self.engine.worker.listen(self._flush, on=False)
+
+    def _flush(self) -> None:
+        """Hand what finished to the sender, in one piece (on the worker thread after each step)."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        if ready:
+            self._done.put(ready)
 
     # -- calls ---------------------------------------------------------------------------
     def _read(self, request_iterator) -> None:
@@ -81,6 +106,7 @@ class StepStream:
                 for call in message.calls:
                     if call.cancel:
                         self._cancel(call.id)
+                self._flush()  # the calls refused at once
         except Exception:  # noqa: BLE001 - the stream broke: its end is handled by _cancel_all
             pass
         finally:
@@ -93,17 +119,18 @@ class StepStream:
         for call in calls:
             started = time.perf_counter()
             kind = call.WhichOneof("call")
-            method, prepare = self.calls.get(kind, (kind or "unset", None))
+            method = self.calls.get(kind)
             request = getattr(call, kind) if kind else None
             span = None
             if self.telemetry is not None:
-                span = self.telemetry.step_server(f"/{self.service}/{method}", dict(call.trace), request)
+                name = method.name if method else kind or "unset"
+                span = self.telemetry.step_server(f"/{self.service}/{name}", dict(call.trace), request)
             try:
-                if prepare is None:
-                    raise _Unimplemented(f"{self.service} takes no {method} call on its step stream")
+                if method is None:
+                    raise _Unimplemented(f"{self.service} takes no {kind or 'empty'} call on its step stream")
                 deadline = time.monotonic() + call.timeout if call.timeout > 0 else None
                 with span.current() if span is not None else contextlib.nullcontext():
-                    item = self.engine.item(prepare(request), deadline)  # in the span: its forwards join it
+                    item = method.item(request, deadline)  # in the span: its forwards join it
             except Exception as err:  # noqa: BLE001 - the call's own error, as its unary RPC returns it
                 with self._lock:
                     self._owed += 1
@@ -135,13 +162,14 @@ class StepStream:
         result = model_pb2.StepResult(id=call_id, server_seconds=seconds)
         code = grpc.StatusCode.OK
         if error is None:
-            getattr(result, kind).CopyFrom(item.future.result())
+            getattr(result, kind).CopyFrom(self.calls[kind].respond(item.future.result()))
         else:
             code, details = _status(error)
             result.code, result.details = code.value[0], details
         if span is not None:
             span.end(seconds, code)
-        self._done.put(result)
+        with self._lock:
+            self._ready.append(result)
 
     def _cancel(self, call_id: int) -> None:
         with self._lock:

@@ -64,7 +64,8 @@ class Item:
         self.key = key
         self.start = start
         self.final = final  # the key's last item: no caller comes back for it
-        self.deadline = deadline  # time.monotonic() past which it is dropped (a step stream's call); None: never
+        # time.monotonic() past which it is dropped with DeadlineExceeded (a step stream's call); None: never
+        self.deadline = deadline
         self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
         self.future: Future = Future()
         self.gen: Generator | None = None
@@ -100,6 +101,7 @@ class Worker:
         self._served: dict = {}  # key -> when its last item finished, until its next one comes
         self._gaps: dict = {}  # key -> (seconds its caller took to come back last time, when)
         self._last_step = 0.0  # seconds the last batched forward took
+        self._listeners: set[Callable[[], None]] = set()  # called after each pass of the loop (its step)
 
     # -- callers' side -----------------------------------------------------------------------
     def start(self) -> None:
@@ -113,16 +115,9 @@ class Worker:
             self._stopped = True
             self._cond.notify_all()
 
-    def submit(
-        self, key: str | None, start: Callable[[], Generator], final: bool = False, deadline: float | None = None
-    ) -> Item:
-        """Queue an item and return at once; its `future` resolves with its result. `final`: the item
-        ends its key (no later item of it is waited for); `deadline` (time.monotonic()): dropped past
-        it with DeadlineExceeded."""
-        return self.submit_all([Item(key, start, final, deadline)])[0]
-
     def submit_all(self, items: list[Item]) -> list[Item]:
-        """Queue several items at once (submit's): the next step admits them all together."""
+        """Queue items and return at once (each item's `future` resolves with its result): the next
+        step admits them all together."""
         self.start()
         with self._cond:
             if self._stopped:
@@ -139,10 +134,21 @@ class Worker:
     def call(self, key: str | None, start: Callable[[], Generator], context=None, final: bool = False):
         """Run an item on the worker and wait for its result; `context` (a gRPC call's) cancels it;
         `final`: as submit's."""
-        item = self.submit(key, start, final)
+        return self.wait(Item(key, start, final), context)
+
+    def wait(self, item: Item, context=None):
+        """Submit `item`, wait for its result; `context` (a gRPC call's) cancels it."""
+        self.submit_all([item])
         if context is not None and not context.add_callback(lambda: self.cancel(item)):
             self.cancel(item)  # the call had already ended
         return item.future.result()
+
+    def listen(self, listener: Callable[[], None], on: bool = True) -> None:
+        """Call `listener()` on the worker thread after each step (and each pass that finished
+        items without one): a step stream sends what the step finished in one message (on=False:
+        no more)."""
+        with self._cond:
+            (self._listeners.add if on else self._listeners.discard)(listener)
 
     def run(self, fn: Callable[[], object]):
         """fn() on the worker thread, between steps; its result. What must run on the thread that
@@ -166,9 +172,11 @@ class Worker:
             return {i.key for i in (*self._queue, *self._active)}
 
     # -- the worker thread -------------------------------------------------------------------
-    def _gather(self) -> bool:
-        """Wait for the callers served in recent steps that come back within the window;
-        True if any came (the caller admits them into this step)."""
+    def _gather(self, ready: int) -> bool:
+        """Wait for the callers served in recent steps that come back within the window, where
+        they are worth it to the `ready` sessions that would wait with them (each missing one would
+        wait a step for the next, each ready one waits the window); True if any came (the caller
+        admits them into this step)."""
         window = min(GATHER_MAX, GATHER_SHARE * self._last_step)
         now = time.monotonic()
         deadline = now + window
@@ -178,7 +186,7 @@ class Worker:
             for key in [k for k, (_, at) in self._gaps.items() if now - at > 10 * FORGET]:
                 del self._gaps[key]
             expected = {k for k in self._served if self._gaps.get(k, (math.inf,))[0] <= window}
-            if not expected:
+            if not expected or len(expected) * self._last_step <= ready * window:
                 return False
             while not self._stopped and expected & self._served.keys():
                 left = deadline - time.monotonic()
@@ -190,6 +198,8 @@ class Worker:
     def _run(self) -> None:
         gathered = False
         while True:
+            for listener in list(self._listeners):  # what the last pass finished, handed on at once
+                listener()
             with self._cond:
                 while not self._stopped and not self._queue and not self._active:
                     self._cond.wait()
@@ -208,7 +218,7 @@ class Worker:
             batch = self._step([i for i in self._active if i.pending is not None])
             if not batch:
                 continue
-            if not gathered and self._gather():
+            if not gathered and self._gather(len(batch)):
                 gathered = True
                 continue  # admit those who came, then run the step with them
             gathered = False

@@ -11,6 +11,7 @@ from specdec.limits import SessionLimits
 from specdec.sampling import SamplingParams
 from specdec.security import ServerSecurity
 from specdec.service import SessionServicer
+from specdec.steps import StepMethod
 from specdec.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service import scorer
@@ -89,8 +90,9 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
 
         return SessionCall(ref.session_id, ref.expected_length, run, validation.threads(request))
 
-    def step_calls(self) -> dict:
-        return {"score": ("Score", self.score_call)}
+    def step_calls(self) -> dict[str, StepMethod]:
+        score = StepMethod("Score", lambda request, deadline: self.engine.item(self.score_call(request), deadline))
+        return {**super().step_calls(), "score": score}
 
 
 def serve(

@@ -389,7 +389,7 @@ class GetTokenizerResponse(_message.Message):
     def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
 
 class StepCall(_message.Message):
-    __slots__ = ("id", "timeout", "cancel", "trace", "propose", "score", "proposal_row")
+    __slots__ = ("id", "timeout", "cancel", "trace", "propose", "score", "proposal_row", "open_session", "close_session")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +404,8 @@ class StepCall(_message.Message):
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_ROW_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     id: int
     timeout: float
     cancel: bool
@@ -411,7 +413,9 @@ class StepCall(_message.Message):
     propose: ProposeRequest
     score: ScoreRequest
     proposal_row: ProposalRowRequest
-    def __init__(self, id: _Optional[int] = ..., timeout: _Optional[float] = ..., cancel: _Optional[bool] = ..., trace: _Optional[_Mapping[str, str]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., proposal_row: _Optional[_Union[ProposalRowRequest, _Mapping]] = ...) -> None: ...
+    open_session: OpenSessionRequest
+    close_session: CloseSessionRequest
+    def __init__(self, id: _Optional[int] = ..., timeout: _Optional[float] = ..., cancel: _Optional[bool] = ..., trace: _Optional[_Mapping[str, str]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., proposal_row: _Optional[_Union[ProposalRowRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., close_session: _Optional[_Union[CloseSessionRequest, _Mapping]] = ...) -> None: ...
 
 class StepCalls(_message.Message):
     __slots__ = ("calls",)
@@ -420,7 +424,7 @@ class StepCalls(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[StepCall, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("id", "code", "details", "server_seconds", "propose", "score", "proposal_row")
+    __slots__ = ("id", "code", "details", "server_seconds", "propose", "score", "proposal_row", "open_session", "close_session")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +432,8 @@ class StepResult(_message.Message):
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_ROW_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
@@ -435,7 +441,9 @@ class StepResult(_message.Message):
     propose: ProposeResponse
     score: ScoreResponse
     proposal_row: ProbRow
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., server_seconds: _Optional[float] = ..., propose: _Optional[_Union[ProposeResponse, _Mapping]] = ..., score: _Optional[_Union[ScoreResponse, _Mapping]] = ..., proposal_row: _Optional[_Union[ProbRow, _Mapping]] = ...) -> None: ...
+    open_session: OpenSessionResponse
+    close_session: Empty
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., server_seconds: _Optional[float] = ..., propose: _Optional[_Union[ProposeResponse, _Mapping]] = ..., score: _Optional[_Union[ScoreResponse, _Mapping]] = ..., proposal_row: _Optional[_Union[ProbRow, _Mapping]] = ..., open_session: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., close_session: _Optional[_Union[Empty, _Mapping]] = ...) -> None: ...
 
 class StepResults(_message.Message):
     __slots__ = ("results",)

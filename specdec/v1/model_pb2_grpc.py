@@ -155,7 +155,8 @@ class DraftServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Steps(self, request_iterator, context):
-        """Many sessions' Propose and ProposalRow calls on one long-lived stream (StepCall).
+        """Many sessions' Propose, ProposalRow, OpenSession and CloseSession calls on one long-lived
+        stream (StepCall).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -615,7 +616,7 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Steps(self, request_iterator, context):
-        """Many sessions' Score calls on one long-lived stream (StepCall).
+        """Many sessions' Score, OpenSession and CloseSession calls on one long-lived stream (StepCall).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
