@@ -192,7 +192,10 @@ def status(args) -> int:
     if args.json:
         print(json.dumps(MessageToDict(info, always_print_fields_with_no_presence=True)))
     else:
-        print(f"{info.status} (model {info.model_name}, {info.running} running)")
+        load = f"{info.running} running"
+        if info.max_concurrent:  # the admission: its slots, its queue and what it refused
+            load += f" of {info.max_concurrent}, {info.queued} queued of {info.max_queue}, {info.refused} refused"
+        print(f"{info.status} (model {info.model_name}, {load})")
         for service in (info.target, info.draft) if info.HasField("draft") else (info.target,):
             state = "available" if service.available else f"unavailable: {service.reason}"
             since = f"for {service.seconds:.1f} s, lost {service.losses} times"

@@ -161,8 +161,9 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
     admission ("orchestrator"), both and the drain ("serve", which starts all three), or both
     without the drain ("all": `ray up`, whose actors stop as Ray stops them)."""
     a, s = AdmissionLimits(), SessionLimits()
+    concurrent = a.max_concurrent if role == "orchestrator" else None  # None: --max-sessions (admission_limits)
     orchestrator = [
-        ("--max-concurrent", int, a.max_concurrent, "generations running at once"),
+        ("--max-concurrent", int, concurrent, "generations running at once"),
         ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
     ]
     model = [
@@ -176,7 +177,8 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
     if role != "all":
         flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
     for flag, kind, default, text in flags:
-        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+        shown = "--max-sessions: a session on each service a generation" if default is None else f"{default:g}"
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})")
     if role != "orchestrator":
         add_prefix_cache_flag(p)
 
@@ -315,7 +317,10 @@ def session_limits(args) -> SessionLimits:
 
 
 def admission_limits(args) -> AdmissionLimits:
-    return AdmissionLimits(args.max_concurrent, args.max_queue)
+    """The orchestrator's admission; where the same command sets the services' sessions (`serve`,
+    `ray up`), generations at once follow --max-sessions unless --max-concurrent says otherwise."""
+    concurrent = args.max_concurrent if args.max_concurrent is not None else getattr(args, "max_sessions", None)
+    return AdmissionLimits(AdmissionLimits().max_concurrent if concurrent is None else concurrent, args.max_queue)
 
 
 def pipeline_config(args, **kw) -> PipelineConfig:

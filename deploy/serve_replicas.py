@@ -157,7 +157,7 @@ class Door:
             [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
             ray_serve.LOOPBACK,
             0,
-            admission=config.admission,
+            admission=lifecycle.Admission(config.admission),
             interceptors=self.telemetry.server_interceptors(),
             security=ServerSecurity(token=token),
             max_workers=config.admission.max_concurrent + config.admission.max_queue + 4,

@@ -205,10 +205,17 @@ def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grp
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, pair: ModelPair, telemetry: Telemetry | None = None, defaults: RequestDefaults | None = None):
+    def __init__(
+        self,
+        pair: ModelPair,
+        telemetry: Telemetry | None = None,
+        defaults: RequestDefaults | None = None,
+        admission: lifecycle.Admission | None = None,
+    ):
         self.pair = pair
         self.telemetry = telemetry or disabled()
         self.defaults = defaults or RequestDefaults()  # for requests that leave speculation fields unset
+        self.admission = admission  # what Describe reports of it
 
     def _chunks(self, request, context):
         chunks = generate(
@@ -238,7 +245,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield _chunk_proto(chunk)
 
     def Describe(self, request, context):
-        return describe(self.pair)
+        info = describe(self.pair)
+        if self.admission is not None:
+            a = self.admission
+            info.max_concurrent, info.max_queue = a.limits.max_concurrent, a.limits.max_queue
+            info.queued, info.refused = a.waiting, a.refused
+        return info
 
 
 def describe(pair: ModelPair) -> orchestrator_pb2.OrchestratorInfo:
@@ -301,12 +313,14 @@ def serve(
     or speculation.rule unset get. The server drains with server.drain() (specdec.lifecycle).
     """
     telemetry = telemetry or disabled()
-    admission = admission or AdmissionLimits()
+    limits = admission or AdmissionLimits()
+    admission = lifecycle.Admission(limits)
     draft_health, target_health = pair.health
     telemetry.watch_services({"target": target_health, **({"draft": draft_health} if pair.draft else {})})
+    telemetry.watch_admission(admission)
     return lifecycle.start(
         lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(pair, telemetry, defaults), server
+            OrchestratorServicer(pair, telemetry, defaults, admission), server
         ),
         SERVICE_NAME,
         [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
@@ -316,6 +330,6 @@ def serve(
         interceptors=telemetry.server_interceptors(),
         security=security,
         # Queued requests hold a thread while they wait; leave some for health checks.
-        max_workers=admission.max_concurrent + admission.max_queue + 4,
+        max_workers=limits.max_concurrent + limits.max_queue + 4,
         max_receive_bytes=MAX_REQUEST_BYTES,
     )

@@ -44,6 +44,7 @@ class Admission:
         self.limits = limits
         self.running = 0
         self.waiting = 0
+        self.refused = 0  # since it started: both full
         self._cond = threading.Condition()
 
     @contextmanager
@@ -51,6 +52,7 @@ class Admission:
         with self._cond:
             if self.running >= self.limits.max_concurrent:
                 if self.waiting >= self.limits.max_queue:
+                    self.refused += 1
                     raise ResourceExhausted(
                         f"overloaded: {self.running} requests running (max_concurrent "
                         f"{self.limits.max_concurrent}) and {self.waiting} queued (max_queue "
@@ -168,12 +170,13 @@ def start(
     host: str,
     port: int,
     *,
-    admission: AdmissionLimits | None = None,
+    admission: Admission | None = None,
     interceptors=(),
     **server_options,
 ) -> tuple[Served, int]:
-    """Build a gated server (make_server's options), register(server) its servicers, start it."""
-    gate = Gate(entry_methods, Admission(admission) if admission else None)
+    """Build a gated server (make_server's options), register(server) its servicers, start it;
+    `admission` bounds its entries."""
+    gate = Gate(entry_methods, admission)
     server, bound = make_server(host, port, interceptors=[*interceptors, gate], **server_options)
     register(server)
     return _launch(server, gate, service_name), bound

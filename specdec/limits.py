@@ -40,8 +40,11 @@ class SessionLimits:
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_concurrent: int = 8  # requests generating at once
-    max_queue: int = 32  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
+    # Requests generating at once: each holds a session on each model service, whose default
+    # max_sessions this matches (`serve` and `ray up` follow --max-sessions); the step stream carries
+    # them all, so it is the services' sessions, not a thread count, that bounds a step.
+    max_concurrent: int = 64
+    max_queue: int = 256  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
 
     def __post_init__(self):
         _at_least(self, max_concurrent=1, max_queue=0)

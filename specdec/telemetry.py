@@ -363,6 +363,24 @@ class Telemetry:
             description="1 while the orchestrator reaches the model service, 0 while it is lost (draft: target-only)",
         )
 
+    def watch_admission(self, admission) -> None:
+        """Gauges of the orchestrator's admission (specdec.lifecycle.Admission): requests queued for a
+        slot, the slots, and a counter of those refused (both full)."""
+        if not self.enabled:
+            return
+        from opentelemetry.metrics import CallbackOptions, Observation
+
+        def gauge(name: str, value, unit: str, description: str, kind="gauge") -> None:
+            def observe(_options: CallbackOptions):
+                return [Observation(value(), self._attrs)]
+
+            make = self._meter.create_observable_gauge if kind == "gauge" else self._meter.create_observable_counter
+            make(name, callbacks=[observe], unit=unit, description=description)
+
+        gauge("specdec.requests.queued", lambda: admission.waiting, "{request}", "Requests waiting for a slot")
+        gauge("specdec.requests.max_concurrent", lambda: admission.limits.max_concurrent, "{request}", "Slots")
+        gauge("specdec.requests.refused", lambda: admission.refused, "{request}", "Refused: full", "counter")
+
     def rounds(self, loop) -> Iterator:
         """loop.rounds(), with a span and the metrics of each round."""
         return self._observed_rounds(loop) if self.enabled else loop.rounds()

@@ -44,7 +44,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
 
 from specdec.errors import Cancelled, DeadlineExceeded, Unavailable
 
@@ -53,6 +52,62 @@ log = logging.getLogger("specdec")
 GATHER_MAX = 0.010  # seconds a step waits, at most, for callers it has just served
 GATHER_SHARE = 0.25  # ... and at most this share of the last step's time
 FORGET = 1.0  # seconds after which a served key that did not come back is no longer expected
+
+
+_CALLBACKS = threading.Lock()  # an Outcome's callbacks and its setting (held for microseconds)
+
+
+class Outcome:
+    """An item's result or error, set once by the worker (a concurrent.futures.Future without its
+    Condition: a lock held until it is set; a step stream makes one a call)."""
+
+    __slots__ = ("_unset", "_value", "_error", "_callbacks")
+
+    def __init__(self):
+        self._unset = threading.Lock()
+        self._unset.acquire()
+        self._value = self._error = None
+        self._callbacks: list | None = []  # None once set
+
+    def done(self) -> bool:
+        return self._callbacks is None
+
+    def set_result(self, value) -> None:
+        self._set(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._set(None, error)
+
+    def _set(self, value, error) -> None:
+        with _CALLBACKS:
+            callbacks, self._callbacks = self._callbacks, None
+            if callbacks is None:
+                return  # set already
+            self._value, self._error = value, error
+        self._unset.release()
+        for fn in callbacks:
+            fn(self)
+
+    def result(self):
+        """Wait for it; its value, or raise its error."""
+        if self._callbacks is not None:
+            with self._unset:
+                pass
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        """Its error (once set), or None."""
+        return self._error
+
+    def add_done_callback(self, fn) -> None:
+        """fn(self) once it is set: at once if it is, else on the thread that sets it."""
+        with _CALLBACKS:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
 
 class Item:
@@ -67,7 +122,7 @@ class Item:
         # time.monotonic() past which it is dropped with DeadlineExceeded (a step stream's call); None: never
         self.deadline = deadline
         self.context = contextvars.copy_context()  # the caller's (its trace span, for telemetry)
-        self.future: Future = Future()
+        self.future = Outcome()
         self.gen: Generator | None = None
         self.pending = None  # the forward request it waits on
         self.cancelled = False

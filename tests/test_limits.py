@@ -103,6 +103,8 @@ def test_admission_refuses_the_excess_and_completes_the_admitted(one_slot):
     refused = [c for c in calls if c.done()]
     assert len(refused) == 1 and refused[0].code() == Code.RESOURCE_EXHAUSTED, refused[0].details()
     assert "max_concurrent 1" in refused[0].details() and not running.done()
+    info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)  # what `specdec status` shows
+    assert (info.running, info.max_concurrent, info.queued, info.max_queue, info.refused) == (1, 1, 1, 1, 1)
     chunks = [first, *running]
     assert sum(len(c.token_ids) for c in chunks) == 80 and chunks[-1].finish_reason == "length"
     queued = next(c for c in calls if c is not refused[0])

@@ -330,3 +330,18 @@ def test_bad_scaling_flags_are_refused_with_the_flag_named():
         with pytest.raises(ValueError, match=message):
             ray_cli.serve_config(up_args(*flags))
     assert main(["ray", "up", "--serve-config", "x.yaml"]) == 1  # a file of one pair: not a Serve deployment
+
+
+def test_a_deployment_the_cluster_cannot_place_is_refused_naming_what_it_needs():
+    """`ray up --replicas 2` on a 2-CPU cluster (a pair asks 2 CPUs) waited past 5 minutes for Serve
+    to schedule it: now refused at once, with what it needs and what the cluster has."""
+    two = ray_cli.serve_config(up_args("--replicas", "2"))
+    with pytest.raises(RuntimeError, match=r"2 pair\(s\): they need 4 CPU \(2 CPU a pair\), the cluster has 2 CPU"):
+        ray_serve.check_fits(two, cluster={"CPU": 2.0}, nodes=1)
+    ray_serve.check_fits(two, cluster={"CPU": 4.0}, nodes=1)  # fits
+    gpus = ray_cli.serve_config(up_args("--replicas", "1", "--draft-gpus", "1", "--target-gpus", "1"))
+    with pytest.raises(RuntimeError, match="need 2 GPU .* the cluster has 0 GPU"):
+        ray_serve.check_fits(gpus, cluster={"CPU": 16.0}, nodes=1)
+    spread = ray_cli.serve_config(up_args("--replicas", "1", "--placement", "spread"))
+    with pytest.raises(RuntimeError, match="--placement spread .* 1 node"):
+        ray_serve.check_fits(spread, cluster={"CPU": 8.0}, nodes=1)

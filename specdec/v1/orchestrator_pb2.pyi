@@ -222,15 +222,23 @@ class ServiceStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., losses: _Optional[int] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("status", "model_name", "draft", "target", "running")
+    __slots__ = ("status", "model_name", "draft", "target", "running", "max_concurrent", "queued", "max_queue", "refused")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     status: str
     model_name: str
     draft: ServiceStatus
     target: ServiceStatus
     running: int
-    def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ...) -> None: ...
+    max_concurrent: int
+    queued: int
+    max_queue: int
+    refused: int
+    def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
