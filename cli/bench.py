@@ -210,7 +210,7 @@ def bench(args) -> int:
     if binary and not (binary.is_file() and os.access(binary, os.X_OK)):
         raise SystemExit(f"specdec bench: --llama-speculative {binary} is not an executable (make llama-tools)")
     if args.duration is not None and not (args.concurrency and 0 < args.duration < math.inf):
-        raise SystemExit("specdec bench: --duration needs --concurrency (or --serving) and a number of seconds > 0")
+        raise SystemExit("specdec bench: --duration needs --concurrency and a number of seconds > 0 (or --serving)")
     ks = tuple(int(k) for k in floats(args.ks))
     if not ks or min(ks) < 1:  # adaptive lookahead's bound and the timelines' k are the largest
         raise SystemExit(f"specdec bench: --ks needs one or more lookaheads >= 1 (e.g. 4 or 2,4,8), not {args.ks!r}")

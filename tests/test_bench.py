@@ -318,3 +318,23 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
     assert [rows[(c, "on")]["criterion"] for c in ("first", "second", "identical")] == [1.1, 0.2, 0.1]
     table = ttft.format_table(json.loads((tmp_path / "ttft.json").read_text()))
     assert "<= 0.2x" in table and "multi-turn" in table
+
+
+def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
+    """`specdec bench --serving`: stand-ins, a cell a (method, clients), each with its rate and every
+    process's CPU per token; the table and the JSON."""
+    cmd = [sys.executable, "-m", "cli", "bench", "--serving", "1,3", "--serving-methods", "off,k2"]
+    cmd += ["--standins", "2,1,0.8", "--max-tokens", "16", "--duration", "1.5", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    cells = json.loads((tmp_path / "serving.json").read_text())["cells"]
+    assert {(c["method"], c["clients"]) for c in cells} == {("off", 1), ("off", 3), ("k2", 1), ("k2", 3)}
+    for cell in cells:
+        assert cell["tokens_per_second"] > 0 and not cell["errors"]
+        assert set(cell["cpu_us_per_token"]) == {"orchestrator", "draft", "target", "client"}
+    assert "| off | " in out and "| k2 | " in out
+
+
+@pytest.mark.parametrize("flags", [["--serving", "0"], ["--serving", "2", "--serving-methods", "k0"]])
+def test_the_serving_bench_refuses_bad_flags(flags):
+    run = subprocess.run([sys.executable, "-m", "cli", "bench", *flags], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "specdec bench --serving" in run.stderr
