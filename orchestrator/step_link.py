@@ -76,8 +76,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class StepFuture:
     """One call in flight: result(timeout) as a unary call's future gives it, cancel(), done()."""
 
-    def __init__(self, link: StepLink, call_id: int, field: str, deadline: float | None, span=None):
-        self._link, self.id, self.field, self.deadline = link, call_id, field, deadline
+    def __init__(self, link: StepLink, stream: _Stream, call_id: int, field: str, deadline: float | None, span=None):
+        self._link, self.stream, self.id, self.field, self.deadline = link, stream, call_id, field, deadline
         self._span = span  # telemetry's StepCallSpan, or None
         self._started = time.perf_counter()
         # Held until the call is settled: waiting is acquiring it (a lock, not an Event: no
@@ -236,18 +236,17 @@ class StepLink:
                 self._stream = _Stream(self)
             stream = self._stream
             call.id = next(self._ids)
-            future = StepFuture(self, call.id, field, deadline, span)
+            future = StepFuture(self, stream, call.id, field, deadline, span)
             stream.pending[call.id] = future
             stream.outbox.append(call)
             self._cond.notify_all()
-        future.stream = stream
         return future
 
     def cancel(self, future: StepFuture) -> None:
         """Forget `future` here and drop its call on the service."""
         with self._cond:
-            stream = getattr(future, "stream", None)
-            if stream is None or stream.closed or stream.pending.pop(future.id, None) is None:
+            stream = future.stream
+            if stream.closed or stream.pending.pop(future.id, None) is None:
                 return
             stream.outbox.append(model_pb2.StepCall(id=future.id, cancel=True))
             self._cond.notify_all()

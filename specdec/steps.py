@@ -51,7 +51,7 @@ class StepMethod:
 
 class StepStream:
     """One Steps stream: a reader thread that starts the calls, and the handler's generator
-    (`results`) that sends what finished."""
+    (`serve`) that sends what finished."""
 
     def __init__(self, engine: SessionEngine, calls: dict[str, StepMethod], service: str, telemetry=None):
         self.engine = engine
