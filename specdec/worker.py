@@ -227,11 +227,9 @@ class Worker:
             return {i.key for i in (*self._queue, *self._active)}
 
     # -- the worker thread -------------------------------------------------------------------
-    def _gather(self, ready: int) -> bool:
-        """Wait for the callers served in recent steps that come back within the window, where
-        they are worth it to the `ready` sessions that would wait with them (each missing one would
-        wait a step for the next, each ready one waits the window); True if any came (the caller
-        admits them into this step)."""
+    def _gather(self) -> bool:
+        """Wait for the callers served in recent steps that come back within the window;
+        True if any came (the caller admits them into this step)."""
         window = min(GATHER_MAX, GATHER_SHARE * self._last_step)
         now = time.monotonic()
         deadline = now + window
@@ -241,7 +239,7 @@ class Worker:
             for key in [k for k, (_, at) in self._gaps.items() if now - at > 10 * FORGET]:
                 del self._gaps[key]
             expected = {k for k in self._served if self._gaps.get(k, (math.inf,))[0] <= window}
-            if not expected or len(expected) * self._last_step <= ready * window:
+            if not expected:
                 return False
             while not self._stopped and expected & self._served.keys():
                 left = deadline - time.monotonic()
@@ -273,7 +271,7 @@ class Worker:
             batch = self._step([i for i in self._active if i.pending is not None])
             if not batch:
                 continue
-            if not gathered and self._gather(len(batch)):
+            if not gathered and self._gather():
                 gathered = True
                 continue  # admit those who came, then run the step with them
             gathered = False
