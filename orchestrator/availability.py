@@ -3,12 +3,13 @@ lost one come back.
 
 The two services are not alike. The draft is an accelerator: the target alone serves every
 request exactly, so a lost draft costs speed, never availability. When a generation finds it
-gone (UNAVAILABLE, a call past its budget), it reports the loss here and goes on with
-target-only rounds; new requests are served target-only; a background thread probes the
+gone (UNAVAILABLE, a call past its budget: CallBudget, a few times its recent calls), it reports
+the loss here and goes on with target-only rounds; new requests are served target-only; a background thread probes the
 service's address with backoff (Describe, on a fresh connection each time) and, when it
 answers, generations re-open their sessions on it and speculate again. The target is not
 optional: while it is down, new requests fail at once with UNAVAILABLE (orchestrator.server), and
-generations in flight wait for it up to their deadline (orchestrator.recovery).
+generations in flight wait for it up to their deadline, or fail after `hang_seconds` of silence
+where its address does not refuse connections (stopped, hung, unreachable: orchestrator.recovery).
 
 One log line at the loss and one at the return, whatever the number of generations that saw it.
 This module knows nothing of rounds or sessions; the loop reports losses and reads `up`.
@@ -25,6 +26,27 @@ from dataclasses import dataclass
 from specdec.limits import RecoveryConfig
 
 log = logging.getLogger("specdec.availability")
+
+
+class CallBudget:
+    """How long one call to a service may take before its caller stops waiting: `times` the
+    decayed longest of its recent calls (each call decays it by DECAY), at least `floor`, at most
+    `ceiling` (RecoveryConfig's draft_budget_*, draft_timeout). Before any call: the ceiling."""
+
+    DECAY = 0.98  # per call: a slow call (a wait behind a prefill) weighs for ~50 calls
+
+    def __init__(self, floor: float, ceiling: float, times: float):
+        self.floor, self.ceiling, self.times = floor, max(floor, ceiling), times
+        self._longest: float | None = None
+
+    def record(self, seconds: float) -> None:
+        longest = self._longest  # a benign race: calls from many generations, one float each
+        self._longest = seconds if longest is None else max(seconds, longest * self.DECAY)
+
+    def seconds(self) -> float:
+        if self._longest is None:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.times * self._longest))
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,8 @@ class Availability:
         self._cond = threading.Condition()
         self._closed = False
         self._prober: threading.Thread | None = None
+        c = self.config
+        self.budget = CallBudget(c.draft_budget_floor, c.draft_timeout, c.draft_budget_times)  # a call's
 
     @property
     def up(self) -> bool:

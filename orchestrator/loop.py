@@ -333,7 +333,8 @@ class SpeculativeLoop(GenerationSessions):
         pending commits than a round makes (the draft's session opened or idle while rounds went
         without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
         the round's verify (a continuation)."""
-        with self._prefilling(len(self.draft.pending) > self.config.lookahead + 2):
+        prefill = len(self.draft.pending) > self.config.lookahead + 2
+        with self._prefilling(prefill):
             proposal, seconds = self._draft_call(
                 self.draft.stub.Propose,
                 model_pb2.ProposeRequest(
@@ -347,6 +348,7 @@ class SpeculativeLoop(GenerationSessions):
                     threads=self._threads(self.draft, concurrent),
                     alternatives=self._caching,
                 ),
+                prefill=prefill,
             )
         with self._stats_lock:
             self.stats.add_proposal(proposal)
@@ -399,7 +401,7 @@ class SpeculativeLoop(GenerationSessions):
     def _draft_future(self, request):
         """A draft call that can be cancelled (a gRPC stub's future; an in-process stub's on the pool)."""
         method = self.draft.stub.Propose
-        timeout = min(t for t in (self._timeout(), self.draft_timeout, math.inf) if t is not None)
+        timeout = min(t for t in (self._timeout(), self._draft_budget(), math.inf) if t is not None)
         timeout = None if math.isinf(timeout) else timeout
         if hasattr(method, "future"):
             return method.future(request, timeout=timeout)
@@ -650,7 +652,8 @@ class SpeculativeLoop(GenerationSessions):
         cfg = self.config
         asked = time.perf_counter()
         try:
-            proposal, draft_time = self._draft_call(self.draft.stub.Propose, self._tree_request(depth, draws))
+            prefill = len(self.draft.pending) > cfg.lookahead + 2
+            proposal, draft_time = self._draft_call(self.draft.stub.Propose, self._tree_request(depth, draws), prefill)
         except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
             if not self._draft_failed(err):
                 raise

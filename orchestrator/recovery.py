@@ -17,7 +17,9 @@ in size), on its first open and on every re-open.
 Waiting is bounded by the request's deadline (less a margin to answer in), or by
 `RecoveryConfig.wait_seconds` when the request has none, with exponential backoff between
 attempts; a service that does not come back in time is a clear UNAVAILABLE naming it and its
-address.
+address. A restart refuses connections until the new process listens; a service that accepts
+them (or lets them time out) but does not answer is stopped, hung or cut off, and is given up
+after `RecoveryConfig.hang_seconds`: a peer that hangs costs no more than one that dies.
 
 This module knows nothing of rounds or of the rule; the loop knows nothing of channels.
 """
@@ -25,6 +27,7 @@ This module knows nothing of rounds or of the rule; the loop knows nothing of ch
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +128,7 @@ class ResilientStub:
         start = time.monotonic()
         deadline = start + wait
         backoff = self.config.first_backoff
+        silent_since = None  # when the address stopped refusing connections without answering
         while True:
             try:
                 stub = self._live_stub(deadline)
@@ -147,7 +151,14 @@ class ResilientStub:
                 if isinstance(err, grpc.RpcError) and err.code() not in (*LOST, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 last = err.details() if isinstance(err, grpc.RpcError) else str(err)
-            if time.monotonic() + backoff >= deadline:
+            now = time.monotonic()
+            silent_since = None if refuses(self.address) else silent_since or start
+            if silent_since is not None and now - silent_since >= self.config.hang_seconds:
+                raise Unavailable(
+                    f"the {self.name} service at {self.address} has not answered for {now - silent_since:.1f} s "
+                    f"and does not refuse connections: stopped, hung or unreachable (last error: {last})"
+                )
+            if now + backoff >= deadline:
                 raise Unavailable(
                     f"the {self.name} service at {self.address} did not come back within {wait:.1f} s "
                     f"(last error: {last})"
@@ -182,6 +193,21 @@ class ResilientStub:
             raise ConnectionError(f"cannot find the {self.name} service: {type(err).__name__}: {err}") from err
         channel = self._channel_factory(address, wait_seconds)
         self.address, self._stub = address, self._stub_class(channel)
+
+
+def refuses(address: str, timeout: float = 0.5) -> bool:
+    """Whether HOST:PORT refuses a TCP connection (nothing listens: a process gone, perhaps
+    restarting), rather than accepting it or not answering (stopped, hung, unreachable)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return True  # not a TCP address (a unix socket, an address yet unknown): as a restart
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _left(deadline: float) -> float:

@@ -13,17 +13,17 @@ A generation that ends before the draft's session is open cancels its OpenSessio
 stops between two prefill chunks (what it computed stays in its prefix cache) rather than take
 the cores from the next request's prefill.
 
-A stub may raise SessionLost when its service lost the session (it died or restarted). The
-two sides are not alike (orchestrator.availability). The target's: the loop has it re-open the
-session at the committed prefix and re-runs the round from the same committed state with the same
-random draws (orchestrator.recovery provides such stubs), waiting for it up to the deadline. The
-draft's: the round goes on without it (a plain round, exact), the draft counts as lost when it did
-not answer (or answered past `draft_timeout`), and rounds go without speculation until it answers
-again; then its session re-opens at the committed prefix, in the background, and speculation
-resumes. The one wait for a draft: under the Leviathan rule, a round that rejected a draft needs
-the draft's row there for the residual, and a draft lost between its proposal and that row is
-waited for (up to the deadline) and the round re-run, since no other choice of the round's last
-token keeps the law exact.
+A stub may raise SessionLost when its service lost the session (it died or restarted). The two
+sides are not alike (orchestrator.availability). The target's: the loop has it re-open the session
+at the committed prefix and re-runs the round from the same committed state with the same random
+draws (orchestrator.recovery provides such stubs), waiting for it up to the deadline. The draft's:
+the round goes on without it (a plain round, exact), the draft counts as lost when it did not
+answer (or answered past its budget: a few times its recent calls), and rounds go without
+speculation until it answers again; then its session re-opens at the committed prefix, in the
+background, and speculation resumes. The one wait for a draft: under the Leviathan rule, a round
+that rejected a draft needs the draft's row there for the residual, and a draft lost between its
+proposal and that row is waited for (up to the deadline, or RecoveryConfig.hang_seconds where it
+hangs) and the round re-run, since no other choice of the round's last token keeps the law exact.
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ class GenerationSessions:
         if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             left = self._timeout()
             if left is None or left > 0:  # not the request's own deadline
-                return SessionLost(self.draft.stub, f"the draft service did not answer within {self.draft_timeout} s")
+                reason = f"the draft service did not answer within its budget ({err.details()})"
+                return SessionLost(self.draft.stub, reason)
         return None
 
     def _lose_draft(self, lost: SessionLost | None = None) -> None:
@@ -250,9 +251,18 @@ class GenerationSessions:
         self._draft_incarnation += 1
         self.draft.session_id = f"{self.session_id}.{self._draft_incarnation}"
 
-    def _draft_call(self, method, request):
-        """A draft RPC within the draft's budget (`draft_timeout`): (response, seconds)."""
-        return self._call(method, request, self.draft_timeout)
+    def _draft_budget(self) -> float:
+        """Seconds a draft call may take now (orchestrator.availability.CallBudget; at most `draft_timeout`)."""
+        budget = self.draft_health.budget.seconds()
+        return budget if self.draft_timeout is None else min(budget, self.draft_timeout)
+
+    def _draft_call(self, method, request, prefill: bool = False):
+        """A draft RPC within the draft's budget (`prefill`: one carrying a prefill, within the
+        ceiling, `draft_timeout`, and not counted): (response, seconds)."""
+        response, seconds = self._call(method, request, self.draft_timeout if prefill else self._draft_budget())
+        if not prefill:
+            self.draft_health.budget.record(seconds)
+        return response, seconds
 
     def _reopen(self, lost: SessionLost) -> None:
         """Wait for the service that lost the session (up to the deadline) and re-open it there,

@@ -73,14 +73,26 @@ class RecoveryConfig:
     # client: a wait to the very end would reach it as DEADLINE_EXCEEDED.
     answer_margin: float = 1.0
     # Seconds a draft call (Propose, ProposalRow) may take before the round goes on without it and
-    # the draft counts as lost (a host gone without a reset answers nothing). Generous: a loaded
-    # machine's Propose waits behind prefills and other sessions' steps for seconds, and a budget
-    # cut short would drop a live draft (and change a Leviathan seed's text) for nothing.
+    # the draft counts as lost: `draft_budget_times` its recent calls' decayed longest, at least
+    # `draft_budget_floor`, at most `draft_timeout` (orchestrator.availability.CallBudget). The floor
+    # is generous: a loaded machine's Propose waits behind prefills and other sessions' steps, and
+    # a budget cut short drops a live draft (and changes a Leviathan seed's text) for nothing. A
+    # Propose that carries a prefill (the draft's session behind by many tokens) gets the ceiling.
     draft_timeout: float = 30.0
+    draft_budget_floor: float = 2.0
+    draft_budget_times: float = 8.0
     probe_backoff: float = 1.0  # longest pause between two probes of a lost service
+    # A lost service whose address does not refuse connections (a process stopped or hung, a host
+    # unreachable, its packets dropped) and does not answer for this long is given up: its
+    # generations fail with UNAVAILABLE (a refused connection is a restart under way: waited for
+    # up to `wait_seconds` or the deadline).
+    hang_seconds: float = 6.0
 
     def __post_init__(self):
-        _at_least(self, wait_seconds=0, first_backoff=0, max_backoff=0, draft_timeout=0.001, probe_backoff=0.001)
+        _at_least(
+            self, wait_seconds=0, first_backoff=0, max_backoff=0, draft_timeout=0.001, probe_backoff=0.001,
+            draft_budget_floor=0.001, draft_budget_times=1, hang_seconds=0.001,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

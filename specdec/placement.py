@@ -38,9 +38,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import logging
 import os
+import queue
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -49,6 +52,13 @@ from pathlib import Path
 # (read by libgomp when it loads, so set before torch or llama.cpp is imported).
 SERVICE_ENV = {"GOMP_SPINCOUNT": "10000"}
 CORE_LOCK = Path(tempfile.gettempdir()) / f"specdec-cores-{os.getuid()}.lock"
+# Seconds a step waits for the other service's hold on the cores before it steps beside it: longer
+# than any step of a live service (a long prompt's prefill on every core), short enough that the
+# other one stopped or hung inside a step (SIGSTOP, a stuck driver: it keeps its lock) costs this
+# service seconds, not every request until it is woken.
+LOCK_PATIENCE = 3.0
+
+log = logging.getLogger("specdec.placement")
 
 
 def usable_cores() -> list[int]:
@@ -140,6 +150,7 @@ class Cores:
         draft, target = split_threads(cores or len(usable_cores()))
         self.share = min(threads, target if role == "target" else draft) if shared else threads
         self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
+        self._locker = _Locker(self._lock) if shared else None
         self._current = threads
 
     def counts(self) -> list[int]:
@@ -155,10 +166,10 @@ class Cores:
     def step(self, threads: int, backend) -> Iterator[float]:
         """Run a step on `threads` threads (the backend's set_threads, called when they change);
         yields the seconds it waited for the core lock (0 when it takes none)."""
-        waited = 0.0
-        if self._lock is not None:
+        waited, held = 0.0, False
+        if self._locker is not None:
             t0 = time.perf_counter()
-            fcntl.flock(self._lock, fcntl.LOCK_SH if threads <= self.share else fcntl.LOCK_EX)
+            held = self._locker.take(fcntl.LOCK_SH if threads <= self.share else fcntl.LOCK_EX)
             waited = time.perf_counter() - t0
         try:
             if threads != self._current:
@@ -168,5 +179,68 @@ class Cores:
                 self._current = threads
             yield waited
         finally:
-            if self._lock is not None:
+            if held:
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+
+class _Attempt:
+    """One wait for the lock on the locker's thread: "waiting", then "held" or "abandoned"."""
+
+    def __init__(self, mode: int):
+        self.mode = mode
+        self.state = "waiting"
+        self.guard = threading.Lock()
+        self.taken = threading.Event()  # held, for the step that asked
+        self.over = threading.Event()  # the locker is done with it (held, or taken and let go)
+
+
+class _Locker:
+    """Takes the core lock for a step, waiting at most LOCK_PATIENCE (module docstring): free, at
+    once; held by the other service, on a thread of its own, so that the step can stop waiting. A
+    wait given up goes on there and lets the lock go when it gets it; until then steps take none
+    (the other service is stuck: waiting again would cost each step the patience)."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._asks: queue.SimpleQueue[_Attempt] = queue.SimpleQueue()
+        self._abandoned: _Attempt | None = None
+        threading.Thread(target=self._run, name="core-lock", daemon=True).start()
+
+    def take(self, mode: int) -> bool:
+        """Whether the lock is now held in `mode` (the caller lets it go); False: step without it."""
+        try:
+            fcntl.flock(self._fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if self._abandoned is not None:
+            if not self._abandoned.over.is_set():
+                return False
+            log.warning("the machine's cores are shared again: the other service let its lock go")
+            self._abandoned = None
+        attempt = _Attempt(mode)
+        self._asks.put(attempt)
+        if attempt.taken.wait(LOCK_PATIENCE):
+            return True
+        with attempt.guard:
+            if attempt.state == "held":
+                return True
+            attempt.state = "abandoned"
+        self._abandoned = attempt
+        log.warning(
+            "the other service has held the machine's cores for %.1f s (stopped or hung?): "
+            "stepping beside it until it lets them go", LOCK_PATIENCE,
+        )  # fmt: skip
+        return False
+
+    def _run(self) -> None:
+        while True:
+            attempt = self._asks.get()
+            fcntl.flock(self._fd, attempt.mode)
+            with attempt.guard:
+                if attempt.state == "abandoned":
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                else:
+                    attempt.state = "held"
+                    attempt.taken.set()
+            attempt.over.set()

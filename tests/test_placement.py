@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from specdec import placement
 from specdec.engine import PROFILE_TOKENS
 from specdec.placement import Cores, parse_cpus, split_threads
 from specdec.service import CHANNEL_OPTIONS
@@ -108,6 +109,42 @@ def test_a_step_on_every_core_runs_beside_no_other(tmp_path):
     for role, plan in plans.items():  # set at each change of threads (the first step's 1: from 2)
         changes = [t for i, t in enumerate(plan) if t != (plan[i - 1] if i else 2)]
         assert seen[role].set == changes
+
+
+def test_a_service_stuck_holding_the_cores_costs_the_other_the_patience_once(tmp_path, monkeypatch):
+    """The other service stopped inside a step on every core (SIGSTOP keeps its lock): this one
+    steps beside it after LOCK_PATIENCE, then at once while it is stuck, and takes the lock again
+    once it lets go."""
+    monkeypatch.setattr(placement, "LOCK_PATIENCE", 0.3)
+    lock = tmp_path / "cores.lock"
+    stuck, woken = Cores("draft", 2, shared=True, lock_path=lock, cores=2), threading.Event()
+    entered = threading.Event()
+
+    def hold():
+        with stuck.step(2, ThreadsSeen()):
+            entered.set()
+            woken.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert entered.wait(10)
+    cores = Cores("target", 2, shared=True, lock_path=lock, cores=2)
+    waits = []
+    for _ in range(3):
+        with cores.step(2, ThreadsSeen()) as waited:
+            waits.append(waited)
+    assert waits[0] >= 0.3 and max(waits[1:]) < 0.3  # the patience, once
+    woken.set()
+    holder.join()
+    time.sleep(0.1)  # the abandoned wait gets the lock and lets it go
+    with cores.step(2, ThreadsSeen()):  # the lock again: the other one's step now waits for this one
+        other = threading.Thread(target=lambda: stuck.step(2, ThreadsSeen()).__enter__())
+        t0 = time.perf_counter()
+        other.start()
+        other.join(0.1)
+        assert other.is_alive()  # waiting for this step's lock
+    other.join(10)
+    assert not other.is_alive() and time.perf_counter() - t0 < 0.3 + 5
 
 
 def test_a_step_runs_with_the_fewest_threads_its_requests_allow():
