@@ -1,6 +1,6 @@
 """`specdec chaos`: many concurrent streams against a supervised local stack while a killer
-sends SIGKILL to the draft and the target at random times; every stream is checked against a
-run without faults.
+sends SIGKILL to the draft and the target at random times (or, with `faults`, stops them or holds
+or slows their links to the orchestrator); every stream is checked against a run without faults.
 
 A run: start the three services (deploy.local, supervised: a killed model service comes back
 on its port); send every request once without faults (the reference), `streams` clients at
@@ -20,7 +20,8 @@ refusals. Checks, each a line of the report:
 - the killer made its `kills` kills (both services) within `duration`, and the supervisor
   never gave up;
 - afterwards each model service holds zero sessions (waiting up to `drain_seconds` for the
-  closes in flight), and each service's resident memory (VmRSS of /proc/PID/status) is at
+  closes in flight; with faults other than kills, as long as a service takes to reap a session
+  whose opener gave up, unclaimed_ttl), and each service's resident memory (VmRSS of /proc/PID/status) is at
   most `rss_slack_mb` above its level after the reference phase.
 Sampling is reproducible under faults by design: the orchestrator draws all randomness from
 the request's seed and re-runs a round the target lost with the same draws. A lost draft is not
@@ -36,6 +37,7 @@ deploy.local's, recovery is orchestrator.recovery's. It imports no torch: it is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -48,6 +50,7 @@ from pathlib import Path
 import grpc
 
 from bench.loadtest import percentile
+from bench.relay import DelayRelay
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
 from specdec.security import ClientSecurity, channel
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
@@ -63,6 +66,11 @@ PROMPTS = (
     "Why is the sky blue?",
 )
 VICTIMS = ("draft", "target")
+# SIGKILL (the supervisor restarts it); SIGSTOP, then SIGCONT (a host that hangs); the link to the
+# orchestrator holding every packet (dropped: TCP delivers them once they pass again); the link
+# slowed to SLOW_ONE_WAY seconds a message. All but kill last `stop_seconds`.
+FAULTS = ("kill", "stop", "drop", "slow")
+SLOW_ONE_WAY = (0.2, 2.0)  # seconds a message: a slow link, and one slower than keepalive's 3 s timeout
 REFUSED_RETRY_SECONDS = 0.25  # a client's pause before sending a refused request again
 
 
@@ -79,12 +87,17 @@ class ChaosConfig:
     request_timeout: float = 300.0  # each request's deadline
     drain_seconds: float = 5.0  # wait for sessions still closing after the last request
     rss_slack_mb: float = 64.0  # resident memory allowed above the level after the reference
+    faults: tuple[str, ...] = ("kill",)  # what each of the `kills` faults is, in turn from the seed
+    stop_seconds: tuple[float, float] = (0.5, 3.0)  # how long a stopped service stays stopped
 
     def __post_init__(self):
         if self.streams < 1 or self.requests_per_stream < 1 or self.max_tokens < 4 or self.kills < 0:
             raise ValueError("--streams and --requests-per-stream must be >= 1, --max-tokens >= 4, --kills >= 0")
         if not 0 < self.duration < float("inf"):
             raise ValueError("--duration must be a positive number of seconds")
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown or not self.faults:
+            raise ValueError(f"--faults is a comma list of {', '.join(FAULTS)}, not {','.join(self.faults)!r}")
 
 
 def make_requests(config: ChaosConfig) -> list[list[orchestrator_pb2.GenerateRequest]]:
@@ -109,12 +122,18 @@ def make_requests(config: ChaosConfig) -> list[list[orchestrator_pb2.GenerateReq
     return streams
 
 
-def kill_schedule(config: ChaosConfig) -> list[tuple[str, float]]:
-    """(victim, seconds it serves before the kill), both services alike often, from the seed."""
+def kill_schedule(config: ChaosConfig) -> list[tuple[str, float, str, float]]:
+    """(victim, seconds it serves before the fault, the fault, seconds a stop lasts), both services
+    alike often and each fault in turn, from the seed."""
     rng = random.Random(config.seed)
     victims = [VICTIMS[i % 2] for i in range(config.kills)]
     rng.shuffle(victims)
-    return [(victim, rng.uniform(*config.kill_delay)) for victim in victims]
+    faults = [config.faults[i % len(config.faults)] for i in range(config.kills)]
+    rng.shuffle(faults)
+    return [
+        (victim, rng.uniform(*config.kill_delay), fault, rng.uniform(*config.stop_seconds))
+        for victim, fault in zip(victims, faults, strict=True)
+    ]
 
 
 @dataclass
@@ -131,6 +150,7 @@ class Outcome:
     malformed: str | None = None  # a stream whose final chunk is missing, repeated or not last
     rounds_without_draft: int = 0  # the final chunk's stats: rounds its lost draft did not take part in
     refusals: int = 0  # times it was refused at once (UNAVAILABLE, no chunk) and sent again
+    detail: str = ""  # the error's details
 
     def same_as(self, reference: Outcome) -> str | None:
         """None if this stream gave the reference's result, else what differs."""
@@ -168,7 +188,8 @@ def stream_once(stub, request, stream: int, index: int, timeout: float) -> Outco
                 refusals += 1
                 time.sleep(REFUSED_RETRY_SECONDS)
                 continue
-            return Outcome(stream, index, time.monotonic() - start, error=err.code().name, refusals=refusals)
+            seconds = time.monotonic() - start
+            return Outcome(stream, index, seconds, error=err.code().name, refusals=refusals, detail=err.details())
         break
     malformed = None
     if finals != 1 or late:
@@ -206,9 +227,12 @@ class Killer:
     """A thread that kills the pipeline's model services on `schedule`, within `duration`."""
 
     pipeline: LocalPipeline
-    schedule: list[tuple[str, float]]
+    schedule: list[tuple[str, float, str, float]]
     duration: float
-    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds in, victim, pid)
+    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds in, victim, pid): SIGKILLs
+    # (seconds in, victim, seconds it lasted, fault): the faults that end by themselves
+    stops: list[tuple[float, str, float, str]] = field(default_factory=list)
+    relays: dict = field(default_factory=dict)  # victim -> bench.relay.DelayRelay, its link (drop, slow)
     done: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Killer:
@@ -221,11 +245,15 @@ class Killer:
         deadline = self._t0 + self.duration
         killed: set[int] = set()
         try:
-            for victim, delay in self.schedule:
+            for victim, delay, fault, stopped in self.schedule:
                 pid = self.pipeline.serving_pid(victim, max(0.0, deadline - time.monotonic()), exclude=killed)
                 if time.monotonic() + delay > deadline:
                     return
                 time.sleep(delay)
+                if fault != "kill":
+                    self.stops.append((time.monotonic() - self._t0, victim, stopped, fault))
+                    self._fault(victim, pid, fault, stopped)
+                    continue
                 os.kill(pid, signal.SIGKILL)
                 killed.add(pid)
                 self.kills.append((time.monotonic() - self._t0, victim, pid))
@@ -233,6 +261,23 @@ class Killer:
             pass
         finally:
             self.done.set()
+
+    def _fault(self, victim: str, pid: int, fault: str, seconds: float) -> None:
+        """A fault that ends by itself after `seconds`: the process stopped, its link held or slowed."""
+        relay = self.relays.get(victim)
+        if fault == "stop":
+            os.kill(pid, signal.SIGSTOP)
+        elif fault == "drop":
+            relay.hold = True
+        else:
+            relay.one_way = SLOW_ONE_WAY[len(self.stops) % 2]
+        try:
+            time.sleep(seconds)
+        finally:
+            if fault == "stop":
+                os.kill(pid, signal.SIGCONT)
+            elif relay is not None:
+                relay.hold, relay.one_way = False, 0.0
 
     def join(self) -> None:
         self._thread.join()
@@ -263,32 +308,53 @@ def run(config: ChaosConfig, log=print) -> dict:
     """The whole run (module doc); returns the report: figures and checks, `ok` if all pass."""
     requests = make_requests(config)
     restart = RestartPolicy(first_backoff=0.2, max_backoff=2.0, max_per_minute=config.kills + 5)
-    with LocalPipeline(replace(config.pipeline, restart=restart), log=log) as pipeline:
-        address = pipeline.address
-        rss_cold = service_rss(pipeline)
-        log(f"chaos: reference phase, {config.streams} streams x {config.requests_per_stream} requests")
-        reference, reference_wall = run_phase(address, requests, config.request_timeout)
-        rss_start = service_rss(pipeline)
-        schedule = kill_schedule(config)
-        log(f"chaos: fault phase, {len(schedule)} kills within {config.duration:g} s (seed {config.seed})")
-        killer = Killer(pipeline, schedule, config.duration).start()
-        faulted, faulted_wall = run_phase(
-            address, requests, config.request_timeout, keep_going=lambda: not killer.done.is_set()
-        )
-        killer.join()
-        for name in VICTIMS:  # the last one killed may still be restarting
-            pipeline.serving_pid(name, config.pipeline.start_timeout)
+    relays: dict[str, DelayRelay] = {}
+
+    def link(name: str, address: str) -> str:  # a relay between the orchestrator and each service
+        relays[name] = DelayRelay(address, rtt_ms=0).start()
+        return relays[name].address
+
+    links = {"link": link} if {"drop", "slow"} & set(config.faults) else {}
+    with contextlib.ExitStack() as stack:
+        pipeline = stack.enter_context(LocalPipeline(replace(config.pipeline, restart=restart, **links), log=log))
+        for relay in relays.values():
+            stack.callback(relay.stop)
+        result = _run(config, requests, pipeline, relays, log)
+    return result
+
+
+def _run(config: ChaosConfig, requests, pipeline: LocalPipeline, relays: dict, log) -> dict:
+    address = pipeline.address
+    rss_cold = service_rss(pipeline)
+    log(f"chaos: reference phase, {config.streams} streams x {config.requests_per_stream} requests")
+    reference, reference_wall = run_phase(address, requests, config.request_timeout)
+    rss_start = service_rss(pipeline)
+    schedule = kill_schedule(config)
+    faults = ", ".join(f"{n} {f}" for f, n in sorted(Counter(f for _, _, f, _ in schedule).items()))
+    log(f"chaos: fault phase, {faults or 'no faults'} within {config.duration:g} s (seed {config.seed})")
+    killer = Killer(pipeline, schedule, config.duration, relays=relays).start()
+    faulted, faulted_wall = run_phase(
+        address, requests, config.request_timeout, keep_going=lambda: not killer.done.is_set()
+    )
+    killer.join()
+    for name in VICTIMS:  # the last one killed may still be restarting
+        pipeline.serving_pid(name, config.pipeline.start_timeout)
+    sessions = open_sessions(pipeline)
+    # A stop or a held link can deliver an OpenSession after its caller gave up: the service reaps
+    # such a session once unclaimed (SessionLimits.unclaimed_ttl), so the drain waits that long.
+    drain = config.drain_seconds
+    if set(config.faults) != {"kill"}:
+        drain = max(drain, 1.25 * config.pipeline.session_limits.unclaimed_ttl + 5)  # the reaper's round too
+    end = time.monotonic() + drain
+    while any(sessions.values()) and time.monotonic() < end:
+        time.sleep(0.1)
         sessions = open_sessions(pipeline)
-        end = time.monotonic() + config.drain_seconds
-        while any(sessions.values()) and time.monotonic() < end:
-            time.sleep(0.1)
-            sessions = open_sessions(pipeline)
-        rss_end = service_rss(pipeline)
-        reopened = (pipeline.workdir / "orchestrator.log").read_text(errors="replace").count("re-opened at length")
-        restarts, failure = dict(pipeline.restarts), pipeline.failure
+    rss_end = service_rss(pipeline)
+    reopened = (pipeline.workdir / "orchestrator.log").read_text(errors="replace").count("re-opened at length")
+    restarts, failure = dict(pipeline.restarts), pipeline.failure
     return report(
         config, requests, reference, reference_wall, faulted, faulted_wall, killer.kills, restarts, reopened,
-        failure, sessions, (rss_cold, rss_start, rss_end),
+        failure, sessions, (rss_cold, rss_start, rss_end), killer.stops,
     )  # fmt: skip
 
 
@@ -307,7 +373,7 @@ def phase_figures(outcomes: list[Outcome], wall: float) -> dict:
 
 def report(
     config, requests, reference, reference_wall, faulted, faulted_wall, kills, restarts, reopened, failure, sessions,
-    rss,
+    rss, stops=(),
 ):  # fmt: skip
     by_request = {(o.stream, o.index): o for o in reference}
     mismatches, resampled = [], 0
@@ -322,11 +388,16 @@ def report(
     grown = {n: rss_end[n] - rss_start[n] for n in rss_end if rss_end[n] - rss_start[n] > config.rss_slack_mb}
     ref, fault = phase_figures(reference, reference_wall), phase_figures(faulted, faulted_wall)
     malformed_reference = [f"stream {o.stream} request {o.index}: {o.malformed}" for o in reference if o.malformed]
-    wanted_victims = {v for v, _ in kill_schedule(config)}
+    schedule = kill_schedule(config)
+    wanted = Counter(f for _, _, f, _ in schedule)
+    wanted_victims = {v for v, _, _, _ in schedule}
+    done_victims = set(killed) | {victim for _, victim, *_ in stops}
     checks = {
         "every request completed": ref["completed"] == ref["requests"] and fault["completed"] == fault["requests"],
         "every stream equal to the reference": not mismatches and not malformed_reference,
-        f"{config.kills} kills of both services": len(kills) == config.kills and set(killed) == wanted_victims,
+        f"{config.kills} faults of both services": len(kills) == wanted["kill"]
+        and Counter(f for *_, f in stops) == Counter({f: n for f, n in wanted.items() if f != "kill"})
+        and done_victims == wanted_victims,
         "the supervisor kept the services up": failure is None,
         "zero sessions left": not any(sessions.values()),
         f"resident memory within {config.rss_slack_mb:g} MB of its start": not grown,
@@ -341,11 +412,16 @@ def report(
         "kills": len(kills),
         "kills_by_service": dict(sorted(killed.items())),
         "kill_times_seconds": [round(t, 3) for t, _, _ in kills],
+        "stops": len(stops),
+        "stops_by_service": dict(sorted(Counter(victim for _, victim, *_ in stops).items())),
+        "faults_by_kind": dict(sorted(Counter([f for *_, f in stops] + ["kill"] * len(kills)).items())),
+        "stopped_seconds": [round(s, 2) for _, _, s, _ in stops],
         "restarts_by_service": restarts,
         "sessions_reopened": reopened,
         "rounds_without_draft": sum(o.rounds_without_draft for o in faulted),
         "streams_resampled_by_a_lost_draft": resampled,
         "mismatches": (malformed_reference + mismatches)[:20],
+        "errors": [f"stream {o.stream} request {o.index}: {o.error}: {o.detail}" for o in faulted if o.error][:5],
         "supervisor_failure": failure,
         "open_sessions_after": sessions,
         "rss_mb": {"cold": rss_cold, "start": rss_start, "end": rss_end},
@@ -367,7 +443,8 @@ def text(result: dict) -> str:
         f"chaos: {result['streams']} streams, seed {result['seed']}",
         phase("without faults", result["reference"]),
         phase("under faults  ", result["faults"]),
-        f"  kills {result['kills']} ({_counts(result['kills_by_service'])}), services restarted "
+        f"  kills {result['kills']} ({_counts(result['kills_by_service'])}), stops {result.get('stops', 0)} "
+        f"({_counts(result.get('stops_by_service', {}))}), services restarted "
         f"{sum(result['restarts_by_service'].values())} ({_counts(result['restarts_by_service'])}), "
         f"sessions re-opened {result['sessions_reopened']}, rounds without the draft "
         f"{result['rounds_without_draft']} (Leviathan samples they changed: "
@@ -376,7 +453,7 @@ def text(result: dict) -> str:
         f"after the faults: {memory}",
     ]
     lines += [f"  {'ok  ' if passed else 'FAIL'} {name}" for name, passed in result["checks"].items()]
-    lines += [f"       {m}" for m in result["mismatches"]]
+    lines += [f"       {m}" for m in result["mismatches"] + result.get("errors", [])]
     if result["supervisor_failure"]:
         lines.append(f"       {result['supervisor_failure']}")
     lines.append("chaos: " + ("PASS" if result["ok"] else "FAIL"))

@@ -8,7 +8,8 @@ both sockets so that no Nagle wait adds to it. A gRPC channel through it sees ea
 in rtt / 2 and each call take at least one rtt, as over a real link of that latency and ample
 bandwidth (bandwidth is not limited). It runs its own asyncio loop on a daemon thread.
 
-What crosses it is not read: TLS or plaintext, gRPC or anything else.
+What crosses it is not read: TLS or plaintext, gRPC or anything else. `one_way` can change while
+it runs (a link that slows), and `hold` stops delivery on every connection (its packets dropped).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class DelayRelay:
             raise ValueError(f"a round-trip time must be >= 0 ms, got {rtt_ms}")
         self.upstream_host, port = upstream.rsplit(":", 1)
         self.upstream_port = int(port)
-        self.one_way = rtt_ms / 2000.0
+        self.one_way = rtt_ms / 2000.0  # may change while it runs: chunks read from then on
+        # While set, nothing is delivered, either way, on any connection (a link whose packets are
+        # dropped: TCP delivers what was held once it passes again, unless an end gave up first).
+        self.hold = False
         self.host = host
         self.address = ""
         self._loop = asyncio.new_event_loop()
@@ -77,7 +81,7 @@ class DelayRelay:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        except (asyncio.CancelledError, ConnectionError):
+        except (asyncio.CancelledError, OSError):  # a connection reset, or shut while half-closed
             pass
         finally:
             for w in (writer, up_writer):
@@ -98,6 +102,8 @@ class DelayRelay:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                while self.hold:
+                    await asyncio.sleep(0.01)
                 writer.write(data)
                 await writer.drain()
 

@@ -355,14 +355,22 @@ def add_chaos_parser(sub) -> None:
         "chaos",
         help="concurrent streams while the draft and target are killed; checks nothing is lost",
         description="Start a supervised local stack, run every request once without faults (the reference), "
-        "then again while the draft and the target are killed with SIGKILL at random times (--seed fixes the "
-        "schedule). Checks every stream against the reference (each token once, in order, same output), zero "
-        "sessions and resident memory back near its start afterwards; exits 1 if a check fails.",
+        "then again while the draft and the target are killed with SIGKILL (or, with --faults, stopped for "
+        "seconds) at random times (--seed fixes the schedule). Checks every stream against the reference (each "
+        "token once, in order, same output), zero sessions and resident memory back near its start afterwards; "
+        "exits 1 if a check fails.",
     )
     c.add_argument("--streams", type=int, default=8, help="concurrent streaming clients (default 8)")
     c.add_argument("--requests-per-stream", type=int, default=3, help="distinct requests per client (default 3)")
     c.add_argument("--max-tokens", type=int, default=64, help="longest request, tokens (default 64)")
-    c.add_argument("--kills", type=int, default=10, help="SIGKILLs, draft and target alike (default 10)")
+    c.add_argument("--kills", type=int, default=10, help="faults, draft and target alike (default 10)")
+    c.add_argument(
+        "--faults",
+        default="kill",
+        help="comma list of the faults, taken in turn: kill (SIGKILL; the supervisor restarts the service), stop "
+        "(SIGSTOP for 0.5-3 s, then SIGCONT: a host that hangs), drop (the link to the orchestrator holds every "
+        "packet for 0.5-3 s), slow (the link takes 0.2 or 2 s a message for 0.5-3 s) (default kill)",
+    )
     c.add_argument("--duration", type=float, default=180.0, help="seconds the kills may take (default 180)")
     c.add_argument("--seed", type=int, default=1, help="the kill schedule, request lengths and sampling seeds")
     c.add_argument("--rss-slack-mb", type=float, default=64.0, help="memory growth allowed per service (default 64)")
@@ -379,6 +387,7 @@ def chaos(args) -> int:
         requests_per_stream=args.requests_per_stream,
         max_tokens=args.max_tokens,
         kills=args.kills,
+        faults=tuple(f.strip() for f in args.faults.split(",") if f.strip()),
         duration=args.duration,
         seed=args.seed,
         rss_slack_mb=args.rss_slack_mb,

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,9 @@ class PipelineConfig:
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
     target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
+    # (service name, its address) -> the address the orchestrator is given for it: a link between
+    # them (bench.chaos puts a relay there that it can slow or stop); None: the address itself.
+    link: Callable[[str, str], str] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -161,7 +165,7 @@ class LocalPipeline:
                 "orchestrator",
                 cfg.port,
                 cfg.host,
-                ["--draft-address", self.addresses["draft"], "--target-address", self.addresses["target"]]
+                ["--draft-address", self._linked("draft"), "--target-address", self._linked("target")]
                 + cfg.tls.flags()
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
@@ -179,6 +183,10 @@ class LocalPipeline:
         self._monitor.start()
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
+
+    def _linked(self, name: str) -> str:
+        link = self.config.link
+        return self.addresses[name] if link is None else link(name, self.addresses[name])
 
     @property
     def address(self) -> str:

@@ -79,6 +79,9 @@ class ResilientStub:
         self._lock = threading.Lock()
         self.address = address if isinstance(address, str) else ""
         self._stub = None
+        # Since when the address has accepted connections (or let them time out) without answering;
+        # None while it answers or refuses (RecoveryConfig.hang_seconds).
+        self._silent_since: float | None = None
         try:
             self._connect(wait_seconds, wait_seconds)
         except ConnectionError:
@@ -128,7 +131,6 @@ class ResilientStub:
         start = time.monotonic()
         deadline = start + wait
         backoff = self.config.first_backoff
-        silent_since = None  # when the address stopped refusing connections without answering
         while True:
             try:
                 stub = self._live_stub(deadline)
@@ -151,11 +153,10 @@ class ResilientStub:
                 if isinstance(err, grpc.RpcError) and err.code() not in (*LOST, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 last = err.details() if isinstance(err, grpc.RpcError) else str(err)
-            now = time.monotonic()
-            silent_since = None if refuses(self.address) else silent_since or start
-            if silent_since is not None and now - silent_since >= self.config.hang_seconds:
+            now, silent = time.monotonic(), self._silent_since
+            if silent is not None and now - silent >= self.config.hang_seconds:
                 raise Unavailable(
-                    f"the {self.name} service at {self.address} has not answered for {now - silent_since:.1f} s "
+                    f"the {self.name} service at {self.address} has not answered for {now - silent:.1f} s "
                     f"and does not refuse connections: stopped, hung or unreachable (last error: {last})"
                 )
             if now + backoff >= deadline:
@@ -176,6 +177,7 @@ class ResilientStub:
                 try:
                     probe = min(self.config.probe_seconds, _left(deadline))
                     self._stub.Describe(model_pb2.DescribeRequest(), timeout=probe)
+                    self._silent_since = None
                     return self._stub
                 except grpc.RpcError:
                     pass
@@ -191,23 +193,36 @@ class ResilientStub:
             address = self._resolve(resolve_seconds)
         except Exception as err:  # noqa: BLE001 - the resolver is pluggable (e.g. a Ray actor call)
             raise ConnectionError(f"cannot find the {self.name} service: {type(err).__name__}: {err}") from err
-        channel = self._channel_factory(address, wait_seconds)
-        self.address, self._stub = address, self._stub_class(channel)
+        attempt = time.monotonic()
+        try:
+            channel = self._channel_factory(address, wait_seconds)
+        except ConnectionError:
+            # Silent since this attempt began, unless nothing listens there (a restart under way).
+            self._silent_since = None if refuses(address) else self._silent_since or attempt
+            raise
+        self.address, self._stub, self._silent_since = address, self._stub_class(channel), None
 
 
 def refuses(address: str, timeout: float = 0.5) -> bool:
-    """Whether HOST:PORT refuses a TCP connection (nothing listens: a process gone, perhaps
-    restarting), rather than accepting it or not answering (stopped, hung, unreachable)."""
+    """Whether HOST:PORT refuses a connection (nothing listens: a process gone, perhaps restarting),
+    or closes it at once (a proxy in front of such a service), rather than holding it open without
+    answering (stopped, hung) or not answering at all (unreachable, its packets dropped)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return True  # not a TCP address (a unix socket, an address yet unknown): as a restart
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except ConnectionRefusedError:
         return True
     except OSError:
         return False
-    return False
+    with sock:
+        try:
+            return sock.recv(1) == b""  # closed at once; a live server sends its settings, a stopped one nothing
+        except TimeoutError:
+            return False
+        except OSError:  # reset
+            return True
 
 
 def _left(deadline: float) -> float:

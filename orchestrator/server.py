@@ -189,8 +189,19 @@ def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, token
     return ""
 
 
+# A fresh channel to a service connects afresh: its own subchannel (gRPC shares one per address
+# between channels, with its reconnect backoff: after a restart of a few seconds a new channel
+# waited out a backoff grown to seconds), and reconnects at most a second apart.
+RECONNECT = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:
-    channel = secure_channel(address, security, CHANNEL_OPTIONS)
+    channel = secure_channel(address, security, CHANNEL_OPTIONS + RECONNECT)
     ready = grpc.channel_ready_future(channel)
     try:
         ready.result(timeout=wait_seconds)

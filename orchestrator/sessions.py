@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,6 +64,53 @@ def wait_quietly(future, timeout: float | None) -> None:
 CONTINUATIONS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="specdec-continuation")
 
 
+def close_once(side: Side) -> bool:
+    """Close the side's session; False where its service did not answer (UNAVAILABLE, past
+    CLOSE_TIMEOUT: stopped, cut off, restarting), True otherwise (closed, or nothing to close)."""
+    try:  # its own timeout: the request's deadline may have passed
+        side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=side.session_id), timeout=CLOSE_TIMEOUT)
+    except Exception as err:  # noqa: BLE001 - best effort: NOT_FOUND (never opened, or gone) and the rest
+        cause = err.__cause__ if isinstance(err, SessionLost) else err
+        code = cause.code() if isinstance(cause, grpc.RpcError) else None
+        return code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return True
+
+
+class Closer:
+    """Closes again, each RETRY seconds for PERSIST seconds, the sessions whose close found their
+    service not answering: a service woken after a stop (or a link back) frees them then, not at its
+    idle reaper's 300 s. One thread, started with the first."""
+
+    RETRY, PERSIST = 1.0, 60.0
+
+    def __init__(self):
+        self._pending: list[tuple[float, Side]] = []  # (given up at, side)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, side: Side) -> None:
+        with self._cond:
+            self._pending.append((time.monotonic() + self.PERSIST, side))
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specdec-closer", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending)
+                pending, self._pending = self._pending, []
+            now = time.monotonic()
+            left = [(end, side) for end, side in pending if now < end and not close_once(side)]
+            with self._cond:
+                self._pending += left
+            time.sleep(self.RETRY)
+
+
+CLOSER = Closer()
+
+
 @dataclass
 class Side:
     """The orchestrator's view of one service's session."""
@@ -82,10 +131,8 @@ class GenerationSessions:
     services' health, and calls its _call, _threads and _timeout."""
 
     def _close(self, side: Side) -> None:
-        try:  # its own timeout: the request's deadline may have passed
-            side.stub.CloseSession(model_pb2.CloseSessionRequest(session_id=side.session_id), timeout=CLOSE_TIMEOUT)
-        except Exception:  # noqa: BLE001 - best effort: the service may be gone, or never opened it (NOT_FOUND)
-            pass
+        if not close_once(side):
+            CLOSER.add(side)
 
     def _open(self, side: Side, tokens: list[int], concurrent: bool = True, new: bool = False) -> None:
         """Open the side's session holding `tokens`. `new`: a new request's target, which fails at

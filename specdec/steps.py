@@ -62,6 +62,7 @@ class StepStream:
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # lists of StepResult, or _END
         self._live: dict[int, object] = {}  # id -> worker item, while in flight
         self._owed = 0  # calls read whose result is not sent yet
+        self._ended = False  # the stream ended: calls read after its end are cancelled as they start
         self._lock = threading.Lock()
 
     def serve(self, request_iterator, context) -> Iterator[model_pb2.StepResults]:
@@ -149,6 +150,10 @@ class StepStream:
             return
         for call_id, kind, started, span, item in queued:
             item.future.add_done_callback(lambda _, a=(call_id, kind, started, span, item): self._finish(*a, None))
+        with self._lock:
+            ended = self._ended
+        if ended:  # read from the socket before the end was known (a process stopped, then woken)
+            self._cancel_items([item for *_, item in queued])
 
     def _finish(self, call_id: int, kind: str, started: float, span, item, error) -> None:
         """Send a call's outcome: `error`, or its item's. A call cancelled or past its deadline
@@ -179,9 +184,16 @@ class StepStream:
 
     def _cancel_all(self) -> None:
         with self._lock:
+            self._ended = True
             items = list(self._live.values())
+        self._cancel_items(items)
+
+    def _cancel_items(self, items) -> None:
+        """Cancel calls whose caller is gone; not a close, which still frees its session (as
+        specdec.service's CloseSession, whose caller may have stopped waiting)."""
         for item in items:
-            self.engine.worker.cancel(item)
+            if not item.final:
+                self.engine.worker.cancel(item)
 
 
 class _Unimplemented(SpecdecError):

@@ -7,6 +7,7 @@ to fail them."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -14,20 +15,30 @@ from bench import chaos
 from cli import main as cli
 
 
-# Ten kills under Leviathan with chains; four under the invariant rule with trees (each kill
-# costs a process start: CI's time).
-@pytest.mark.parametrize("rule,tree,kills", [("leviathan", 0, 10), ("invariant", 6, 4)])
-def test_streams_survive_repeated_kills_of_both_services(tiny_models, capsys, rule, tree, kills):
+# Ten kills under Leviathan with chains; four under the invariant rule with trees; two of each fault
+# under Leviathan: kills, stops (SIGSTOP for seconds: a host that hangs), the link holding its
+# packets, the link slowed (each kill costs a process start: CI's time).
+@pytest.mark.parametrize(
+    "rule,tree,kills,faults",
+    [("leviathan", 0, 10, "kill"), ("invariant", 6, 4, "kill"), ("leviathan", 0, 8, "kill,stop,drop,slow")],
+)
+def test_streams_survive_repeated_faults_of_both_services(tiny_models, capsys, rule, tree, kills, faults):
     code = cli.main(
         ["chaos", "--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
         + ["--target-dtype", "float32", "--draft-dtype", "float32", "--streams", "8", "--kills", str(kills)]
         + ["--max-tokens", "48", "--duration", "600", "--seed", "3", "--json", "--rule", rule, "--tree", str(tree)]
+        + ["--faults", faults]
     )
     result = json.loads(capsys.readouterr().out)
     print(chaos.text(result))
     assert code == 0 and result["ok"], chaos.text(result)
-    each = {"draft": kills // 2, "target": kills // 2}
-    assert result["kills"] == kills and result["kills_by_service"] == each and result["restarts_by_service"] == each
+    kinds = faults.split(",")
+    assert result["kills"] + result["stops"] == kills
+    assert result["faults_by_kind"] == {kind: kills // len(kinds) for kind in kinds}
+    killed = Counter(victim for victim, _, fault, _ in chaos.kill_schedule(chaos.ChaosConfig(
+        kills=kills, seed=3, faults=tuple(faults.split(",")))) if fault == "kill")  # fmt: skip
+    assert result["kills_by_service"] == dict(killed) == result["restarts_by_service"]
+    assert set(result["stops_by_service"]) <= {"draft", "target"}
     assert result["faults"]["requests"] >= result["reference"]["requests"] == 24
     assert result["sessions_reopened"] > 0  # kills met generations in flight, which went on
     assert result["open_sessions_after"] == {"draft": 0, "target": 0}
@@ -37,7 +48,7 @@ def test_the_schedule_and_requests_follow_the_seed():
     config = chaos.ChaosConfig(kills=7, seed=5)
     assert chaos.kill_schedule(config) == chaos.kill_schedule(config)
     assert chaos.kill_schedule(config) != chaos.kill_schedule(chaos.ChaosConfig(kills=7, seed=6))
-    victims = [v for v, _ in chaos.kill_schedule(config)]
+    victims = [v for v, *_ in chaos.kill_schedule(config)]
     assert sorted(victims) == ["draft"] * 4 + ["target"] * 3
     requests = [r for stream in chaos.make_requests(config) for r in stream]
     assert len(requests) == 24 and len({r.prompt for r in requests}) == len(chaos.PROMPTS)

@@ -137,7 +137,7 @@ def test_a_slow_link_to_the_draft():
         stub = client(f"127.0.0.1:{orchestrator.port}")
         expected = list(stub.Generate(request(200, speculate=False), timeout=DEADLINE).token_ids)
 
-        relay.one_way = 0.1  # 200 ms a round trip
+        relay.one_way = 0.2  # 200 ms a message
         reply = stub.Generate(request(200), timeout=DEADLINE)
         assert list(reply.token_ids) == expected
 
