@@ -7,9 +7,11 @@ as tests/test_hung_peers.py runs it with stand-in models.
 2. Two requests, one with a 5 s deadline and one without; SIGSTOP to the target 1 s in: when and how
    each fails. A new request while the target is stopped; then SIGCONT, and how soon one succeeds.
 
-    python scripts/hung_peers.py [--max-tokens N] [--standins]
+    python scripts/hung_peers.py [--max-tokens N] [--standins] [--drop]
 
-`--standins`: stand-in models (standin:20, standin:2:0.9) instead of the default pair.
+`--standins`: stand-in models (standin:20, standin:2:0.9) instead of the default pair. `--drop`: the
+draft's and the target's links hold every packet (bench.relay between the orchestrator and each
+service) instead of SIGSTOP to the process.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.relay import DelayRelay  # noqa: E402
 from deploy.local import LocalPipeline, PipelineConfig  # noqa: E402
 from specdec.models import ModelSpec  # noqa: E402
 from specdec.v1 import orchestrator_pb2 as pb  # noqa: E402
@@ -65,10 +69,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=300, help="the long requests' tokens (default 300)")
     parser.add_argument("--standins", action="store_true", help="stand-in models instead of the default pair")
+    parser.add_argument("--drop", action="store_true", help="hold each link's packets instead of SIGSTOP")
     args = parser.parse_args()
     config = PipelineConfig()
     if args.standins:
         config = PipelineConfig(target=ModelSpec(model="standin:20"), draft=ModelSpec(model="standin:2:0.9"))
+    relays: dict[str, DelayRelay] = {}
+
+    def link(name: str, address: str) -> str:
+        relays[name] = DelayRelay(address, rtt_ms=0).start()
+        return relays[name].address
+
+    def fault(name: str, pid: int, on: bool) -> None:
+        if args.drop:
+            relays[name].hold = on
+        else:
+            os.kill(pid, signal.SIGSTOP if on else signal.SIGCONT)
+
+    if args.drop:
+        config = replace(config, link=link)
+    what, ended = ("cut off", "let through") if args.drop else ("stopped", "woken")
     with LocalPipeline(config, log=print) as pipeline:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
         stub.Generate(request(16), timeout=120)
@@ -79,36 +99,36 @@ def main() -> int:
         draft = pipeline.procs["draft"].pid
         in_flight = stub.Generate.future(request(args.max_tokens), timeout=300)
         time.sleep(3.0)
-        os.kill(draft, signal.SIGSTOP)
+        fault("draft", draft, True)
         stopped = time.monotonic()
         try:
             reply = in_flight.result()
             same = list(reply.token_ids) == list(first.token_ids)
-            print(f"draft stopped: the request in flight finished {time.monotonic() - stopped:.2f} s after the stop, "
+            print(f"draft {what}: the request in flight finished {time.monotonic() - stopped:.2f} s after the stop, "
                   f"same text: {same}, rounds without the draft: {reply.stats.rounds_without_draft}")  # fmt: skip
         except grpc.RpcError as err:
-            print(f"draft stopped: the request in flight failed after {time.monotonic() - stopped:.2f} s: {err.code()}")
+            print(f"draft {what}: the request in flight failed after {time.monotonic() - stopped:.2f} s: {err.code()}")
         seconds, outcome = timed(lambda: stub.Generate(request(24), timeout=60))
-        print(f"draft stopped: a new 24-token request {outcome} in {seconds:.2f} s")
-        os.kill(draft, signal.SIGCONT)
+        print(f"draft {what}: a new 24-token request {outcome} in {seconds:.2f} s")
+        fault("draft", draft, False)
         back = until(lambda: stub.Generate(request(24), timeout=60).stats.accepted_tokens > 0)
-        print(f"draft woken: speculating again after {back if back is None else round(back, 2)} s")
+        print(f"draft {ended}: speculating again after {back if back is None else round(back, 2)} s")
 
         target = pipeline.procs["target"].pid
         long = request(4 * args.max_tokens)
         with_deadline = stub.Generate.future(long, timeout=5.0)
         without = stub.Generate.future(long, timeout=300)
         time.sleep(1.0)
-        os.kill(target, signal.SIGSTOP)
+        fault("target", target, True)
         stopped = time.monotonic()
         for name, future in (("with a 5 s deadline", with_deadline), ("without a deadline", without)):
             seconds, outcome = timed(future.result)
-            print(f"target stopped: the request {name}: {outcome}, {time.monotonic() - stopped:.2f} s after the stop")
+            print(f"target {what}: the request {name}: {outcome}, {time.monotonic() - stopped:.2f} s after the stop")
         seconds, outcome = timed(lambda: stub.Generate(request(24), timeout=60))
-        print(f"target stopped: a new request {outcome} in {seconds:.2f} s")
-        os.kill(target, signal.SIGCONT)
+        print(f"target {what}: a new request {outcome} in {seconds:.2f} s")
+        fault("target", target, False)
         back = until(lambda: len(stub.Generate(request(8), timeout=60).token_ids) > 0)
-        print(f"target woken: served again after {back if back is None else round(back, 2)} s")
+        print(f"target {ended}: served again after {back if back is None else round(back, 2)} s")
     return 0
 
 
