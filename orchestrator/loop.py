@@ -325,6 +325,10 @@ class SpeculativeLoop(GenerationSessions):
             return None
         return min(PLAIN_STEPS if self._plain_costs is None else decode_steps(*self._plain_costs), remaining)
 
+    def _draft_behind(self) -> bool:
+        """Whether the draft's next call carries a prefill: more pending commits than a round makes."""
+        return len(self.draft.pending) > self.config.lookahead + 2
+
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
@@ -333,7 +337,7 @@ class SpeculativeLoop(GenerationSessions):
         pending commits than a round makes (the draft's session opened or idle while rounds went
         without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
         the round's verify (a continuation)."""
-        prefill = len(self.draft.pending) > self.config.lookahead + 2
+        prefill = self._draft_behind()
         with self._prefilling(prefill):
             proposal, seconds = self._draft_call(
                 self.draft.stub.Propose,
@@ -652,7 +656,7 @@ class SpeculativeLoop(GenerationSessions):
         cfg = self.config
         asked = time.perf_counter()
         try:
-            prefill = len(self.draft.pending) > cfg.lookahead + 2
+            prefill = self._draft_behind()
             proposal, draft_time = self._draft_call(self.draft.stub.Propose, self._tree_request(depth, draws), prefill)
         except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
             if not self._draft_failed(err):
