@@ -47,6 +47,7 @@ Address = str | Callable[[float], str]
 ChannelFactory = Callable[[str, float], grpc.Channel]
 
 LOST = SessionLost.CODES  # a call failing with one of these: the service, or its copy of the session, is gone
+RETRIED = (*LOST, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS)  # a re-open tries again
 
 
 class ResilientStub:
@@ -150,7 +151,9 @@ class ResilientStub:
                 )  # fmt: skip
                 return
             except (grpc.RpcError, ConnectionError) as err:
-                if isinstance(err, grpc.RpcError) and err.code() not in (*LOST, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # ALREADY_EXISTS: an open sent earlier on a held link arrived after this attempt's
+                # close (the next attempt closes it again).
+                if isinstance(err, grpc.RpcError) and err.code() not in RETRIED:
                     raise
                 last = err.details() if isinstance(err, grpc.RpcError) else str(err)
             now, silent = time.monotonic(), self._silent_since

@@ -267,10 +267,16 @@ class GenerationSessions:
         return lost is not None
 
     def _as_lost(self, err: BaseException) -> SessionLost | None:
-        """A draft call's error as the draft's loss: the service gone or restarted (SessionLost), or
-        past its budget (a deadline that was not the request's); None for any other error."""
+        """A draft call's error as the draft's loss: the service gone or restarted (SessionLost),
+        past its budget (a deadline that was not the request's), or holding the session already (a
+        late open); None for any other error."""
         if isinstance(err, SessionLost):
             return err
+        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.ALREADY_EXISTS:
+            # An open of this session sent before (a link held, then let go) reached the draft late:
+            # a new incarnation opens under an id of its own, and the late one is closed.
+            reason = f"the draft service already holds the session ({err.details()})"
+            return SessionLost(self.draft.stub, reason, gone=False)
         if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             left = self._timeout()
             if left is None or left > 0:  # not the request's own deadline

@@ -152,6 +152,51 @@ def test_reopen_replaces_a_session_the_service_still_holds(services):
     target.CloseSession(model_pb2.CloseSessionRequest(session_id="kept"))
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
+def test_a_late_open_on_the_draft_costs_rounds_never_the_request(services, sampling):
+    """An OpenSession sent on a link that was held reaches the draft after the generation's own:
+    the draft answers ALREADY_EXISTS. That is the draft's session lost (a new one opens under an id
+    of its own), never the request's error; the late session is closed, not leaked."""
+    pair = connect(services["draft"].address, services["target"].address)
+    reference = run(pair, sampling)
+    config = LoopConfig(sampling=sampling, max_new_tokens=40, lookahead=3, seed=5)
+    loop = SpeculativeLoop(pair.draft, pair.target, PROMPT, config, health=pair.health)
+    pair.draft.OpenSession(model_pb2.OpenSessionRequest(session_id=loop.draft.session_id, prompt_token_ids=[3, 4]))
+    for _ in loop.rounds():
+        pass
+    assert len(loop.generated) == 40 and loop.stats.draft_tokens > 0  # speculated again
+    if sampling.greedy:
+        assert loop.generated == reference.generated
+    assert pair.health[0].up
+    deadline = time.monotonic() + 10
+    while open_sessions(pair.draft) and time.monotonic() < deadline:  # closed in the background
+        time.sleep(0.05)
+    assert open_sessions(pair.draft) == 0
+
+
+def test_reopen_outlasts_a_late_open(services):
+    """A re-open whose open meets a session a late open made (ALREADY_EXISTS) closes it and opens again."""
+    pair = connect(services["draft"].address, services["target"].address)
+    target, real = pair.target, pair.target._stub
+    late = model_pb2.OpenSessionRequest(session_id="late", prompt_token_ids=[3, 4])
+
+    class Late:  # the service's own stub, with an open on another connection landing just before ours
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def OpenSession(self, request, timeout=None):  # noqa: N802 - the stub's method
+            if request.session_id == "late" and not getattr(self, "done", False):
+                self.done = True
+                real.OpenSession(late)
+            return real.OpenSession(request, timeout=timeout)
+
+    target._stub = Late()
+    target.reopen("late", [3, 4, 5, 8])
+    state = real.GetSession(model_pb2.GetSessionRequest(session_id="late"))
+    assert list(state.token_ids) == [3, 4, 5, 8]
+    real.CloseSession(model_pb2.CloseSessionRequest(session_id="late"))
+
+
 def test_killed_service_process_restarted_on_the_same_port(tiny_models, tiny_backends, tmp_path):
     draft = InProcess(serve_draft, tiny_backends["draft"])
     target = ServiceProcess("target", tiny_models["target"], tmp_path)
