@@ -443,8 +443,9 @@ def text(result: dict) -> str:
         f"chaos: {result['streams']} streams, seed {result['seed']}",
         phase("without faults", result["reference"]),
         phase("under faults  ", result["faults"]),
-        f"  kills {result['kills']} ({_counts(result['kills_by_service'])}), stops {result.get('stops', 0)} "
-        f"({_counts(result.get('stops_by_service', {}))}), services restarted "
+        f"  faults {_counts(result.get('faults_by_kind', {'kill': result['kills']}))}: kills "
+        f"({_counts(result['kills_by_service'])}), the others ({_counts(result.get('stops_by_service', {}))}); "
+        "services restarted "
         f"{sum(result['restarts_by_service'].values())} ({_counts(result['restarts_by_service'])}), "
         f"sessions re-opened {result['sessions_reopened']}, rounds without the draft "
         f"{result['rounds_without_draft']} (Leviathan samples they changed: "

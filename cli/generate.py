@@ -27,6 +27,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 is greedy (default 0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass, in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens, >= 1 (default: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below MIN_P x the most likely one's, in [0, 1] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, help="minus this per time a token was generated, [-2, 2]")
+    g.add_argument("--presence-penalty", type=float, help="minus this if a token was generated at all, [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty, > 0 (default 1: off)")
     g.add_argument("--seed", type=int, help="seed for sampling (default: a random one)")
     options.add_lookahead_flag(g)
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding through the target service")
@@ -89,7 +93,17 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
     return orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=not args.raw,
-        sampling=model_pb2.SamplingParams(**given(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)),
+        sampling=model_pb2.SamplingParams(
+            **given(
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                min_p=args.min_p,
+                frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty,
+                repetition_penalty=args.repetition_penalty,
+            )
+        ),
         stop_strings=args.stop,
         speculation=speculation,
         **given(seed=args.seed, max_new_tokens=args.max_tokens),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import rule
+from specdec import penalties, rule
 from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -52,6 +52,7 @@ def propose(
                 logits = (yield engine.forward(session, assumed + drafts, 1))[0]
                 if grammar is not None:
                     logits = grammar.apply(logits[None], grammar.masks())[0]
+                logits = penalties.session_rows(session, logits[None], params, [assumed + drafts])[0]
                 if params.greedy:
                     token = int(torch.argmax(logits))
                 elif coupled:
@@ -174,6 +175,8 @@ def propose_tree(
         for slot, (node, row) in enumerate(zip(frontier, logits, strict=True)):
             if grammar is not None:
                 row = grammar.apply(row[None], grammar.mask_after(_path(drawn, node)))[0]
+            if params.penalized:
+                row = penalties.session_rows(session, row[None], params, [_path(drawn, node)])[0]
             probs = torch.softmax(row.float(), dim=-1) if params.greedy else probs_from_logits(row[None], params)[0]
             if params.greedy:
                 top = torch.topk(probs, min(TREE_BRANCHES, probs.shape[-1]))

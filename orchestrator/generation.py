@@ -167,6 +167,7 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
     if lookahead is not None:
         validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
+    validation.token_ids(list(s.logit_bias), pair.vocab_size, "sampling.logit_bias")
     if "" in request.stop_strings:
         raise InvalidArgument("stop_strings must not hold an empty string")
     # The message names the field to change: the prompt when it leaves no room for a single new

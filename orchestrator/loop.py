@@ -174,9 +174,10 @@ class SpeculativeLoop(GenerationSessions):
         self._draft_was_lost = False  # ... and once lost, its rounds no longer wait for it (see First token)
         # Structured output: what opens each service's session besides its tokens (its grammar, which
         # the tokens after the prompt advance when a session is re-opened mid-generation).
-        self._session_fields = {}
+        # what each side's OpenSession carries: where the prompt ends (the penalties count past it), its grammar
+        self._session_fields = {"prompt_length": len(self.prompt)}
         if config.constraint is not None:
-            self._session_fields = {"constraint": config.constraint, "prompt_length": len(self.prompt)}
+            self._session_fields["constraint"] = config.constraint
 
     @property
     def _overlapping(self) -> bool:

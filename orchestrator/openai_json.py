@@ -46,6 +46,11 @@ PARAMS = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
+    "sampling.min_p": "min_p",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.logit_bias": "logit_bias",
     "speculation.lookahead": "speculation.lookahead",
     "speculation.tree_nodes": "speculation.tree_nodes",
     "max_new_tokens": "max_tokens",
@@ -57,9 +62,6 @@ PARAMS = {
 NEUTRAL = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
     "echo": False,
     "suffix": "",
     "tools": [],
@@ -67,8 +69,11 @@ NEUTRAL = {
     "functions": [],
     "function_call": "none",
 }
+# Sampling parameters that are SamplingParams fields of the same name (vLLM's extras among them).
+PENALTIES = {"min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"}
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+COMMON |= PENALTIES
 # Structured output: OpenAI's response_format, and the extras vLLM names (structured_outputs, guided_*),
 # each to the Constraint field it sets.
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -160,6 +165,7 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.sampling.top_p = _number(body, "top_p")
     if "top_k" in body:
         request.sampling.top_k = _integer(body, "top_k", -(2**31), 2**31 - 1)
+    _set_penalties(request.sampling, body)
     if "seed" in body:
         request.seed = _integer(body, "seed", 0, 2**64 - 1)
     if "stop" in body:
@@ -326,6 +332,27 @@ def _stream_options(body: dict) -> dict:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise APIError(400, "stream_options takes include_usage", "stream_options")
     return {"stream": stream, "include_usage": bool(options.get("include_usage", False))}
+
+
+def _set_penalties(sampling, body: dict) -> None:
+    """min_p, the penalties and logit_bias ({"token id": bias}, OpenAI's JSON keys are strings) as
+    SamplingParams fields; their ranges are checked with the rest (specdec.validation.sampling)."""
+    for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if name in body and body[name] is not None:
+            setattr(sampling, name, _number(body, name))
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise APIError(400, "logit_bias must be an object of token ids to numbers", "logit_bias")
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -(2**31) <= token < 2**31:
+            raise APIError(400, f"logit_bias: the bias of token {key} must be a number", "logit_bias")
+        sampling.logit_bias[token] = float(value)
 
 
 def _integer(body: dict, name: str, low: int, high: int, prefix: str = "") -> int:

@@ -108,6 +108,8 @@ class Session:
     constraint: Any = None
     # The rows its logits have: the vocabulary the pair shares (OpenSessionRequest.vocab_size); 0: all.
     vocab_size: int = 0
+    # How many of `tokens` are the prompt (specdec.penalties counts the generated ones past it).
+    prompt_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,11 +252,14 @@ class SessionEngine:
         threads: int | None = None,
         constraint=None,
         vocab_size: int = 0,
+        prompt_length: int | None = None,
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
-        `prompt` (specdec.grammar.Matcher)."""
-        return self.worker.wait(self.open_item(session_id, prompt, threads, constraint, vocab_size), context)
+        `prompt` (specdec.grammar.Matcher); `prompt_length`: how many of its tokens the request's
+        prompt is (None: all; a session re-opened mid-generation holds generated ones too)."""
+        item = self.open_item(session_id, prompt, threads, constraint, vocab_size, prompt_length=prompt_length)
+        return self.worker.wait(item, context)
 
     def open_item(
         self,
@@ -264,6 +269,7 @@ class SessionEngine:
         constraint=None,
         vocab_size: int = 0,
         deadline: float | None = None,
+        prompt_length: int | None = None,
     ) -> Item:
         """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
         if not session_id:
@@ -275,17 +281,33 @@ class SessionEngine:
         self.check_tokens(prompt, "prompt_token_ids")
         self.check_room(len(prompt), "prompt_token_ids")
         prompt = list(prompt)
-        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size)  # noqa: E731
+        if prompt_length is not None and not 0 <= prompt_length <= len(prompt):
+            raise InvalidArgument(f"prompt_length must be in 0..{len(prompt)}, got {prompt_length}")
+        cut = len(prompt) if prompt_length is None else prompt_length
+        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size, cut)  # noqa: E731
         return Item(session_id, start, deadline=deadline)
 
     def _open(
-        self, session_id: str, prompt: list[int], threads: int | None = None, constraint=None, vocab_size: int = 0
+        self,
+        session_id: str,
+        prompt: list[int],
+        threads: int | None = None,
+        constraint=None,
+        vocab_size: int = 0,
+        prompt_length: int = 0,
     ) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
         if len(self._sessions) >= self.limits.max_sessions:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
-        session = Session(tokens=prompt, cache=None, threads=threads, constraint=constraint, vocab_size=vocab_size)
+        session = Session(
+            tokens=prompt,
+            cache=None,
+            threads=threads,
+            constraint=constraint,
+            vocab_size=vocab_size,
+            prompt_length=prompt_length,
+        )
         if self.prefix is not None:
             self.prefix.start(session, prompt)  # reserves, and may start from another cache's positions
         else:

@@ -223,7 +223,7 @@ class SessionServicer:
         vocab = self._vocab(request)
         constraint = self._constraint(request)
         args = (request.session_id, list(request.prompt_token_ids), validation.threads(request), constraint, vocab)
-        return self.engine.open_item(*args, deadline=deadline)
+        return self.engine.open_item(*args, deadline=deadline, prompt_length=_prompt_length(request))
 
     def _close_item(self, request, deadline: float | None):
         """CloseSession on the step stream: noted where it finds no session, as the unary call does."""
@@ -249,7 +249,8 @@ class SessionServicer:
         threads = validation.threads(request)
         vocab = self._vocab(request)
         constraint = self._constraint(request)
-        length = self.engine.open(sid, list(request.prompt_token_ids), context, threads, constraint, vocab)
+        tokens = list(request.prompt_token_ids)
+        length = self.engine.open(sid, tokens, context, threads, constraint, vocab, _prompt_length(request))
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
@@ -336,3 +337,8 @@ class SessionServicer:
         return model_pb2.GetTokenizerResponse(
             files=[model_pb2.TokenizerFile(name=n, content=c) for n, c in sorted(files.items())]
         )
+
+
+def _prompt_length(request) -> int | None:
+    """OpenSessionRequest.prompt_length (None: unset, the whole of prompt_token_ids)."""
+    return request.prompt_length if request.HasField("prompt_length") else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import rule
+from specdec import penalties, rule
 from specdec.engine import Forward, Session, SessionEngine
 from specdec.errors import InvalidArgument
 from specdec.grammar import apply
@@ -89,7 +89,7 @@ def score(
     masks = grammar.masks(draft_ids) if grammar is not None else None  # [k + 1, words]
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
-    logits = apply(grammar, logits, masks)
+    logits = penalties.session_rows(session, apply(grammar, logits, masks), params, penalties.chain(draft_ids, k + 1))
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
         scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
@@ -135,7 +135,7 @@ def decode(
         chosen = scores.argmax
         mask = grammar.masks(chosen)[-1:] if grammar is not None else None
         forward = engine.forward(session, chosen, 1)
-        logits = apply(grammar, (yield forward), mask)  # [1, vocab]
+        logits = penalties.session_rows(session, apply(grammar, (yield forward), mask), params, [chosen])  # [1, vocab]
         if params.greedy:
             token = int(torch.argmax(logits[0]))
         elif noise_seed is not None:
@@ -224,7 +224,13 @@ def score_tree(
         probs = rows.map(lambda _, row: probs_from_logits(row[None], params)[0].cpu().numpy())
         return rule.tree_walk(parents, draft_ids, probs, walk.draft_rows, walk.accept_uniforms, walk.final_uniform)
 
-    logits, scored, walked, forwards = yield from tree_rows(engine, session, draft_ids, parents, grammar, masks, decide)
+    before = penalties.paths(draft_ids, parents) if params.penalized else None
+
+    def shaped(out: torch.Tensor, wanted: list[int]) -> torch.Tensor:  # rows `wanted` masked, penalised
+        out = apply(grammar, out, masks[wanted] if masks is not None else None)
+        return out if before is None else penalties.session_rows(session, out, params, [before[i] for i in wanted])
+
+    logits, scored, walked, forwards = yield from tree_rows(engine, session, draft_ids, parents, shaped, decide)
     step = (
         forwards[0].step_tokens,
         forwards[0].step_sessions,
@@ -275,8 +281,9 @@ class LazyRows:
         return self._seen[i]
 
 
-def tree_rows(engine: SessionEngine, session: Session, draft_ids, parents, grammar, masks, decide):
-    """The verify rows of a tree ([n + 1, vocab], masked; zeros where not scored), the rows scored,
+def tree_rows(engine: SessionEngine, session: Session, draft_ids, parents, shaped, decide):
+    """The verify rows of a tree ([n + 1, vocab], `shaped(logits, rows)`: masked and penalised; zeros
+    where not scored), the rows scored,
     what `decide(LazyRows)` returned over them, and the forwards that scored them.
 
     With tree attention, one forward. Otherwise chain by chain in the session's own cache, each a
@@ -289,7 +296,7 @@ def tree_rows(engine: SessionEngine, session: Session, draft_ids, parents, gramm
     walked path, which the next commit keeps."""
     if getattr(engine.backend, "trees", False):
         forward = engine.forward_tree(session, draft_ids, parents)
-        logits = apply(grammar, (yield forward), masks)
+        logits = shaped((yield forward), list(range(len(draft_ids) + 1)))
         return logits, set(range(len(logits))), decide(LazyRows(dict(enumerate(logits)))), [forward]
     kids = rule.tree_children(parents)
     rows: dict[int, torch.Tensor] = {}
@@ -308,7 +315,7 @@ def tree_rows(engine: SessionEngine, session: Session, draft_ids, parents, gramm
         forward = engine.forward(session, [draft_ids[i] for i in above + chain], len(wanted))
         out = yield forward
         forwards.append(forward)
-        rows.update(zip(wanted, apply(grammar, out, masks[wanted] if masks is not None else None), strict=True))
+        rows.update(zip(wanted, shaped(out, wanted), strict=True))
         try:
             walked = decide(LazyRows(rows))
             break

@@ -192,13 +192,19 @@ def test_models_and_health(stack, client):
 # -- refusals ----------------------------------------------------------------------------
 BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"n": 2}, 400, "n"),
-    ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("chat", {"frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("chat", {"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("chat", {"frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("chat", {"frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ("chat", {"min_p": 1.5}, 400, "min_p"),
+    ("chat", {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("chat", {"logit_bias": {"999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ("chat", {"logit_bias": [1]}, 400, "logit_bias"),
     ("chat", {"logprobs": "yes"}, 400, "logprobs"),
     ("completions", {"logprobs": 21}, 400, "logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("completions", {"best_of": 2}, 400, "best_of"),
-    ("chat", {"repetition_penalty": 1.1}, 400, "repetition_penalty"),
+    ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty"),
     ("chat", {"temperature": -1}, 400, "temperature"),
     ("chat", {"temperature": 2.5}, 400, "temperature"),  # OpenAI's range is 0..2; gRPC takes more
     ("completions", {"temperature": float("nan")}, 400, "temperature"),

@@ -174,7 +174,7 @@ def test_a_tree_by_chains_scores_only_the_chains_its_walk_enters(tiny_models):
         def decide(_rows):  # no walk: reads no row, so the spine's chain alone is scored
             return None
 
-        logits, scored, _, _ = yield from scorer.tree_rows(engine, session, tokens, parents, None, None, decide)
+        logits, scored, _, _ = yield from scorer.tree_rows(engine, session, tokens, parents, lambda out, _: out, decide)
         return logits.clone(), scored
 
     logits, scored = run(rows)
