@@ -93,12 +93,16 @@ class ResilientStub:
         if method.startswith("_"):
             raise AttributeError(method)
 
-        def call(request, **kwargs):
+        def prepared(request):  # the stub to call it on, and the request as the pair sends it
             stub = self._stub
             if stub is None:
                 raise SessionLost(self, f"{self.name} service at {self.address}: not connected yet")
-            if method == "OpenSession" and self.vocab_size:
+            if method == "OpenSession" and self.vocab_size:  # over the pair's shared rows, however sent
                 request = _with_vocab(request, self.vocab_size)
+            return stub, request
+
+        def call(request, **kwargs):
+            stub, request = prepared(request)
             try:
                 return getattr(stub, method)(request, **kwargs)
             except grpc.RpcError as err:
@@ -108,9 +112,7 @@ class ResilientStub:
                 raise lost from err
 
         def future(request, **kwargs):  # a call that can be cancelled: a grpc.Future (its errors as they are)
-            stub = self._stub
-            if stub is None:
-                raise SessionLost(self, f"{self.name} service at {self.address}: not connected yet")
+            stub, request = prepared(request)
             return getattr(stub, method).future(request, **kwargs)
 
         call.future = future

@@ -103,6 +103,36 @@ def test_a_padded_pair_decodes_as_the_target_and_draws_only_shared_rows(padded):
         assert p.sessions_freed_within(5)
 
 
+def test_a_draft_whose_output_layer_is_the_larger_draws_only_the_targets_rows(tmp_path):
+    """The draft padded past the target (137 rows against 73), its padded rows random and large (an
+    untrained checkpoint's): every session it opens is over the target's 73 rows, the first one
+    too (sent as a call that can be cancelled), so greedy is the target's `generate` and a sample
+    draws nothing past them, with chains and trees."""
+    from transformers import AutoModelForCausalLM
+
+    target_rows, draft_rows = 73, 137
+    target_path = tiny_checkpoint(tmp_path / "target", "qwen2", extra_rows=target_rows - TOKENS)
+    draft_path = tiny_checkpoint(tmp_path / "draft", "qwen2", seed=1, like=target_path, extra_rows=draft_rows - TOKENS)
+    target, draft = backend(target_path), backend(draft_path)
+    with torch.no_grad():
+        head = draft.model.get_output_embeddings().weight
+        head[target_rows:] = 5.0 * torch.randn(
+            draft_rows - target_rows, head.shape[1], generator=torch.Generator().manual_seed(3)
+        )
+    model = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    with pipeline(draft, target, limits=LIMITS) as p:
+        for speculation in ({"lookahead": 4}, {"lookahead": 3, "tree_nodes": 6}):
+            got = p.orchestrator.Generate(request(PROMPTS[0], **speculation))
+            assert list(got.token_ids) == want[0, len(PROMPTS[0]) :].tolist(), speculation
+            hot = model_pb2.SamplingParams(temperature=2.0)
+            outs = [p.orchestrator.Generate(request(PROMPTS[1], 32, hot, seed, **speculation)) for seed in range(3)]
+            assert max(t for out in outs for t in out.token_ids) < target_rows
+            assert sum(out.stats.draft_tokens for out in outs) > 0
+        assert p.sessions_freed_within(5)
+
+
 def test_the_law_of_a_padded_soft_capped_pair_is_the_targets_over_the_shared_rows(tmp_path):
     target_path = tiny_checkpoint(tmp_path / "target", "gemma2", extra_rows=TARGET_ROWS - TOKENS)
     draft_path = tiny_checkpoint(tmp_path / "draft", "gemma2", seed=1, like=target_path, extra_rows=DRAFT_ROWS - TOKENS)
