@@ -6,7 +6,8 @@ follows the target's law under the request's transform exactly, the draft held t
   trees, overlapped rounds, adaptive lookahead and the invariant rule (Markov stand-ins, in process);
 - sampling, through the three services: a law whose rows depend on the whole history (frequency and
   presence penalties), and a Markov one (logit_bias and min_p), each chi-square against the exact
-  law, and failing when the target's rows skip the transform;
+  law, and failing when the target's rows skip the transform, or when the draft tells the rule
+  other rows (its raw ones) than the penalised ones it drew from;
 - over HTTP: the parameters are taken, and a value out of range is a 400 naming it.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from draft_service import drafters, proposer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec import penalties
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -29,7 +31,7 @@ from tests.standins import random_markov
 from tests.stats import counts_chisquare
 from tests.test_openai_api import MESSAGES, MODEL, client_for, http_pipeline
 from tests.test_seeds import SUPPORT, TokenizedMarkov, run_all
-from tests.test_structured import pair
+from tests.test_structured import pair, unmasked_in_the_rule
 
 PROMPT = [SUPPORT[0], SUPPORT[0], SUPPORT[3]]  # a repeated token: the repetition penalty sees it
 
@@ -117,7 +119,9 @@ HISTORY = SamplingParams(temperature=1.0, frequency_penalty=0.08, presence_penal
 MARKOV = SamplingParams(temperature=0.8, min_p=0.15, logit_bias=((SUPPORT[1], 1.2), (SUPPORT[4], -100.0)))
 
 
-def sample_through_the_services(target_kernel, draft_kernel, params: SamplingParams, tokens: int) -> list[list[int]]:
+def sample_through_the_services(
+    target_kernel, draft_kernel, params: SamplingParams, tokens: int, trees: bool = True
+) -> list[list[int]]:
     with pipeline(TokenizedMarkov(draft_kernel), TokenizedMarkov(target_kernel)) as p:
         requests_ = [
             orchestrator_pb2.GenerateRequest(
@@ -126,7 +130,7 @@ def sample_through_the_services(target_kernel, draft_kernel, params: SamplingPar
                 seed=700 + i,
                 max_new_tokens=tokens,
                 speculation=orchestrator_pb2.SpeculationParams(
-                    lookahead=3, overlap=bool(i % 2), tree_nodes=5 * (i % 3 == 2)
+                    lookahead=3, overlap=bool(i % 2), tree_nodes=5 * (trees and i % 3 == 2)
                 ),
             )
             for i in range(8)
@@ -182,6 +186,17 @@ def test_a_target_that_skips_the_transform_fails_the_same_test(kernels, monkeypa
     monkeypatch.setattr(scorer, "penalties", untransformed)  # the target service runs in this process
     target_kernel, draft_kernel = kernels
     outputs = sample_through_the_services(target_kernel, draft_kernel, HISTORY, 250)
+    observed, expected = law_counts(outputs, target_kernel, HISTORY)
+    assert counts_chisquare(observed, expected) < 1e-3
+
+
+def test_a_draft_that_tells_the_rule_other_rows_than_it_drew_from_fails_the_same_test(kernels, monkeypatch):
+    """The rule needs the draft's rows to be the law its proposals were drawn from: a draft that
+    draws from its penalised rows but tells the rule its raw ones is caught."""
+    wrong = drafters.Drafter(unmasked_in_the_rule, proposer.proposal_row, proposer.propose_tree)
+    monkeypatch.setattr(drafters, "MODEL", wrong)  # the draft service runs in this process
+    target_kernel, draft_kernel = kernels
+    outputs = sample_through_the_services(target_kernel, draft_kernel, HISTORY, 250, trees=False)
     observed, expected = law_counts(outputs, target_kernel, HISTORY)
     assert counts_chisquare(observed, expected) < 1e-3
 
