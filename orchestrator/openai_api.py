@@ -39,7 +39,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from orchestrator.openai_json import APIError, Completion, generate_request
+from orchestrator.choices import Choices
+from orchestrator.openai_json import APIError, Completion, choice_requests, generate_request
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec import security
 from specdec.telemetry import Telemetry, disabled
@@ -83,6 +84,10 @@ class Gateway:
             return err.response()
         completion = Completion.start(endpoint, self.model, options["logprobs"])
         metadata = self.telemetry.trace_metadata()
+        if options["n"] > 1:
+            return await self._choices(
+                request, Choices(self.stub, choice_requests(generate, options["n"]), metadata), completion, options
+            )
         if not options["stream"]:
             call = self.stub.Generate.future(generate, metadata=metadata)
             try:
@@ -116,6 +121,45 @@ class Gateway:
             )
         finally:
             call.cancel()  # a client gone away: the orchestrator frees the sessions at the next round
+
+    async def _choices(self, request: Request, choices: Choices, completion: Completion, options: dict):
+        """A request's n choices (orchestrator.choices): one answer with n choices, or one stream of
+        their chunks, each with its choice's index."""
+        try:
+            first = await _wait(request, choices, choices.first)
+            if not options["stream"]:
+                return JSONResponse(completion.response(*await _wait(request, choices, lambda: choices.answers(first))))
+        except grpc.RpcError as err:
+            choices.cancel()
+            return APIError.from_rpc(err, completion.endpoint, options["max_tokens"], options["constraint"]).response()
+        return EventSourceResponse(self._choice_events(choices, first, completion, options), ping=15)
+
+    async def _choice_events(self, choices: Choices, first, completion: Completion, options: dict):
+        include_usage, n = options["include_usage"], len(choices.requests)
+        started, offsets, stats = set(), [0] * n, [None] * n
+        merged = choices.merged()
+        try:
+            item = (0, first)
+            while item is not None:
+                i, chunk = item
+                if isinstance(chunk, grpc.RpcError):
+                    raise chunk
+                if chunk is not None:
+                    yield json.dumps(completion.chunk(chunk, i not in started, include_usage, offsets[i], index=i))
+                    started.add(i)
+                    offsets[i] += sum(len(e.token) for e in chunk.logprobs)
+                    if chunk.finish_reason:
+                        stats[i] = chunk.stats
+                item = await anyio.to_thread.run_sync(next, merged, None, abandon_on_cancel=True)
+            if include_usage and all(s is not None for s in stats):
+                yield json.dumps(completion.usage_chunk(*stats))
+            yield "[DONE]"
+        except grpc.RpcError as err:  # after the status line went out: an error event
+            yield json.dumps(
+                APIError.from_rpc(err, completion.endpoint, options["max_tokens"], options["constraint"]).body()
+            )
+        finally:
+            choices.cancel()
 
     async def models(self, request: Request):
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "specdec"}

@@ -60,7 +60,6 @@ PARAMS = {
 }
 # Parameters without a GenerateRequest field: accepted only at the value that changes nothing.
 NEUTRAL = {
-    "n": 1,
     "best_of": 1,
     "echo": False,
     "suffix": "",
@@ -73,7 +72,8 @@ NEUTRAL = {
 PENALTIES = {"min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"}
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
-COMMON |= PENALTIES
+COMMON |= PENALTIES | {"n"}
+MAX_CHOICES = 16  # n at most: each choice is a generation of its own
 # Structured output: OpenAI's response_format, and the extras vLLM names (structured_outputs, guided_*),
 # each to the Constraint field it sets.
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -182,7 +182,34 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
     if logprobs is not None:
         request.logprobs = logprobs
     options = {**_stream_options(body), "max_tokens": max_name, "constraint": constraint or "response_format"}
-    return request, {**options, "logprobs": logprobs is not None}
+    n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
+    return request, {**options, "logprobs": logprobs is not None, "n": n}
+
+
+def choice_requests(request: orchestrator_pb2.GenerateRequest, n: int) -> list[orchestrator_pb2.GenerateRequest]:
+    """The generations of a request's n choices: choice i's seed is the request's + i (mod 2**64), so a
+    seed gives the same n texts again and choice 0 is the request with n = 1; without a seed, each
+    its own random one."""
+    out = []
+    for i in range(n):
+        choice = orchestrator_pb2.GenerateRequest()
+        choice.CopyFrom(request)
+        if request.HasField("seed"):
+            choice.seed = (request.seed + i) % 2**64
+        out.append(choice)
+    return out
+
+
+def assemble(chunks: list[orchestrator_pb2.GenerateChunk]) -> orchestrator_pb2.GenerateResponse:
+    """A streamed generation's chunks as the unary answer it would have had."""
+    out = orchestrator_pb2.GenerateResponse(text="".join(c.text for c in chunks))
+    for c in chunks:
+        out.token_ids.extend(c.token_ids)
+        out.logprobs.extend(c.logprobs)
+    if chunks:
+        out.finish_reason = chunks[-1].finish_reason
+        out.stats.CopyFrom(chunks[-1].stats)
+    return out
 
 
 def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
@@ -373,8 +400,9 @@ def _number(body: dict, name: str, low: float | None = None, high: float | None 
 
 
 # -- responses ---------------------------------------------------------------------------
-def usage(stats: orchestrator_pb2.GenerateStats) -> dict:
-    n, m = stats.prompt_tokens, stats.generated_tokens
+def usage(stats: orchestrator_pb2.GenerateStats, *more: orchestrator_pb2.GenerateStats) -> dict:
+    """OpenAI's usage of one generation, or of a request's choices (`more`: the others' stats, one prompt)."""
+    n, m = stats.prompt_tokens, stats.generated_tokens + sum(s.generated_tokens for s in more)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
@@ -426,22 +454,31 @@ class Completion:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
         return {**head, "choices": choices, **extra}
 
-    def response(self, r: orchestrator_pb2.GenerateResponse) -> dict:
-        if self.endpoint == "chat":
-            choice, kind = {"message": {"role": "assistant", "content": r.text}}, "chat.completion"
-        else:
-            choice, kind = {"text": r.text}, "text_completion"
-        choice = {"index": 0, **choice, "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason}
-        return self._object(kind, [choice], usage=usage(r.stats), specdec=speculation_stats(r.stats))
+    def response(self, r: orchestrator_pb2.GenerateResponse, *more: orchestrator_pb2.GenerateResponse) -> dict:
+        """The answer to a request: its generation, or its choices' (`more`: choices 1..n-1); usage
+        counts the prompt once and every choice's tokens, `specdec` is the first choice's."""
+        choices = []
+        for index, each in enumerate((r, *more)):
+            if self.endpoint == "chat":
+                choice = {"message": {"role": "assistant", "content": each.text}}
+            else:
+                choice = {"text": each.text}
+            logprobs = self._logprobs(each.logprobs)
+            choices.append({"index": index, **choice, "logprobs": logprobs, "finish_reason": each.finish_reason})
+        kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        spent = usage(r.stats, *(m.stats for m in more))
+        return self._object(kind, choices, usage=spent, specdec=speculation_stats(r.stats))
 
-    def chunk(self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool, offset: int = 0) -> dict:
+    def chunk(
+        self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool, offset: int = 0, index: int = 0
+    ) -> dict:
         if self.endpoint == "chat":
             delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
             choice, kind = {"delta": delta}, "chat.completion.chunk"
         else:
             choice, kind = {"text": c.text}, "text_completion"
         logprobs = self._logprobs(c.logprobs, offset)
-        choice = {"index": 0, **choice, "logprobs": logprobs, "finish_reason": c.finish_reason or None}
+        choice = {"index": index, **choice, "logprobs": logprobs, "finish_reason": c.finish_reason or None}
         r = c.rounds
         extension = {
             "spans": [[s.length, s.drafted] for s in c.spans],
@@ -453,9 +490,9 @@ class Completion:
         extra = {"usage": None} if include_usage else {}
         return self._object(kind, [choice], specdec=extension, **extra)
 
-    def usage_chunk(self, stats: orchestrator_pb2.GenerateStats) -> dict:
+    def usage_chunk(self, stats: orchestrator_pb2.GenerateStats, *more: orchestrator_pb2.GenerateStats) -> dict:
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return self._object(kind, [], usage=usage(stats))
+        return self._object(kind, [], usage=usage(stats, *more))
 
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token with no probability (JSON has no -inf)

@@ -191,7 +191,7 @@ def test_models_and_health(stack, client):
 
 # -- refusals ----------------------------------------------------------------------------
 BAD = [  # (endpoint, parameters, status, param)
-    ("chat", {"n": 2}, 400, "n"),
+    ("chat", {"n": 17}, 400, "n"),
     ("chat", {"presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat", {"frequency_penalty": -3}, 400, "frequency_penalty"),
     ("chat", {"frequency_penalty": "x"}, 400, "frequency_penalty"),
