@@ -7,7 +7,9 @@ host needs no model files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import random
 import tempfile
@@ -28,7 +30,12 @@ from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Where a chat template has no place for tools: a system turn that lists them and says how to call one.
+TOOLS_TURN = (
+    "You can call these tools (JSON schemas of their parameters):\n{tools}\n"
+    'To call one, answer with a JSON object {{"name": ..., "arguments": {{...}}}} and nothing else.'
+)
 
 
 def load_tokenizer(files: model_pb2.GetTokenizerResponse):
@@ -94,7 +101,7 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
             raise InvalidArgument("token_ids must not be empty")
         validation.token_ids(ids, pair.vocab_size, "token_ids")
     elif kind == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        messages = [_turn(m) for m in request.messages.messages]
         if not messages:
             raise InvalidArgument("messages must not be empty")
         roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
@@ -102,7 +109,7 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
             raise InvalidArgument(f"messages: unknown role {roles[0]!r} (one of {', '.join(CHAT_ROLES)})")
         if not tok.chat_template:
             raise FailedPrecondition("messages: the target model has no chat template")
-        ids = _chat_ids(tok, messages)
+        ids = _chat_ids(tok, messages, _json(request.messages.tools_json, "messages.tools_json"))
     elif kind == "prompt":
         if not request.prompt:
             raise InvalidArgument("prompt must not be empty")
@@ -117,8 +124,43 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
     return ids
 
 
-def _chat_ids(tok, messages) -> list[int]:
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _turn(m: orchestrator_pb2.ChatMessage) -> dict:
+    """A ChatMessage as a chat template reads it."""
+    turn = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        turn["tool_call_id"] = m.tool_call_id
+    if m.tool_calls_json:
+        calls = _json(m.tool_calls_json, "messages.tool_calls_json")
+        for call in calls if isinstance(calls, list) else ():  # templates read the arguments as an object
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError):
+                    function["arguments"] = json.loads(function["arguments"])
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _json(text: str, field: str):
+    """A JSON field of the request (None where empty); InvalidArgument naming it where it is not JSON."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise InvalidArgument(f"{field}: not valid JSON ({err})") from None
+
+
+def _chat_ids(tok, messages, tools=None) -> list[int]:
+    """The prompt's ids under the target's chat template; `tools` (OpenAI's array) rendered by it, or
+    in a system turn where it has no place for them (its source never names `tools`)."""
+    if tools and "tools" not in (tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)):
+        listed = TOOLS_TURN.format(tools=json.dumps([t.get("function", t) for t in tools], separators=(",", ":")))
+        if messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": listed}, *messages]
+        tools = None
+    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -82,9 +82,9 @@ class Gateway:
             generate, options = generate_request(await read_json(request), endpoint, self.model)
         except APIError as err:
             return err.response()
-        completion = Completion.start(endpoint, self.model, options["logprobs"])
+        completion = Completion.start(endpoint, self.model, options["logprobs"], options["tools"])
         metadata = self.telemetry.trace_metadata()
-        if options["n"] > 1:
+        if options["n"] > 1 or (options["tools"] is not None and options["stream"]):
             return await self._choices(
                 request, Choices(self.stub, choice_requests(generate, options["n"]), metadata), completion, options
             )
@@ -123,12 +123,17 @@ class Gateway:
             call.cancel()  # a client gone away: the orchestrator frees the sessions at the next round
 
     async def _choices(self, request: Request, choices: Choices, completion: Completion, options: dict):
-        """A request's n choices (orchestrator.choices): one answer with n choices, or one stream of
-        their chunks, each with its choice's index."""
+        """A request's n choices (orchestrator.choices), or its one under tools and streamed: one answer
+        with n choices, or one stream of their chunks, each with its choice's index (under tools: each
+        choice whole, once generated)."""
         try:
             first = await _wait(request, choices, choices.first)
             if not options["stream"]:
                 return JSONResponse(completion.response(*await _wait(request, choices, lambda: choices.answers(first))))
+            if completion.tools is not None:  # a call is known once its text is whole: streamed whole
+                answers = await _wait(request, choices, lambda: choices.answers(first))
+                events = [json.dumps(c) for c in completion.whole_chunks(answers, options["include_usage"])]
+                return EventSourceResponse(iter([*events, "[DONE]"]), ping=15)
         except grpc.RpcError as err:
             choices.cancel()
             return APIError.from_rpc(err, completion.endpoint, options["max_tokens"], options["constraint"]).response()

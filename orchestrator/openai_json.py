@@ -22,6 +22,7 @@ import grpc
 from starlette.responses import JSONResponse
 
 import orchestrator
+from orchestrator import openai_tools
 from specdec.v1 import model_pb2, orchestrator_pb2
 from specdec.validation import MAX_LOGPROBS
 
@@ -63,14 +64,12 @@ NEUTRAL = {
     "best_of": 1,
     "echo": False,
     "suffix": "",
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "none",
 }
 # Sampling parameters that are SamplingParams fields of the same name (vLLM's extras among them).
 PENALTIES = {"min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"}
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change no output
+IGNORED = {"user", "metadata", "store", "service_tier"}  # change no output
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
 COMMON |= PENALTIES | {"n"}
 MAX_CHOICES = 16  # n at most: each choice is a generation of its own
@@ -85,12 +84,16 @@ STRUCTURED = {
     "json_object": "json_object",
 }
 CONSTRAINTS = {"response_format", "structured_outputs", *GUIDED}
+TOOL_PARAMS = {"tools", "tool_choice", "parallel_tool_calls"}  # chat only: orchestrator.openai_tools
 COMMON |= CONSTRAINTS
 ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besides COMMON)
-    "chat": ("messages", {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs"}),
+    "chat": (
+        "messages",
+        {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs", *TOOL_PARAMS},
+    ),
     "completions": ("prompt", {"prompt", "speculation", "logprobs"}),
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class APIError(Exception):
@@ -152,8 +155,15 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
     request = orchestrator_pb2.GenerateRequest()
     if input_param not in body:
         raise APIError(400, f"{input_param} is required", input_param)
+    tools = None
     if endpoint == "chat":
         request.messages.messages.extend(_messages(body["messages"]))
+        try:
+            tools = openai_tools.parse(body)
+        except openai_tools.ToolsError as err:
+            raise APIError(400, str(err), err.param) from None
+        if tools is not None:
+            request.messages.tools_json = json.dumps(list(tools.tools))
     else:
         _set_prompt(request, body["prompt"])
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -176,6 +186,11 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
     if "speculation" in body:
         _set_speculation(request.speculation, body["speculation"])
     constraint = _set_constraint(request.constraint, body)
+    if tools is not None and tools.forced:  # the call's JSON, under the grammar of its schema
+        if constraint is not None:
+            raise APIError(400, f"{constraint} and a forced tool call cannot both constrain the answer", "tool_choice")
+        request.constraint.json_schema = json.dumps(tools.schema())
+        constraint = "tool_choice"
     if constraint is None:
         request.ClearField("constraint")
     logprobs = _logprobs(body, endpoint)
@@ -183,7 +198,7 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.logprobs = logprobs
     options = {**_stream_options(body), "max_tokens": max_name, "constraint": constraint or "response_format"}
     n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
-    return request, {**options, "logprobs": logprobs is not None, "n": n}
+    return request, {**options, "logprobs": logprobs is not None, "n": n, "tools": tools}
 
 
 def choice_requests(request: orchestrator_pb2.GenerateRequest, n: int) -> list[orchestrator_pb2.GenerateRequest]:
@@ -220,7 +235,18 @@ def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
-        out.append(orchestrator_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), i)))
+        content = m.get("content")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        turn = orchestrator_pb2.ChatMessage(
+            role=ROLES[role], content="" if content is None and calls else _content(content, i)
+        )
+        if calls:
+            if not isinstance(calls, list):
+                raise APIError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+            turn.tool_calls_json = json.dumps(calls)
+        if role == "tool":
+            turn.tool_call_id = str(m.get("tool_call_id", ""))
+        out.append(turn)
     return out
 
 
@@ -429,11 +455,19 @@ class Completion:
     id: str
     created: int
     logprobs: bool = False  # the client asked for them
+    tools: openai_tools.Tools | None = None  # the tools the answer may call (chat)
 
     @classmethod
-    def start(cls, endpoint: str, model: str, logprobs: bool = False) -> Completion:
+    def start(cls, endpoint: str, model: str, logprobs: bool = False, tools=None) -> Completion:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), logprobs)
+        return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), logprobs, tools)
+
+    def _message(self, r: orchestrator_pb2.GenerateResponse) -> tuple[dict, str]:
+        """A chat answer's message and finish_reason: a tool call where the text makes one."""
+        call = self.tools.call(r.text) if self.tools is not None and r.finish_reason == "stop" else None
+        if call is None:
+            return {"role": "assistant", "content": r.text}, r.finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
     def _logprobs(self, entries, offset: int = 0) -> dict | None:
         """A choice's `logprobs` in the endpoint's shape (None unless asked for); `offset`: where the
@@ -459,12 +493,14 @@ class Completion:
         counts the prompt once and every choice's tokens, `specdec` is the first choice's."""
         choices = []
         for index, each in enumerate((r, *more)):
+            finish = each.finish_reason
             if self.endpoint == "chat":
-                choice = {"message": {"role": "assistant", "content": each.text}}
+                message, finish = self._message(each)
+                choice = {"message": message}
             else:
                 choice = {"text": each.text}
             logprobs = self._logprobs(each.logprobs)
-            choices.append({"index": index, **choice, "logprobs": logprobs, "finish_reason": each.finish_reason})
+            choices.append({"index": index, **choice, "logprobs": logprobs, "finish_reason": finish})
         kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
         spent = usage(r.stats, *(m.stats for m in more))
         return self._object(kind, choices, usage=spent, specdec=speculation_stats(r.stats))
@@ -489,6 +525,28 @@ class Completion:
             extension.update(speculation_stats(c.stats))
         extra = {"usage": None} if include_usage else {}
         return self._object(kind, [choice], specdec=extension, **extra)
+
+    def whole_chunks(self, answers: list[orchestrator_pb2.GenerateResponse], include_usage: bool) -> list[dict]:
+        """Whole answers as a stream's chunks (tools: a call is known once its text is whole): each
+        choice's message in one chunk (tool_calls whole), then its finish_reason, then the usage."""
+        kind, extra = "chat.completion.chunk", {"usage": None} if include_usage else {}
+        out = []
+        for index, answer in enumerate(answers):
+            message, finish = self._message(answer)
+            if "tool_calls" in message:
+                message["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
+            delta = {
+                "index": index,
+                "delta": message,
+                "logprobs": self._logprobs(answer.logprobs),
+                "finish_reason": None,
+            }
+            out.append(self._object(kind, [delta], **extra))
+            done = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            out.append(self._object(kind, [done], specdec=speculation_stats(answer.stats), **extra))
+        if include_usage:
+            out.append(self.usage_chunk(*(a.stats for a in answers)))
+        return out
 
     def usage_chunk(self, stats: orchestrator_pb2.GenerateStats, *more: orchestrator_pb2.GenerateStats) -> dict:
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"

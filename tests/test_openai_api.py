@@ -202,7 +202,8 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"logit_bias": [1]}, 400, "logit_bias"),
     ("chat", {"logprobs": "yes"}, 400, "logprobs"),
     ("completions", {"logprobs": 21}, 400, "logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
+    ("completions", {"tools": []}, 400, "tools"),  # chat only
     ("completions", {"best_of": 2}, 400, "best_of"),
     ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty"),
     ("chat", {"temperature": -1}, 400, "temperature"),

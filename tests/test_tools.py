@@ -1,0 +1,153 @@
+"""OpenAI's tools (orchestrator.openai_tools) through the openai client and the three services, with
+tiny models whose vocabulary spells JSON.
+
+- a forced call (a named function, or "required" among two) comes back as `tool_calls` whose
+  arguments validate against the tool's schema, unary and streamed, with finish_reason "tool_calls";
+- "auto" reads a call out of the text (bare, or in <tool_call> tags) and leaves other text as text;
+- the tools are rendered by a chat template that has a place for them, else listed in a system turn;
+  a conversation that carries an assistant's call and the tool's answer is taken;
+- bad tools, a tool_choice naming no tool, parallel calls and a forced call beside response_format
+  are each a 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from orchestrator import generation, openai_tools
+from specdec.backend import HFBackend
+from specdec.models import ModelSpec
+from tests.conftest import JSON_CHARS, make_tiny_model, make_tokenizer
+from tests.test_openai_api import MODEL, client_for, http_json, http_pipeline
+
+# A chat template with a place for the tools: their names (the schemas would not fit a 512-token context).
+TOOLS_TEMPLATE = "{% for t in tools or [] %}tool {{ t['function']['name'] }}\n{% endfor %}"
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "weather in oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def json_stack(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tools")
+    target = make_tiny_model(root / "target", seed=5, chars=JSON_CHARS)
+    draft = make_tiny_model(root / "draft", seed=6, like=target, noise=0.3, chars=JSON_CHARS)
+    for path in (target, draft):
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.chat_template = TOOLS_TEMPLATE + tok.chat_template
+        tok.save_pretrained(path)
+    backends = [HFBackend(ModelSpec(path, "cpu", "float32")) for path in (draft, target)]
+    with http_pipeline(*backends) as both:
+        yield both
+
+
+def check_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
+)
+def test_a_forced_call_comes_back_as_tool_calls_that_follow_the_schema(json_stack, choice):
+    _, http = json_stack
+    client = client_for(http)
+    ask = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 160}
+    for seed in (1, 2):
+        reply = client.chat.completions.create(temperature=1.0, seed=seed, **ask)
+        choice_ = reply.choices[0]
+        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+        [call] = choice_.message.tool_calls
+        check_call(call)
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+    streamed, finish, name, arguments = None, None, "", ""
+    for chunk in client.chat.completions.create(temperature=1.0, seed=1, stream=True, **ask):
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or ():
+                streamed = delta
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert streamed is not None and finish == "tool_calls"
+    unary = client.chat.completions.create(temperature=1.0, seed=1, **ask).choices[0].message.tool_calls[0]
+    assert (name, json.loads(arguments)) == (unary.function.name, json.loads(unary.function.arguments))
+
+
+def test_auto_reads_a_call_out_of_the_text_and_leaves_other_text():
+    tools = openai_tools.parse({"tools": TOOLS})
+    assert tools.choice == "auto" and tools.schema() is None
+    call = tools.call('{"name": "get_time", "arguments": {"zone": "utc"}}')
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    tagged = tools.call('<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo", "days": 2}}\n</tool_call>')
+    assert json.loads(tagged["function"]["arguments"]) == {"city": "oslo", "days": 2}
+    assert tools.call("it is sunny") is None
+    assert tools.call('{"name": "launch", "arguments": {}}') is None  # not one of the tools
+    assert openai_tools.parse({"tools": TOOLS, "tool_choice": "none"}) is None
+
+
+def test_the_tools_are_rendered_by_the_template_or_listed_in_a_system_turn():
+    tok = make_tokenizer(chars=JSON_CHARS)
+    messages = [{"role": "user", "content": "hi"}]
+    tok.chat_template = TOOLS_TEMPLATE + tok.chat_template
+    placed = tok.decode(generation._chat_ids(tok, messages, TOOLS))
+    assert placed.startswith("tool get_weather\ntool get_time\n")
+    plain = make_tokenizer(chars=JSON_CHARS)
+    listed = plain.decode(generation._chat_ids(plain, messages, TOOLS))
+    assert listed.startswith("system: ") and "can call these tools" in listed and '"name":"get_weather"' in listed
+
+
+def test_a_conversation_with_a_call_and_its_answer_is_taken(json_stack):
+    _, http = json_stack
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    reply = client_for(http).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"tools": [{"type": "code"}]}, "tools"),
+        ({"tools": {"a": 1}}, "tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
+def test_bad_tools_are_a_400_naming_the_parameter(json_stack, params, param):
+    _, http = json_stack
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **params}
+    status, reply = http_json(f"{http.url}/v1/chat/completions", body)
+    assert (status, reply["error"]["param"]) == (400, param), reply
