@@ -150,11 +150,20 @@ def _json(text: str, field: str):
         raise InvalidArgument(f"{field}: not valid JSON ({err})") from None
 
 
+def _called(turn: dict) -> dict:
+    """An assistant turn's tool calls as the JSON text the system turn asks for (one a line)."""
+    calls = [c.get("function", {}) for c in turn["tool_calls"] if isinstance(c, dict)]
+    text = "\n".join(json.dumps({"name": f.get("name"), "arguments": f.get("arguments", {})}) for f in calls)
+    return {"role": turn["role"], "content": "\n".join(t for t in (turn.get("content") or "", text) if t)}
+
+
 def _chat_ids(tok, messages, tools=None) -> list[int]:
     """The prompt's ids under the target's chat template; `tools` (OpenAI's array) rendered by it, or
     in a system turn where it has no place for them (its source never names `tools`)."""
     if tools and "tools" not in (tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)):
         listed = TOOLS_TURN.format(tools=json.dumps([t.get("function", t) for t in tools], separators=(",", ":")))
+        # the calls made so far as the text that makes them (the template renders content only)
+        messages = [_called(m) if m.get("tool_calls") else m for m in messages]
         if messages[0]["role"] == "system":
             messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
         else:

@@ -119,6 +119,10 @@ def test_the_tools_are_rendered_by_the_template_or_listed_in_a_system_turn():
     plain = make_tokenizer(chars=JSON_CHARS)
     listed = plain.decode(generation._chat_ids(plain, messages, TOOLS))
     assert listed.startswith("system: ") and "can call these tools" in listed and '"name":"get_weather"' in listed
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}
+    turns = [*messages, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "12"}]
+    again = plain.decode(generation._chat_ids(plain, turns, TOOLS))
+    assert again.endswith('assistant: {"name": "get_time", "arguments": {"zone": "utc"}}\ntool: 12\nassistant: ')
 
 
 def test_a_conversation_with_a_call_and_its_answer_is_taken(json_stack):
