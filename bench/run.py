@@ -150,10 +150,11 @@ def hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: b
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
 def _specdec_generate(
     stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0,
-    constraint=None, cache: bool | None = None,
+    constraint=None, cache: bool | None = None, sampling: dict | None = None,
 ) -> dict:  # fmt: skip
     """One generation through the orchestrator (`constraint`: a model_pb2.Constraint, structured output;
-    `cache`: the speculation cache on or off, None: the orchestrator's default)."""
+    `cache`: the speculation cache on or off, None: the orchestrator's default; `sampling`: more
+    SamplingParams fields, e.g. a penalty)."""
     from specdec.v1 import model_pb2, orchestrator_pb2
 
     spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap, adaptive=k == "adaptive")
@@ -168,7 +169,7 @@ def _specdec_generate(
     request = orchestrator_pb2.GenerateRequest(
         token_ids=orchestrator_pb2.TokenIds(ids=ids),
         max_new_tokens=config.max_tokens,
-        sampling=model_pb2.SamplingParams(temperature=temperature),
+        sampling=model_pb2.SamplingParams(temperature=temperature, **(sampling or {})),
         seed=config.seed,
         speculation=spec,
         constraint=constraint,

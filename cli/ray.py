@@ -266,10 +266,11 @@ def serve_application(args: dict):
     """The application of a Serve config file written by `specdec ray up --serve-config`: `up`'s
     flags (args["flags"]) parsed again and built where Serve builds it (the TLS files and the
     token are read there)."""
-    from cli.main import build_parser
     from deploy import ray_serve
 
-    parsed = build_parser().parse_args(["ray", "up", *shlex.split(args["flags"])])
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_parser(parser.add_subparsers(dest="command", required=True))  # `specdec ray`'s own flags
+    parsed = parser.parse_args(["ray", "up", *shlex.split(args["flags"])])
     if not _serves(parsed):
         raise ValueError("a Serve config file's flags need --replicas, or --min-replicas and --max-replicas")
     return ray_serve.application(serve_config(parsed))
