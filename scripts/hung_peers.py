@@ -7,11 +7,13 @@ as tests/test_hung_peers.py runs it with stand-in models.
 2. Two requests, one with a 5 s deadline and one without; SIGSTOP to the target 1 s in: when and how
    each fails. A new request while the target is stopped; then SIGCONT, and how soon one succeeds.
 
-    python scripts/hung_peers.py [--max-tokens N] [--standins] [--drop]
+    python scripts/hung_peers.py [--max-tokens N] [--standins] [--drop | --kill]
 
 `--standins`: stand-in models (standin:20, standin:2:0.9) instead of the default pair. `--drop`: the
 draft's and the target's links hold every packet (bench.relay between the orchestrator and each
-service) instead of SIGSTOP to the process.
+service) instead of SIGSTOP to the process. `--kill`: instead of both, SIGKILL to the draft 3 s into
+a request (the pipeline restarts it on its address): whether the request finishes with its text,
+and how soon after the new draft answers on its address a request speculates again.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=300, help="the long requests' tokens (default 300)")
     parser.add_argument("--standins", action="store_true", help="stand-in models instead of the default pair")
     parser.add_argument("--drop", action="store_true", help="hold each link's packets instead of SIGSTOP")
+    parser.add_argument("--kill", action="store_true", help="kill the draft mid-request; it restarts on its address")
     args = parser.parse_args()
     config = PipelineConfig()
     if args.standins:
@@ -96,6 +99,8 @@ def main() -> int:
         first = stub.Generate(request(args.max_tokens), timeout=300)
         print(f"a request: {len(first.token_ids)} tokens in {time.monotonic() - start:.2f} s")
 
+        if args.kill:
+            return killed_draft(pipeline, stub, first, args.max_tokens)
         draft = pipeline.procs["draft"].pid
         in_flight = stub.Generate.future(request(args.max_tokens), timeout=300)
         time.sleep(3.0)
@@ -129,6 +134,31 @@ def main() -> int:
         fault("target", target, False)
         back = until(lambda: len(stub.Generate(request(8), timeout=60).token_ids) > 0)
         print(f"target {ended}: served again after {back if back is None else round(back, 2)} s")
+    return 0
+
+
+def killed_draft(pipeline, stub, first, max_tokens: int) -> int:
+    """SIGKILL to the draft 3 s into a request; the pipeline restarts it on its address."""
+    from specdec.v1 import model_pb2, model_pb2_grpc
+
+    old = pipeline.procs["draft"].pid
+    in_flight = stub.Generate.future(request(max_tokens), timeout=300)
+    time.sleep(3.0)
+    os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
+    reply = in_flight.result()
+    same = list(reply.token_ids) == list(first.token_ids)
+    print(f"draft killed: the request in flight finished {time.monotonic() - killed:.2f} s after the kill, "
+          f"same text: {same}, rounds without the draft: {reply.stats.rounds_without_draft}")  # fmt: skip
+    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(pipeline.addresses["draft"]))
+    describe = model_pb2.DescribeRequest()
+    answers = until(lambda: pipeline.procs["draft"].pid != old and draft.Describe(describe, timeout=1), within=120)
+    if answers is None:
+        print("draft killed: not back on its address within 120 s")
+        return 1
+    print(f"draft killed: the new draft answers on its address {time.monotonic() - killed:.2f} s after the kill")
+    back = until(lambda: stub.Generate(request(24), timeout=60).stats.accepted_tokens > 0)
+    print(f"draft back: speculating again {back if back is None else round(back, 2)} s after it answers")
     return 0
 
 
