@@ -160,14 +160,16 @@ def _called(turn: dict) -> dict:
 def _chat_ids(tok, messages, tools=None) -> list[int]:
     """The prompt's ids under the target's chat template; `tools` (OpenAI's array) rendered by it, or
     in a system turn where it has no place for them (its source never names `tools`)."""
-    if tools and "tools" not in (tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)):
-        listed = TOOLS_TURN.format(tools=json.dumps([t.get("function", t) for t in tools], separators=(",", ":")))
+    source = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
+    if "tools" not in source:
         # the calls made so far as the text that makes them (the template renders content only)
         messages = [_called(m) if m.get("tool_calls") else m for m in messages]
-        if messages[0]["role"] == "system":
-            messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
-        else:
-            messages = [{"role": "system", "content": listed}, *messages]
+        if tools:
+            listed = TOOLS_TURN.format(tools=json.dumps([t.get("function", t) for t in tools], separators=(",", ":")))
+            if messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": listed}, *messages]
         tools = None
     ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
