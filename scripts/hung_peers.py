@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.relay import DelayRelay  # noqa: E402
 from deploy.local import LocalPipeline, PipelineConfig  # noqa: E402
 from specdec.models import ModelSpec  # noqa: E402
+from specdec.v1 import model_pb2, orchestrator_pb2_grpc  # noqa: E402
 from specdec.v1 import orchestrator_pb2 as pb  # noqa: E402
-from specdec.v1 import orchestrator_pb2_grpc  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper."
 
@@ -139,26 +139,26 @@ def main() -> int:
 
 def killed_draft(pipeline, stub, first, max_tokens: int) -> int:
     """SIGKILL to the draft 3 s into a request; the pipeline restarts it on its address."""
-    from specdec.v1 import model_pb2, model_pb2_grpc
-
     old = pipeline.procs["draft"].pid
     in_flight = stub.Generate.future(request(max_tokens), timeout=300)
     time.sleep(3.0)
     os.kill(old, signal.SIGKILL)
     killed = time.monotonic()
+    try:
+        pipeline.serving_pid("draft", 120, exclude=(old,))  # the supervisor found it serving on its address
+    except TimeoutError:
+        print("draft killed: not back on its address within 120 s")
+        return 1
+    answered = time.monotonic()
+    print(f"draft killed: the new draft answers on its address {answered - killed:.2f} s after the kill")
+    found = until(lambda: stub.Describe(model_pb2.DescribeRequest(), timeout=5).draft.available, within=30)
+    print(f"draft back: the orchestrator finds it {found if found is None else round(found, 2)} s after it answers")
+    back = until(lambda: stub.Generate(request(24), timeout=60).stats.accepted_tokens > 0)
+    print(f"draft back: a new request speculates {back if back is None else round(back, 2)} s after that")
     reply = in_flight.result()
     same = list(reply.token_ids) == list(first.token_ids)
     print(f"draft killed: the request in flight finished {time.monotonic() - killed:.2f} s after the kill, "
           f"same text: {same}, rounds without the draft: {reply.stats.rounds_without_draft}")  # fmt: skip
-    draft = model_pb2_grpc.DraftServiceStub(grpc.insecure_channel(pipeline.addresses["draft"]))
-    describe = model_pb2.DescribeRequest()
-    answers = until(lambda: pipeline.procs["draft"].pid != old and draft.Describe(describe, timeout=1), within=120)
-    if answers is None:
-        print("draft killed: not back on its address within 120 s")
-        return 1
-    print(f"draft killed: the new draft answers on its address {time.monotonic() - killed:.2f} s after the kill")
-    back = until(lambda: stub.Generate(request(24), timeout=60).stats.accepted_tokens > 0)
-    print(f"draft back: speculating again {back if back is None else round(back, 2)} s after it answers")
     return 0
 
 
