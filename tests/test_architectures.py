@@ -184,6 +184,41 @@ def test_greedy_through_the_services_equals_generate(root, kind):
         assert p.sessions_freed_within(5)
 
 
+RAW = ["hello world", "ab", "the cat sat on the mat"]  # text prompts, tokenised by the orchestrator
+
+
+def test_a_tied_qwen2_on_raw_prompts_equals_generate_from_the_first_token(root):
+    """The build issue 61 reported a first token off on (2 layers, hidden 64, 4 heads, 2 KV heads,
+    tied embeddings, output rows scaled, the character tokenizer, raw text prompts): the prompt's
+    tokens as the tokenizer gives them, and greedy equal to `generate`, chains and trees."""
+    from transformers import AutoTokenizer
+
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    target = tiny_checkpoint(root / "qwen2-tied-target", "qwen2", tie_word_embeddings=True, **shape)
+    draft = tiny_checkpoint(root / "qwen2-tied-draft", "qwen2", seed=1, like=target)
+    tokenizer, model = AutoTokenizer.from_pretrained(target), reference(target)
+    assert model.config.tie_word_embeddings
+    want = [own_greedy(model, tokenizer(text)["input_ids"]) for text in RAW]
+    with pipeline(
+        HFBackend(ModelSpec(draft, "cpu", "float32")), HFBackend(ModelSpec(target, "cpu", "float32")), limits=LIMITS
+    ) as p:
+        for speculation in ({"lookahead": 4}, {"lookahead": 3, "tree_nodes": 6}, {"disabled": True}):
+            got = [
+                p.orchestrator.Generate(
+                    orchestrator_pb2.GenerateRequest(
+                        prompt=text,
+                        chat_template=False,
+                        max_new_tokens=NEW_TOKENS,
+                        speculation=orchestrator_pb2.SpeculationParams(**speculation),
+                    ),
+                    timeout=120,
+                )
+                for text in RAW
+            ]
+            assert [r.stats.prompt_tokens for r in got] == [len(tokenizer(t)["input_ids"]) for t in RAW]
+            assert [list(r.token_ids) for r in got] == want, speculation
+
+
 def refusal(tmp_path, kind: str, **overrides) -> str:
     path = tiny_checkpoint(tmp_path / kind, kind, **overrides)
     with pytest.raises(FailedPrecondition) as err:
