@@ -52,7 +52,8 @@ def propose(
                 logits = (yield engine.forward(session, assumed + drafts, 1))[0]
                 if grammar is not None:
                     logits = grammar.apply(logits[None], grammar.masks())[0]
-                logits = penalties.session_rows(session, logits[None], params, [assumed + drafts])[0]
+                if params.penalized:
+                    logits = penalties.session_rows(session, logits[None], params, [assumed + drafts])[0]
                 if params.greedy:
                     token = int(torch.argmax(logits))
                 elif coupled:

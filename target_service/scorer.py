@@ -89,7 +89,9 @@ def score(
     masks = grammar.masks(draft_ids) if grammar is not None else None  # [k + 1, words]
     forward = engine.forward(session, draft_ids, k + 1)
     logits = yield forward  # [k + 1, vocab]
-    logits = penalties.session_rows(session, apply(grammar, logits, masks), params, penalties.chain(draft_ids, k + 1))
+    logits = apply(grammar, logits, masks)
+    if params.penalized:
+        logits = penalties.session_rows(session, logits, params, penalties.chain(draft_ids, k + 1))
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
         scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
@@ -135,7 +137,9 @@ def decode(
         chosen = scores.argmax
         mask = grammar.masks(chosen)[-1:] if grammar is not None else None
         forward = engine.forward(session, chosen, 1)
-        logits = penalties.session_rows(session, apply(grammar, (yield forward), mask), params, [chosen])  # [1, vocab]
+        logits = apply(grammar, (yield forward), mask)  # [1, vocab]
+        if params.penalized:
+            logits = penalties.session_rows(session, logits, params, [chosen])
         if params.greedy:
             token = int(torch.argmax(logits[0]))
         elif noise_seed is not None:
