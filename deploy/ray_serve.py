@@ -1,7 +1,8 @@
 """specdec on Ray Serve: many pairs behind one endpoint, autoscaled; a lost replica loses nothing.
 
 A Serve deployment named N is a Serve application N of two deployments (what runs in their
-replicas: deploy.serve_replicas):
+replicas: deploy.serve_replicas; how the cluster has them, which `status` and the door's health
+report: deploy.serve_status):
 - `Pair`: a replica is a pair, its draft and target in the replica's placement group (`pack`
   or `spread`, as deploy.ray_deploy places one pair) and its orchestrator in the replica.
   `replicas` of them, or from `min_replicas` to `max_replicas` scaled by Serve on the requests
@@ -31,28 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.ray_deploy import NAMESPACE, PLACEMENTS, ActorStatus, RayDeployConfig, describe
+from deploy import serve_status
+from deploy.ray_deploy import PLACEMENTS, RayDeployConfig
 from specdec.limits import AdmissionLimits, ResumePolicy
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity
+from specdec.security import SecurityError
 
 LOOPBACK = "127.0.0.1"
 SERVICER = "specdec.v1.orchestrator_pb2_grpc.add_OrchestratorServicer_to_server"  # what the gRPC proxy serves
 BUILDER = "cli.ray:serve_application"  # the import path of a config file's application
-REPLICA_PREFIX = "SERVE_REPLICA::"  # Serve names a replica's actor SERVE_REPLICA::APP#DEPLOYMENT#ID
-SERVE_NAMESPACE = "serve"
-
-
-@dataclass(frozen=True)
-class DoorConfig:
-    """What the door replica needs: the deployment's name (to list its replicas), the token it
-    checks, how it checks the services' health, its admission and how it resumes."""
-
-    name: str
-    server_security: ServerSecurity
-    service_security: ClientSecurity
-    admission: AdmissionLimits
-    resume: ResumePolicy = field(default_factory=ResumePolicy)
-    start_timeout: float = 600.0
+# The application's replicas as the cluster has them (deploy.serve_status: the door reads them too).
+Replica = serve_status.Replica
+status = serve_status.status
 
 
 @dataclass(frozen=True)
@@ -107,11 +97,6 @@ class ServeConfig:
     @property
     def most_replicas(self) -> int:
         return self.max_replicas if self.autoscaled else self.replicas
-
-
-def service_name(name: str, replica: str, role: str) -> str:
-    """The actor name of a replica's draft or target service (in NAMESPACE)."""
-    return f"{name}-{replica}-{role}"
 
 
 def serve_options(config: ServeConfig) -> dict:
@@ -182,7 +167,7 @@ def application(config: ServeConfig):
         logging_config=quiet,
         **scaling(config),
     ).bind(pair)
-    door_config = DoorConfig(
+    door_config = serve_replicas.DoorConfig(
         pair.name,
         pair.server_security,
         pair.service_security,
@@ -318,81 +303,7 @@ def down(name: str) -> list[str]:
 def exists(name: str) -> bool:
     from ray import serve
 
-    return _serve_running() and name in serve.status().applications
-
-
-@dataclass(frozen=True)
-class Replica:
-    """A replica of the application: its actor (role "pair" or "door") and a pair's services."""
-
-    id: str
-    actor: ActorStatus
-    services: tuple[ActorStatus, ...] = ()
-
-
-def status(name: str, probe_seconds: float = 5.0) -> tuple[str, list[Replica]]:
-    """The application's state as Serve reports it, and each live replica with its services."""
-    import ray
-    from ray import serve
-
-    app = serve.status().applications.get(name) if _serve_running() else None
-    if app is None:
-        return "ABSENT", []
-    node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    replicas = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        app_name, deployment, replica = _replica_of(actor)
-        if app_name != name:
-            continue
-        handle = ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE)
-        role = {"Pair": "pair", "Door": "door"}.get(deployment, deployment)
-        services = []
-        if role == "pair":
-            for service in ("draft", "target"):
-                services.append(_service(name, replica, service, node_ips, probe_seconds))
-        replicas.append(Replica(replica, describe(handle, role, node_ips, endpoint=False), tuple(services)))
-    replicas.sort(key=lambda r: (r.actor.role != "door", r.id))
-    return app.status.value, replicas
-
-
-def health(name: str, service_security: ClientSecurity, timeout: float = 2.0) -> dict:
-    """GET /health of the door: each pair replica, its actor's state and its services' gRPC
-    health. "ok": every pair serves; "degraded": some do; "unavailable": none."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from specdec import security
-
-    _, replicas = status(name, probe_seconds=timeout)
-    report = []
-    for r in replicas:
-        if r.actor.role != "pair":
-            continue
-        services = {}
-        for s in r.services:
-            if not s.endpoint or s.endpoint == "?":
-                services[s.role] = s.state
-                continue
-            link = security.channel(s.endpoint, service_security)
-            try:
-                reply = health_pb2_grpc.HealthStub(link).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-                services[s.role] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except Exception as err:  # noqa: BLE001 - grpc.RpcError: its code is the report
-                services[s.role] = getattr(err, "code", lambda: "UNREACHABLE")().name
-            finally:
-                link.close()
-        serving = r.actor.state == "ALIVE" and all(v == "SERVING" for v in services.values()) and len(services) == 2
-        report.append(
-            {
-                "replica": r.id,
-                "state": r.actor.state,
-                "node_ip": r.actor.node_ip,
-                "serving": serving,
-                "services": services,
-            }
-        )
-    ready = sum(r["serving"] for r in report)
-    overall = "ok" if report and ready == len(report) else "degraded" if ready else "unavailable"
-    return {"status": overall, "replicas": report}
+    return serve_status.running() and name in serve.status().applications
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -404,32 +315,6 @@ def _deployment_messages(name: str) -> str:
     app = serve.status().applications.get(name)
     lines = [f"{d}: {s.message}" for d, s in (app.deployments if app else {}).items() if s.message]
     return "".join(f"\n  {line}" for line in lines)
-
-
-def _serve_running() -> bool:
-    """Whether Serve's controller runs on this cluster (serve.status() would start none)."""
-    import ray
-
-    return any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
-
-
-def _replica_of(actor: dict) -> tuple[str, str, str]:
-    """(application, deployment, replica id) of a Serve replica's named actor, else empties."""
-    name = actor["name"]
-    if actor.get("namespace") != SERVE_NAMESPACE or not name.startswith(REPLICA_PREFIX):
-        return "", "", ""
-    parts = name[len(REPLICA_PREFIX) :].split("#")
-    return tuple(parts) if len(parts) == 3 else ("", "", "")
-
-
-def _service(name: str, replica: str, role: str, node_ips: dict, probe_seconds: float) -> ActorStatus:
-    import ray
-
-    try:
-        handle = ray.get_actor(service_name(name, replica, role), namespace=NAMESPACE)
-    except ValueError:
-        return ActorStatus(role, "ABSENT")
-    return describe(handle, role, node_ips, probe_seconds=probe_seconds)
 
 
 def _head_ip() -> str:

@@ -1,4 +1,5 @@
-"""What runs in the replicas of a specdec Serve application (deploy.ray_serve builds it).
+"""What runs in the replicas of a specdec Serve application (deploy.ray_serve builds it from these
+classes; the replicas' names, status and health, which both read, are deploy.serve_status's).
 
 - Pair: one replica is one pair. Serve reserves the replica's placement group (bundle 0: the
   replica itself and the draft, bundle 1: the target; `pack` on one node or `spread` on two);
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 import ray
@@ -32,19 +34,34 @@ from ray import serve
 from ray.serve.request_router import FIFOMixin, RequestRouter
 from ray.util.placement_group import get_current_placement_group
 
-from deploy import ray_deploy, ray_serve
+from deploy import ray_deploy, serve_status
 from deploy.ray_actors import actor_endpoint
 from orchestrator import continuation, openai_api
 from orchestrator.generation import request_defaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
 from specdec import lifecycle, security, telemetry
 from specdec.errors import Unavailable
+from specdec.limits import AdmissionLimits, ResumePolicy
 from specdec.security import ClientSecurity, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 # Errors of a call to a pair that mean its replica went away (not the request's own error).
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, Unavailable)
 FORWARDED_METADATA = (security.AUTH_HEADER, "traceparent", "tracestate")  # client -> door's server
+LOOPBACK = "127.0.0.1"  # the door's own gRPC server, which its HTTP API and Serve's gRPC proxy call
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    """What the door replica needs: the deployment's name (to list its replicas), the token it
+    checks, how it checks the services' health, its admission and how it resumes."""
+
+    name: str
+    server_security: ServerSecurity
+    service_security: ClientSecurity
+    admission: AdmissionLimits
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
+    start_timeout: float = 600.0
 
 
 class LeastOutstanding(FIFOMixin, RequestRouter):
@@ -76,7 +93,7 @@ class Pair:
         self.services = ray_deploy.start_services(
             config,
             get_current_placement_group(),  # Serve's, for this replica
-            lambda role: ray_serve.service_name(config.name, self.replica, role),
+            lambda role: serve_status.service_name(config.name, self.replica, role),
             namespace=ray_deploy.NAMESPACE,
         )
         ray_deploy.started(self.services, config.start_timeout)
@@ -145,7 +162,7 @@ class Pair:
 
 @serve.ingress()
 class Door:
-    async def __init__(self, pairs, config: ray_serve.DoorConfig):
+    async def __init__(self, pairs, config: DoorConfig):
         self.pairs = pairs
         self.config = config
         self.telemetry = telemetry.setup("orchestrator")  # it serves the orchestrator API
@@ -155,7 +172,7 @@ class Door:
             lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server),
             SERVICE_NAME,
             [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
-            ray_serve.LOOPBACK,
+            LOOPBACK,
             0,
             admission=lifecycle.Admission(config.admission),
             interceptors=self.telemetry.server_interceptors(),
@@ -163,7 +180,7 @@ class Door:
             max_workers=config.admission.max_concurrent + config.admission.max_queue + 4,
             max_receive_bytes=MAX_REQUEST_BYTES,
         )
-        self.address = f"{ray_serve.LOOPBACK}:{port}"
+        self.address = f"{LOOPBACK}:{port}"
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.aio.insecure_channel(self.address))
         self.own = security.channel(self.address, ClientSecurity(token=token))  # the HTTP API's, with the token
         self.model = await asyncio.wait_for(self.pairs.model_name.remote(), config.start_timeout)
@@ -207,7 +224,7 @@ class Door:
             response.cancel()
 
     async def _health(self, scope, receive, send):
-        report = await asyncio.to_thread(ray_serve.health, self.config.name, self.config.service_security)
+        report = await asyncio.to_thread(serve_status.health, self.config.name, self.config.service_security)
         code = 503 if report["status"] == "unavailable" else 200
         body = json.dumps(report).encode()
         await send({"type": "http.response.start", "status": code, "headers": [(b"content-type", b"application/json")]})

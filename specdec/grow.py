@@ -24,7 +24,7 @@ Vocab, tokenizer, chat template and generation config stay. The acceptance of th
 against a grown target is therefore exactly its acceptance against the base model: a grown alias
 measures the cost regime of a large target, not a different model.
 
-The aliases (models.GROWN_ALIASES maps each to its factor; GROWTH says how a factor is met),
+The aliases (GROWN_ALIASES maps each to its factor; GROWTH says how a factor is met),
 from the base's 30 layers, MLP 1536, 134.5M parameters (tied embeddings counted once):
 
     smollm2-135m-x4    60 layers (2x), MLP 4416 (2.875x)              539.3M parameters  4.01x  (CPU benches)
@@ -45,8 +45,9 @@ $SPECDEC_CACHE/SmolLM2-135M-Instruct-x{factor}: a transformers Llama checkpoint 
 safetensors + index, config, tokenizer) that any code loads with from_pretrained. Its config.json
 says what it is ("specdec_grown_from", "specdec_grown_factor", "specdec_identity_layers").
 
-This module owns the construction (pure functions over a state dict and a config dict) and the
-alias cache; models.resolve calls ensure_grown. It knows nothing of sessions, RPC or llama.cpp
+This module owns the construction (pure functions over a state dict and a config dict), the
+aliases (specdec.models names them too) and their cache, built from specdec.embedded's conversion;
+models.resolve calls ensure_grown. It knows nothing of sessions, RPC or llama.cpp
 (no GGUF of a grown model exists: the grown aliases are transformers-only).
 """
 
@@ -61,7 +62,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec import models
+from specdec import embedded
 
 SHARD_BYTES = 1 << 30  # a written shard's size at most (one tensor aside): the builder holds one shard at a time
 INDEX = "model.safetensors.index.json"
@@ -98,6 +99,7 @@ GROWTH = {
     "w4": Growth(layers=1, width=4),
     "w4x4": Growth(layers=4, width=4),
 }
+GROWN_ALIASES = {f"{embedded.DEFAULT_ALIAS}-{g}": g for g in GROWTH}  # alias -> its growth (a key of GROWTH)
 
 
 def layer_sources(base_layers: int, layers: int) -> list[tuple[int, bool]]:
@@ -199,18 +201,18 @@ def parameter_count(config: Mapping) -> int:
 
 
 def grown_dir(growth: str) -> Path:
-    return models.cache_dir() / f"SmolLM2-135M-Instruct-{growth}"
+    return embedded.cache_dir() / f"SmolLM2-135M-Instruct-{growth}"
 
 
 def ensure_grown(alias: str) -> Path:
     """Build the grown alias's directory once (from the fp32 conversion, which comes first); return
-    its path. Locked and renamed into place as models.ensure_default_converted is."""
-    factor = models.GROWN_ALIASES[alias]  # a key of GROWTH
+    its path. Locked and renamed into place as embedded.ensure_default_converted is."""
+    factor = GROWN_ALIASES[alias]  # a key of GROWTH
     target = grown_dir(factor)
     if (target / INDEX).exists():
         return target
-    base = models.ensure_default_converted()  # before the lock: it takes the same one
-    models.built_once(target / INDEX, lambda: build(base, target, GROWTH[factor], models.DEFAULT_ALIAS, factor))
+    base = embedded.ensure_default_converted()  # before the lock: it takes the same one
+    embedded.built_once(target / INDEX, lambda: build(base, target, GROWTH[factor], embedded.DEFAULT_ALIAS, factor))
     return target
 
 

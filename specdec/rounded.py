@@ -16,7 +16,8 @@ within the draft's top 1 / 2 / 4):
 They cost what the embedded model costs (rounding, not a smaller format): they change the
 acceptance, not the draft's speed. Each is built once from the fp32 conversion into
 $SPECDEC_CACHE/SmolLM2-135M-Instruct-int{bits} (a transformers checkpoint; its config.json says
-"specdec_rounded_bits"). models.resolve calls ensure_rounded.
+"specdec_rounded_bits"). This module owns the aliases (ROUNDED_ALIASES; specdec.models names them
+too) and builds on specdec.embedded; models.resolve calls ensure_rounded.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specdec import models
+from specdec import embedded
 
 GROUP = 32  # weights sharing a scale
 WEIGHTS = "model.safetensors"
+ROUNDED_ALIASES = {f"{embedded.DEFAULT_ALIAS}-int4": 4, f"{embedded.DEFAULT_ALIAS}-int3": 3}  # alias -> bits
 
 
 def round_weight(w, bits: int, group: int = GROUP):
@@ -52,18 +54,18 @@ def rounded_state_dict(state: dict, bits: int) -> dict:
 
 
 def rounded_dir(bits: int) -> Path:
-    return models.cache_dir() / f"SmolLM2-135M-Instruct-int{bits}"
+    return embedded.cache_dir() / f"SmolLM2-135M-Instruct-int{bits}"
 
 
 def ensure_rounded(alias: str) -> Path:
     """Build the alias's directory once (from the fp32 conversion, which comes first); return its
-    path. Locked and renamed into place as models.ensure_default_converted is."""
-    bits = models.ROUNDED_ALIASES[alias]
+    path. Locked and renamed into place as embedded.ensure_default_converted is."""
+    bits = ROUNDED_ALIASES[alias]
     target = rounded_dir(bits)
     if (target / WEIGHTS).exists():
         return target
-    base = models.ensure_default_converted()  # before the lock: it takes the same one
-    models.built_once(target / WEIGHTS, lambda: build(base, target, bits))
+    base = embedded.ensure_default_converted()  # before the lock: it takes the same one
+    embedded.built_once(target / WEIGHTS, lambda: build(base, target, bits))
     return target
 
 
@@ -79,7 +81,9 @@ def build(base: Path, target: Path, bits: int) -> None:
             if f.is_file() and f.name not in (WEIGHTS, "config.json"):
                 shutil.copy2(f, tmp / f.name)
         config = json.loads((base / "config.json").read_text())
-        config.update(specdec_rounded_from=models.DEFAULT_ALIAS, specdec_rounded_bits=bits, specdec_rounded_group=GROUP)
+        config.update(
+            specdec_rounded_from=embedded.DEFAULT_ALIAS, specdec_rounded_bits=bits, specdec_rounded_group=GROUP
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(rounded_state_dict(load_file(base / WEIGHTS), bits), tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / WEIGHTS).chmod(0o644)
