@@ -4,6 +4,7 @@ started for it. A client: it imports grpc and the stubs, never torch."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -214,4 +215,9 @@ def status(args) -> int:
             state = "available" if service.available else f"unavailable: {service.reason}"
             since = f"for {service.seconds:.1f} s, lost {service.losses} times"
             print(f"  {service.role:6} {service.address}  {state} ({since})")
+        if info.HasField("pricing"):  # what a request that names no lookahead runs at
+            from orchestrator.lookahead import Price
+
+            price = Price(**{f.name: getattr(info.pricing, f.name) for f in dataclasses.fields(Price)})
+            print(f"  priced: {price.summary()}")
     return 1 if info.status.startswith("unavailable") else 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from deploy.configs import BACKENDS, OrchestratorConfig
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
-from orchestrator import RULES
+from orchestrator import CALIBRATION_TOKENS, RULES
 from specdec import models, security, validation
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 from specdec.placement import parse_cpus
@@ -128,6 +128,16 @@ def add_lookahead_flag(p: argparse.ArgumentParser, client: bool = True) -> None:
         f"{d} before that, for a Leviathan sample, for trees and as adaptive's most)",
     )
     p.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=CALIBRATION_TOKENS,
+        metavar="N",
+        help=f"greedy tokens the orchestrator generates at start, on built-in prompts, to measure the pair's "
+        f"acceptance and costs before it serves, so the first request that names no lookahead runs the k a warm "
+        f"server would (0: none; it then runs {d} until requests measure the pair; default: %(default)s, ~3 s on "
+        "the default pair on two CPU cores)",
+    )
+    p.add_argument(
         "--adaptive",
         action="store_true",
         help="adaptive lookahead for requests that do not say (speculation.adaptive): k chosen each round in "
@@ -146,6 +156,7 @@ def request_defaults(args) -> dict:
         tree_nodes=args.tree,
         lookahead=args.lookahead,
         adaptive=args.adaptive,
+        calibration_tokens=args.calibration_tokens,
     )
     OrchestratorConfig(**defaults)
     return defaults

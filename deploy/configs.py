@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_service import METHODS as DRAFTERS
-from orchestrator import RULES
+from orchestrator import CALIBRATION_TOKENS, RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
 from specdec.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec, llamacpp_installed
 from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
@@ -105,8 +105,12 @@ class OrchestratorConfig:
     lookahead: int | None = None
     adaptive: bool = False  # adaptive lookahead for requests that leave speculation.adaptive unset
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port
+    # greedy tokens generated at start to price the pair before its first request (orchestrator.calibration); 0: none
+    calibration_tokens: int = CALIBRATION_TOKENS
 
     def __post_init__(self):
+        if self.calibration_tokens < 0:
+            raise ValueError(f"--calibration-tokens must be >= 0, got {self.calibration_tokens}")
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
         if not 0 <= self.tree_nodes <= MAX_TREE_NODES:

@@ -13,11 +13,13 @@ in built.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
+from orchestrator.calibration import calibrate
 from orchestrator.generation import ModelPair, request_defaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
@@ -84,6 +86,10 @@ def serve_model(
     return serve_target(backend, host, port, **common)
 
 
+def _log(message: str) -> None:
+    print(f"specdec: orchestrator: {message}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class Orchestrator:
     """A started orchestrator: its gRPC server, the connected pair, and its HTTP front door."""
@@ -123,6 +129,8 @@ def start_orchestrator(
         telemetry=telemetry,
         recovery=config.recovery,
     )
+    defaults = request_defaults(config)
+    calibrate(pair, config.calibration_tokens, defaults, log=_log)  # before it serves: the first request priced
     server, bound = serve_orchestrator(
         pair,
         host,
@@ -130,7 +138,7 @@ def start_orchestrator(
         security,
         telemetry=telemetry,
         admission=config.admission,
-        defaults=request_defaults(config),
+        defaults=defaults,
     )
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.configs import ModelServiceConfig
+from orchestrator import CALIBRATION_TOKENS
 from specdec import models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
@@ -97,6 +98,7 @@ class PipelineConfig:
     tree_nodes: int = 0  # ... and speculation.tree_nodes
     lookahead: int | None = None  # ... and speculation.lookahead (None: measured)
     adaptive: bool = False  # ... and speculation.adaptive
+    calibration_tokens: int = CALIBRATION_TOKENS  # greedy tokens that price the pair before it serves; 0: none
     draft_placement: Placement = Placement()
     target_placement: Placement = Placement()
     target_compile: bool | None = None  # the target's --compile / --no-compile; None: its default (by device)
@@ -173,7 +175,8 @@ class LocalPipeline:
                 + ([] if cfg.speculation_cache else ["--no-speculation-cache"])
                 + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)]
                 + ([] if cfg.lookahead is None else ["--lookahead", str(cfg.lookahead)])
-                + (["--adaptive"] if cfg.adaptive else []),
+                + (["--adaptive"] if cfg.adaptive else [])
+                + ["--calibration-tokens", str(cfg.calibration_tokens)],
             )
             self._wait("orchestrator")
         except BaseException:

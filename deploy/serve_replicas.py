@@ -37,6 +37,7 @@ from ray.util.placement_group import get_current_placement_group
 from deploy import ray_deploy, serve_status
 from deploy.ray_actors import actor_endpoint
 from orchestrator import continuation, openai_api
+from orchestrator.calibration import calibrate
 from orchestrator.generation import request_defaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
 from specdec import lifecycle, security, telemetry
@@ -108,6 +109,7 @@ class Pair:
             recovery=orchestrator.recovery,
         )
         self.defaults = request_defaults(orchestrator)
+        calibrate(self.pair, orchestrator.calibration_tokens, self.defaults)  # priced before Serve routes to it
         # A generation blocks its thread for its whole length: one each, as many as Serve lets in.
         self.pool = ThreadPoolExecutor(orchestrator.admission.max_concurrent + 2, "specdec-pair")
 

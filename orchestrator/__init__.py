@@ -3,3 +3,6 @@
 # The sampling rules (specdec.rule, orchestrator.loop); here, so the CLI lists them without torch.
 # leviathan: a seed reproduces the text for a fixed lookahead; invariant: for any schedule at all.
 RULES = ("leviathan", "invariant")
+# Greedy tokens an orchestrator generates at start to price its pair (orchestrator.calibration):
+# ~3 s on the default pair on two CPU cores. Here, so the CLI shows the default without torch.
+CALIBRATION_TOKENS = 120

@@ -145,7 +145,8 @@ their place (a lone exploration opened its generation's draft for one round).
 Default k. A request that names no lookahead, on a server started without --lookahead, runs a
 fixed k that this pricing chooses (measured_lookahead): the k in 1..MEASURED_LOOKAHEAD that the
 pair's measured costs and acceptance price fastest for a generation alone, once the pair has
-measured them (DEFAULT_LOOKAHEAD, 4, before). Only where its text does not depend on k (greedy,
+measured them (DEFAULT_LOOKAHEAD, 4, before; an orchestrator measures them before it serves,
+orchestrator.calibration). Only where its text does not depend on k (greedy,
 the invariant rule) and for chains: a Leviathan sample keeps 4 so that its seed replays whatever
 ran on the pair before it. Such a generation keeps a fixed policy (`measured`), so its rounds go on
 measuring the pair. Alone it always speculates at that k. Under load it speculates or not as
@@ -421,12 +422,33 @@ class AdaptiveLookahead:
                 self.costs.measure(self.load(), committed, at)
 
 
-def measured_lookahead(costs: PairCosts, k_max: int, overlap: bool) -> int | None:
-    """The fixed k for a request that names none (see Default k): the k in 1..k_max that the pair's
-    costs and acceptance price fastest for a generation alone, each kind of round as `overlap`
-    allows; None before the pair has measured them (its first rounds)."""
+@dataclass(frozen=True)
+class Price:
+    """What the pair's costs and acceptance price for a generation alone (Describe's pricing)."""
+
+    lookahead: int  # the k a request that names none runs at (measured_lookahead)
+    overlapped: bool  # its rounds overlapped (the draft's next round beside the verify) or sequential
+    acceptance: float  # per drafted token, the pair's
+    draft_token_seconds: float  # a drafted token
+    verify_seconds: float  # the target's step of lookahead + 1 tokens
+    plain_token_seconds: float  # a round without speculation (one token)
+    speedup: float  # the formula's, over rounds without speculation
+
+    def summary(self) -> str:
+        kind = "overlapped" if self.overlapped else "sequential"
+        ms = [1e3 * t for t in (self.draft_token_seconds, self.verify_seconds, self.plain_token_seconds)]
+        return (
+            f"k = {self.lookahead} ({kind} rounds), acceptance {self.acceptance:.2f}, a draft token {ms[0]:.1f} ms, "
+            f"a verify of {self.lookahead + 1} {ms[1]:.1f} ms, a token alone {ms[2]:.1f} ms: {self.speedup:.2f}x"
+        )
+
+
+def price(costs: PairCosts, k_max: int, overlap: bool) -> Price | None:
+    """The k in 1..k_max that the pair's costs and acceptance price fastest for a generation alone,
+    each kind of round as `overlap` allows, with what priced it; None before the pair has measured
+    them (its first rounds)."""
     probe = AdaptiveLookahead(k_max, overlap=overlap, costs=costs)  # its own acceptance: none, the pair's alone
-    with costs.lock:
+    with costs.lock:  # the prices read the costs: under the lock
         alpha = probe.alpha()
         if alpha is None or costs.verify.w == 0 or costs.draft_tokens == 0:
             return None
@@ -434,5 +456,22 @@ def measured_lookahead(costs: PairCosts, k_max: int, overlap: bool) -> int | Non
         if pricing is None:
             return None
         rounds, t0 = pricing
-        k, _ = best_lookahead(alpha, rounds, t0, k_max, overlap)  # the prices read the costs: under the lock
-    return max(1, k)
+        k, overlapped = best_lookahead(alpha, rounds, t0, k_max, overlap)
+        k = max(1, k)  # it was asked to speculate: the smallest k where none pays
+        chosen = rounds[overlapped]
+        return Price(
+            k,
+            overlapped,
+            alpha,
+            chosen.draft,
+            chosen.step(k + 1),
+            t0,
+            speedup(alpha, k, chosen, overlapped, t0),
+        )
+
+
+def measured_lookahead(costs: PairCosts, k_max: int, overlap: bool) -> int | None:
+    """The fixed k for a request that names none (see Default k): `price`'s; None before the pair
+    has measured its costs."""
+    priced = price(costs, k_max, overlap)
+    return None if priced is None else priced.lookahead

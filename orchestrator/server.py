@@ -3,10 +3,13 @@ serve the client API (Generate, GenerateStream)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from orchestrator.availability import Availability
-from orchestrator.generation import Chunk, ModelPair, RequestDefaults, generate, load_tokenizer
+from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate, load_tokenizer
+from orchestrator.lookahead import price
 from orchestrator.loop import RUNNING, SessionLost
 from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
@@ -19,6 +22,7 @@ from specdec.security import channel as secure_channel
 from specdec.service import CHANNEL_OPTIONS, deadline_seconds
 from specdec.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.validation import MEASURED_LOOKAHEAD
 
 SERVICE_NAME = "specdec.v1.Orchestrator"
 DRAFT_SERVICE, TARGET_SERVICE = "specdec.v1.DraftService", "specdec.v1.TargetService"
@@ -256,7 +260,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield _chunk_proto(chunk)
 
     def Describe(self, request, context):
-        info = describe(self.pair)
+        info = describe(self.pair, self.defaults)
         if self.admission is not None:
             a = self.admission
             info.max_concurrent, info.max_queue = a.limits.max_concurrent, a.limits.max_queue
@@ -264,8 +268,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return info
 
 
-def describe(pair: ModelPair) -> orchestrator_pb2.OrchestratorInfo:
-    """The pair's status: each service's availability, and what it means for requests."""
+def describe(pair: ModelPair, defaults: RequestDefaults | None = None) -> orchestrator_pb2.OrchestratorInfo:
+    """The pair's status: each service's availability, what it means for requests, and the price of
+    a request that names no lookahead (`defaults`: the server's, for the kind of round)."""
     draft_health, target_health = pair.health
 
     def status(role: str, stub, health) -> orchestrator_pb2.ServiceStatus:
@@ -284,6 +289,9 @@ def describe(pair: ModelPair) -> orchestrator_pb2.OrchestratorInfo:
     )
     if pair.draft is not None:
         info.draft.CopyFrom(status("draft", pair.draft, draft_health))
+        priced = price(pair.costs, MEASURED_LOOKAHEAD, default_overlap(pair, defaults or RequestDefaults()))
+        if priced is not None:
+            info.pricing.CopyFrom(orchestrator_pb2.Pricing(**dataclasses.asdict(priced)))
     if not target_health.up:
         info.status = "unavailable: target unavailable"
     elif pair.draft is not None and not draft_health.up:

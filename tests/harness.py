@@ -123,10 +123,21 @@ def model_stubs(draft_address: str, target_address: str, token: str | None = Non
 
 
 @contextlib.contextmanager
-def pipeline(draft_backend, target_backend, limits=None, admission=None, target_address=None, lookahead=4):
+def pipeline(
+    draft_backend,
+    target_backend,
+    limits=None,
+    admission=None,
+    target_address=None,
+    lookahead=4,
+    calibration_tokens=0,
+    **settings,
+):
     """The three services in this process (or the target at `target_address` instead);
     stopped however the test ends. `lookahead`: the orchestrator's default, fixed so that two
-    requests run alike and their rounds compare (None: measured, the server's own default)."""
+    requests run alike and their rounds compare (None: measured, the server's own default).
+    `calibration_tokens`: the orchestrator's pricing run at start (0: none, a test's own
+    requests are the pair's first rounds); `settings`: OrchestratorConfig's others."""
     servers = {}
     limits = limits or SessionLimits()
     try:
@@ -136,7 +147,8 @@ def pipeline(draft_backend, target_backend, limits=None, admission=None, target_
             servers["target"], target_port = hosting.serve_model(target, target_backend)
             target_address = f"127.0.0.1:{target_port}"
         addresses = {"draft": f"127.0.0.1:{draft_port}", "target": target_address}
-        config = OrchestratorConfig(admission=admission or AdmissionLimits(), lookahead=lookahead)
+        admission = admission or AdmissionLimits()
+        config = OrchestratorConfig(admission, lookahead=lookahead, calibration_tokens=calibration_tokens, **settings)
         orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
         servers["orchestrator"] = orchestrator.server
         addresses["orchestrator"] = f"127.0.0.1:{orchestrator.port}"

@@ -228,7 +228,7 @@ class ServiceStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., losses: _Optional[int] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("status", "model_name", "draft", "target", "running", "max_concurrent", "queued", "max_queue", "refused")
+    __slots__ = ("status", "model_name", "draft", "target", "running", "max_concurrent", "queued", "max_queue", "refused", "pricing")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class OrchestratorInfo(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PRICING_FIELD_NUMBER: _ClassVar[int]
     status: str
     model_name: str
     draft: ServiceStatus
@@ -247,4 +248,23 @@ class OrchestratorInfo(_message.Message):
     queued: int
     max_queue: int
     refused: int
-    def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+    pricing: Pricing
+    def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., refused: _Optional[int] = ..., pricing: _Optional[_Union[Pricing, _Mapping]] = ...) -> None: ...
+
+class Pricing(_message.Message):
+    __slots__ = ("lookahead", "overlapped", "acceptance", "draft_token_seconds", "verify_seconds", "plain_token_seconds", "speedup")
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    lookahead: int
+    overlapped: bool
+    acceptance: float
+    draft_token_seconds: float
+    verify_seconds: float
+    plain_token_seconds: float
+    speedup: float
+    def __init__(self, lookahead: _Optional[int] = ..., overlapped: _Optional[bool] = ..., acceptance: _Optional[float] = ..., draft_token_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., plain_token_seconds: _Optional[float] = ..., speedup: _Optional[float] = ...) -> None: ...
