@@ -44,7 +44,9 @@ class Stack:
         self.servers, self.ports = {}, {}
         for role in ("draft", "target"):
             self.start(role)
-        config = OrchestratorConfig(recovery=recovery or RecoveryConfig(), http_port=0)
+        # no pricing run at start: the tests' requests are the pair's first rounds (a priced pair that
+        # prices speculation out opens no draft session a test expects refused)
+        config = OrchestratorConfig(recovery=recovery or RecoveryConfig(), http_port=0, calibration_tokens=0)
         self.orchestrator = hosting.start_orchestrator(self.address("draft"), self.address("target"), config)
         channel = grpc.insecure_channel(f"127.0.0.1:{self.orchestrator.port}")
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(channel)

@@ -77,6 +77,7 @@ def observed(tiny_models):
             draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
             metrics_port=0,
             start_timeout=180,
+            calibration_tokens=0,  # the services' metrics count this request's calls alone
         )
         pipeline = LocalPipeline(config, log=lambda *_: None)
         try:
