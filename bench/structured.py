@@ -28,16 +28,8 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.run import (
-    COLD,
-    BenchConfig,
-    Row,
-    _chat_ids,
-    _specdec_generate,
-    format_rows,
-    load_prompts,
-    paired_speedup,
-)
+from bench.report import Row, format_rows, paired_speedup
+from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, load_prompts
 from specdec import models
 
 ASK = "\nAnswer as JSON: an object with `answer` (a string) and `points` (a list of strings)."

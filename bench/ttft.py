@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.run import format_rows
+from bench.report import format_rows
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec import models
 from specdec.limits import SessionLimits

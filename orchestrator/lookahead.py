@@ -1,159 +1,43 @@
-"""Adaptive lookahead: choose k per round from the recent acceptance and the measured costs.
+"""Adaptive lookahead: choose k per round, and the kind of round, from the acceptance and the measured costs.
 
-Policy. Under the i.i.d. model of Leviathan et al. (2023), with per-token acceptance alpha, a
-round of k drafts commits E[tokens] = (1 - alpha^(k+1)) / (1 - alpha) tokens. Each round picks
-the k in 0..k_max (0: no speculation) and, where overlapped rounds are allowed, the kind of
-round that maximise E[tokens] t0 / round_time(k), t0 being what a token costs without
-speculation. The estimates, from the rounds:
-- alpha: accepted / (accepted + rejections), the maximum-likelihood estimate for the
-  geometric accept-until-first-reject process (a round that accepted everything contributes
-  no rejection), over an exponentially weighted window (~5 steps, see Load), the generation's
-  own with the pair's as a prior (the text decides it);
-- the target's step, T(m) = T1 + b (m - 1) for a step of m tokens whoever fed them: a weighted
-  least-squares line through (the step's tokens, its compute) as the target reports them
-  (ScoreResponse.step_tokens, compute_seconds) over a slow window (~30 steps: the curve is the
-  hardware's). On a CPU b is far from 0 (an fp32 135M target: 5 tokens 1.7x one token), on a
-  GPU near it. While every step in the window had the same size the slope is unknown; then one
-  round explores another k (half the usual one) and the fit has its two points;
-- the draft's step D(n) for n sessions: the curve its service timed when it started
-  (Describe's step_costs, specdec.engine.profile_steps), interpolated, times the ratio of what
-  its steps measure in serving (ProposeResponse.steps, step_tokens, compute_seconds) to the
-  curve at their sizes: the shape from the profile, the level from serving (1.3-1.5 measured
-  at 1-16 clients: the service's handlers share the core). The curve is far from a line (the
-  Q8_0 default on one core 8, 25, 34, 40, 88 ms a step for 1, 2, 4, 8, 16 sessions, the Q4_1
-  file 10, 21, 34, 57, 115): the line D1 + e (n - 1) fitted over the steps a pair's first
-  clients ran (1-4 sessions) priced a step of 8 at 73-77 ms, and adaptive lookahead at 8 clients
-  stayed off where k = 4 gave 1.4x. Without a profile (a service that does not report one),
-  that line, fitted the same way;
-- the waits: what a round waits on the target beyond its step's compute (the RPC; under load,
-  the step in progress when it arrives), apart for rounds that speculated (w_on) and rounds that
-  did not (w_off), and what it waits for the draft beyond its compute, each counted up to two
-  computes: longer is a transient (behind the prefills of a wave of new prompts, seconds) that
-  says nothing of the rounds to come (uncapped, it priced the draft at 100 ms a token for
-  minutes after a burst of 16 clients, its step at 2 being 31 ms).
-The costs are the pair's (PairCosts): every generation on the orchestrator's pair measures
-them and starts from them. Before any evidence it uses k_max. The choice of k never changes
-the output law (the rule is exact for every k), only the speed. Pure: no clock, no RPC; the
-loop feeds it measurements.
+AdaptiveLookahead is one generation's policy; what it prices from is the pair's
+(orchestrator.pair_costs.PairCosts, shared by the pair's generations, which start from it). The
+loop asks it the next k (`next_k`) and whether rounds overlap (`overlapping`), and feeds it each
+round's measurements (`update`). Pure: no clock, no RPC, no rounds run here (orchestrator.loop),
+no windows kept here (PairCosts). Before any evidence it uses k_max. The choice of k never
+changes the output law (the rule is exact for every k), only the speed. `price` and
+`measured_lookahead` price the pair for a generation alone (`specdec status`, the default k).
+Why and what was measured: docs/adaptive.md. The sections the code refers to:
 
-Pricing (round_time). With N generations running (`load`, those of this process), all drafting
-alike, a draft step costs d = D(N) and a round of one generation takes the longest of
-- its own path: overlapped, its verify beside the continuation's k + 1 draft steps, and after
-  a rejection (1 - alpha^(k+1) of the rounds) k fresh steps before the next verify:
-  max(T_v + w_on, (k + 1) d) + (1 - alpha^(k+1)) k d; sequential, k d + T_v + w_on;
-- the target's work for a round of all N: N / s verify steps of s blocks of k + 1 tokens,
-  T_v = T(s (k + 1)) each, s the generations whose blocks share a step;
-- the draft's work for it: (k + 1) d + (1 - alpha^(k + 1)) k d overlapped, k d sequential.
-Without speculation a round is a step of the N one-token rounds: t0 = T(N) + w_off. Alone (N = 1,
-s = 1) the path is the longest and the price is the one-generation formula; with T flat it is
-Leviathan's S(k) = E[tokens] / (k c + 1), c = d / T1. Under load a device's work can be the
-longest, and s decides the target's: sessions decoding without speculation come back together
-and share every step (the worker's gather window), speculating ones come back from the draft at
-different times. Priced in lockstep (s = N), speculation at 16 clients promised 1.5x where it
-measured 0.7-0.8x: the target's steps held 2-3 of the 16 sessions, each paying the step's fixed
-cost (T1 ~ 100 ms against b ~ 5 ms a token on one core). So s is measured: the target reports
-the sessions of the step that scored each round (ScoreResponse.step_sessions), and the share of
-the load they are in speculating rounds is kept (explorations left out: a lone speculating round
-rides in everyone's step); until measured, s = N. Overlapped rounds cost the draft more work,
-sequential ones a longer path; under load the choice is the price's (measured at 8 clients,
-after the continuation stopped re-feeding its tail: overlapped k = 4 47.0 tok/s against
-sequential 41.4, k = 2 46.9 against 36.2).
+Policy. Each round picks the k in 0..k_max (0: no speculation) and, where overlapped rounds are
+allowed, the kind of round, that maximise E[tokens] t0 / round_time(k), with E[tokens] =
+(1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al. 2023), from the estimates of alpha, the
+target's step T(m), the draft's step D(n) and the waits (docs/adaptive.md#the-estimates).
 
-Calibration. Under load the price misses what no term of it holds. Measured on 2 cores over
-whole waves of clients it promised 1.4-1.6x at 8 where speculation gave 0.93-0.98x, and 1.2-1.45x
-at 16 where it gave 0.7-0.8x. Over quiet rounds only (below), a speculating round at 8 clients
-took 0.9-1.4 of its price and at 16 took 1.5-2.2 of it (the draft's step of 16 sessions was
-priced from its line over smaller steps, 120-128 ms, and measured 383 ms with its queueing),
-while a plain round took 0.8-1.5 of its price at every load. No term extrapolates from 8 to 16.
-So every quiet round (explorations left out) compares its time, from its generation's last
-commit to its own, with the price of its kind of round, and the pair keeps the ratio apart for
-speculating and plain rounds and for each load (1, 2, 3-4, 5-8, 9-16, ...). Under load the gain
-is corrected by the plain rounds' ratio (1 until measured at that load: their price is the
-verify line, measured at every load) over the speculating rounds'. Where speculating rounds
-have not been measured at a load, the formula must promise 1 + UNPROVEN to be taken: its error
-there is unknown, and only measuring speculation there tells it (a wave of 16 clients that
-opened 16 drafts on the formula's 1.2x spent most of its 11 s learning that it paid 0.7x).
-A fixed k's rounds under load are compared with their price too: they speculate, as the pair's
-would, and what they measured is evidence at their load (after 30 s of k = 4 at 8 clients, a
-generation of adaptive lookahead, promised 1.69x by the formula uncalibrated, measured
-speculation for 8 s at 0.4x plain rounds' rate: 0.89x speculation off over the 60 s). Only the
-drafts the policy chose are compared with a price (an exploration's continuation,
-carried into the next round, is not: one such round at 0.67 of a price set the correction at 16
-clients and sent all 16 speculating), and a load's correction needs a step's worth of rounds (a
-round of each generation). Quiet: no prompt was prefilled on the pair (an OpenSession in flight
-on either service, or a Propose carrying a draft's catch-up of commits made without it) between
-the round's start and its commit. A round behind a prefill waits seconds that say nothing of the
-rounds to come, and neither its time nor its wait on the target is counted (counted, the plain
-rounds at the start of a wave rose to the cap, a correction favoured speculation exactly when
-it paid least, 41.8 tok/s at 8 clients where the formula alone gave 53.3; and their waits priced
-a plain round at 16 clients at twice its step, 272-345 ms, so that speculation promised 1.6-2.2x).
-A round counts up to MISPRICED times its price, and each ratio decays with its own rounds only:
-it stays while the load is elsewhere. Alone the price is the formula's, as measured (overlapped
-rounds within 2-5% of its bound).
+Pricing. round_time: the longest of the generation's own path and each device's work for a round
+of all N = load() generations, s of them sharing a target step (measured; N until then); without
+speculation t0 = T(N) + w_off (docs/adaptive.md#the-price-of-a-round).
 
-Measured. Calibrated, the price still missed under load on shared cores: at 8 clients quiet
-speculating rounds took 1.32x their price and plain ones 1.26x, so it promised 1.43-1.55x where
-speculation ran 0.87-0.98x speculation off (the model's error, ~25%, beyond the MARGIN). Nor do
-a generation's rounds tell it: timed from its last commit, speculating rounds committed 10-12
-tokens a second a generation and plain ones 7 where whole runs gave 9 and 12, because a round
-leaves out the prompts' prefills (a speculating generation opens its draft's session too, on the
-cores the target uses) and a plain round among speculating ones rides in their steps. What the
-pair commits a second says it. So under load the pair's rounds run in one regime, speculating or
-not, and the pair keeps each regime's rate per load class: the tokens every round committed over
-the time between the pair's commits (times the load: a generation's rate), over the last
-RATE_WINDOW seconds of the regime's latest run, counted once every generation has had a round in
-it (a switch's first step is the switch's) and not across IDLE seconds without a commit. The
-rates veto, they do not explore: where the price chooses plain rounds they run (speculation forced
-on 16 clients to measure it, every session opening its draft, cost more than the measurement
-could win: 0.5-0.7x speculation off); where it chooses speculation, speculation runs MEASURED
-seconds at that load, then plain rounds do, then the faster is taken, and the slower runs again
-for MEASURED seconds after REVISIT seconds, after twice as long each time it is found slower
-still (up to REVISIT_MAX): the two are compared after each revisit, not continuously (a prefill
-burst's dip in the regime in force, set against the other's older rate, switched it for nothing).
-Which k speculation takes stays the price's.
+Cores. Where the services share one machine's cores (PairCosts.sharing), an overlapped round runs
+each on its share, a sequential one each on every core in turn; under load every round that
+drafts runs on the shares. `fixed`: a fixed k, only the kind of round is chosen
+(docs/adaptive.md#the-cores-two-placements).
 
-Cores. Where the draft and the target share one machine's cores (PairCosts.sharing, from the
-services' Describe: specdec.placement), the two kinds of round are two placements: an overlapped
-round runs both services at once, each on its share of the threads (space-sharing), a
-sequential one runs them in turn, each forward on every core (time-sharing: the core lock
-keeps the other service off them), so its draft's and target's work add up on the one machine
-(RoundCosts.shared) where a pair of devices does each beside the other. That is for one
-generation alone: under load one generation's draft steps fall between another's verify steps,
-and time-sharing made every step of the machine wait for the lock (2 and 4 clients choosing
-sequential rounds on every core: 40-51 tok/s, where k = 4 on the shares gave 42-67), so there any
-round that drafts runs on the shares, and both kinds are priced there. Each is priced at its
-threads: the draft's step by its service's profile at those threads (scaled by what serving
-measures against the profile at the threads its steps ran with), the target's the same way, by
-its profile of 1-65 tokens at those threads scaled by what its steps measured (target_step; the
-verify line, fitted over steps of a few sizes under load, priced a plain step of 16 on every
-core near a speculating one); a plain round runs the target on every core.
-A fixed k (not adaptive) is priced too where its text does not depend on the schedule (greedy,
-the invariant rule): such a request gets the cheaper kind of round each round (`fixed`).
+Calibration. Under load the gain is corrected by the load's ratio of quiet rounds' time to their
+price, plain over speculating (a round counts up to MISPRICED); where speculation is not measured
+at a load it must promise 1 + UNPROVEN (docs/adaptive.md#calibration-by-quiet-rounds).
 
-Load. Every generation reports its rounds, so the windows count steps, not reports: a round of
-each of N generations weighs as one step (counted one by one, under load the line's window
-shrank to two steps and its intercept swung from 12 to 234 ms between rounds). Under load
-(N > 1) the price takes speculation only when its best k promises 1 + MARGIN and drops it below
-1 - MARGIN: near the break-even the model's error decides, and each switch costs (sessions that
-speculate come back out of step with the others; a dropped continuation); and once both regimes
-have run at a load, their measured rates decide (see Measured). k = 0 is a choice too: rounds at
-k = 0 keep the fit fresh. Alone, after EXPLORE_EVERY steps off one round explores k = 2, so
-acceptance and costs are measured again; one that finds speculation still does not pay doubles
-the wait before the next (up to EXPLORE_MAX steps). Under load the regimes' revisits explore in
-their place (a lone exploration opened its generation's draft for one round).
+Measured. Under load the pair's rounds run in one regime; each regime's measured rate (MEASURED,
+RATE_WINDOW, REVISIT up to REVISIT_MAX, IDLE) vetoes the price's speculation; which k
+speculation takes stays the price's (docs/adaptive.md#measured-regimes-under-load).
 
-Default k. A request that names no lookahead, on a server started without --lookahead, runs a
-fixed k that this pricing chooses (measured_lookahead): the k in 1..MEASURED_LOOKAHEAD that the
-pair's measured costs and acceptance price fastest for a generation alone, once the pair has
-measured them (DEFAULT_LOOKAHEAD, 4, before; an orchestrator measures them before it serves,
-orchestrator.calibration). Only where its text does not depend on k (greedy,
-the invariant rule) and for chains: a Leviathan sample keeps 4 so that its seed replays whatever
-ran on the pair before it. Such a generation keeps a fixed policy (`measured`), so its rounds go on
-measuring the pair. Alone it always speculates at that k. Under load it speculates or not as
-adaptive lookahead's regimes do (Load, Measured: the price, its calibration, the measured rates),
-at that k or at 0: priced for a generation alone, k = 4 ran 0.53x speculation off at 8 clients
-(48-token answers, 2026-11-27), and a default that keeps speculating under load serves half as
-many tokens as `--no-speculation`.
+Load. Windows count steps (a round of each of N generations is one). Under load speculation is
+taken above 1 + MARGIN and dropped below 1 - MARGIN; alone one round explores k = 2 after
+EXPLORE_EVERY steps off, backing off up to EXPLORE_MAX (docs/adaptive.md#load-hysteresis-and-exploration).
+
+Default k. measured_lookahead: the k in 1..MEASURED_LOOKAHEAD priced fastest for a generation
+alone (DEFAULT_LOOKAHEAD before any measurement), for greedy or invariant chains. `measured`:
+alone always that k, under load that k or 0 as the regimes decide (docs/adaptive.md#the-default-k).
 """
 
 from __future__ import annotations

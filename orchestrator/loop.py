@@ -12,7 +12,11 @@ Invariant: nothing is drawn here; the services compute each position's noise fro
 and a draft is accepted iff it equals the target's token, as in greedy decoding: a seed then
 gives the target's own sample, whatever the lookahead, drafter, overlap or schedule.
 
-First token, and a service lost mid-generation: orchestrator.sessions.
+First token, and a service lost mid-generation: orchestrator.sessions. The other kinds of
+round and the continuation's branches are bases of SpeculativeLoop, each in its own module:
+orchestrator.plain_rounds (several target steps in one Score), orchestrator.tree_round (a
+draft tree), orchestrator.cache_branches (the speculation cache); this module chooses a round's
+kind and runs a chain's.
 
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
 specdec.placement), every request names the threads its forwards may use: the services' shares
@@ -46,15 +50,18 @@ import numpy as np
 from orchestrator import logprobs as token_logprobs
 from orchestrator import speculation_cache
 from orchestrator.availability import Availability
+from orchestrator.cache_branches import CacheBranches
 from orchestrator.lookahead import AdaptiveLookahead
 from orchestrator.pair_costs import DraftCost, PairCosts
+from orchestrator.plain_rounds import PlainRounds
 from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, SessionLost
 from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, wait_quietly
+from orchestrator.tree_round import TreeRound
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec import rule, wire
 from specdec.errors import SpecdecError, Unavailable
 from specdec.v1 import model_pb2
-from specdec.validation import MAX_LOOKAHEAD, TREE_DRAWS
+from specdec.validation import MAX_LOOKAHEAD
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
@@ -97,7 +104,7 @@ class _Running:
 RUNNING = _Running()
 
 
-class SpeculativeLoop(GenerationSessions):
+class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions):
     def __init__(
         self,
         draft,
@@ -360,132 +367,6 @@ class SpeculativeLoop(GenerationSessions):
         self.draft.length, self.draft.pending = proposal.length, []
         return Proposal.of(proposal, uniforms[:k]), seconds
 
-    @property
-    def _caching(self) -> bool:
-        """Whether the speculation cache serves this generation: overlapped chains whose output does
-        not depend on their drafts (greedy, the invariant rule): see orchestrator.speculation_cache."""
-        cfg = self.config
-        return cfg.cache and cfg.coupled and self.overlap and self._overlapping and not cfg.tree_nodes
-
-    def _continue(self, k: int, uniforms, drafts: Proposal):
-        """An overlapped round's continuation: k drafts past `drafts` (taken as accepted), then, with
-        the speculation cache, the proposals for the likeliest rejections that the draft has time for
-        while the target verifies: (continuation, its seconds, [(Branch, a call future)])."""
-        after, seconds = self._propose(k, uniforms, drafts.tokens, concurrent=True)
-        return after, seconds, self._branch(drafts, after) if self._caching else []
-
-    def _branch(self, drafts: Proposal, after: Proposal) -> list:
-        """Issue the cache's proposals for this round's likeliest rejections (at a draft, or at the
-        continuation's first token, tested at the bonus position): they commit nothing on the draft
-        (its cache keeps a tail of each), so one no longer wanted is simply cancelled."""
-        k = len(drafts.tokens)
-        if len(drafts.alts) != k or not after.alts or not after.tokens:
-            return []
-        alts = drafts.alts + after.alts[:1]
-        chosen = speculation_cache.branches(
-            [a[1] for a in alts], [a[0] for a in alts], self.cache_rates, self._spare.fanout(k), k
-        )
-        issued = []
-        for branch in chosen:
-            # the next round's k, as a fresh proposal's: what fits before the bonus position
-            n = min(k, self.config.max_new_tokens - len(self.generated) - (branch.accepted + 1) - 1)
-            if n < 1:
-                continue
-            request = model_pb2.ProposeRequest(
-                session=self.draft.ref(),
-                k=n,
-                sampling=self._sampling,
-                assumed_tokens=drafts.tokens[: branch.accepted] + [branch.token],
-                noise_seed=self.config.noise_seed,
-                threads=self._threads(self.draft, concurrent=True),
-                alternatives=True,
-            )
-            issued.append((branch, self._draft_future(request)))
-        return issued
-
-    def _draft_future(self, request):
-        """A draft call that can be cancelled (a gRPC stub's future; an in-process stub's on the pool)."""
-        method = self.draft.stub.Propose
-        timeout = min(t for t in (self._timeout(), self._draft_budget(), math.inf) if t is not None)
-        timeout = None if math.isinf(timeout) else timeout
-        if hasattr(method, "future"):
-            return method.future(request, timeout=timeout)
-        return CONTINUATIONS.submit(method, request, timeout=timeout)
-
-    def _take_branch(self, issued: list, rejection: int | None, token: int) -> Proposal | None:
-        """The next round's drafts, if the cache prepared this round's outcome (a rejection after
-        `rejection` accepted tokens, `token` the target's there); the other proposals cancelled."""
-        hit = None
-        if rejection is not None:
-            hit = next((f for b, f in issued if b.accepted == rejection and b.token == token), None)
-        for _, future in issued:
-            if future is not hit:
-                future.cancel()
-        self.stats.cache_branches += len(issued)
-        if hit is None:
-            return None
-        try:
-            response = hit.result(timeout=self._timeout())
-        except Exception:  # noqa: BLE001 - a branch that failed (a lost draft) is a miss
-            return None
-        with self._stats_lock:
-            self.stats.add_proposal(response)
-        self.stats.cache_hits += 1
-        return Proposal.of(response, [])
-
-    def _decode_round(self, steps: int, draws: Draws, start: float) -> Round:
-        """Several plain rounds in one Score (_plain_steps): the target chooses each token as a
-        plain round's last one is chosen (greedy, the invariant rule, or the draws' step uniforms)."""
-        cfg = self.config
-        scores, target_time = self._call(
-            self.target.stub.Score,
-            model_pb2.ScoreRequest(
-                session=self.target.ref(),
-                append_tokens=self.target.pending,
-                sampling=self._sampling,
-                noise_seed=cfg.noise_seed,
-                # on its share while the draft's prefill runs beside (see Threads)
-                threads=self._threads(self.target, concurrent=self._draft_opening is not None),
-                decode_steps=steps,
-                stop_token_ids=sorted(cfg.stop_token_ids),
-                step_uniforms=draws.steps,
-            ),
-        )
-        self.stats.add_scores(scores)
-        self.target.length, self.target.pending = scores.length, []
-        self.stats.target_seconds += target_time
-        seconds = time.perf_counter() - start
-        self.stats.round_seconds += seconds
-        measured = (seconds - scores.compute_seconds, scores.compute_seconds / max(1, len(scores.argmax_token_ids)))
-        # (overhead a round, compute a step): each decode round weighs half, the ones before it the other half
-        last = self._plain_costs or measured
-        self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
-        if self._policy_plain:
-            self._measure_steps(scores, target_time)
-        return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
-
-    def _measure_steps(self, scores, target_time: float) -> None:
-        """A decode round's steps, to the policy, as the plain rounds they replace: each step's
-        share of its wait, compute and round time (the prices are a plain round's), all its tokens
-        committed now (the rates)."""
-        steps = max(1, len(scores.argmax_token_ids))
-        now = time.perf_counter()
-        self.policy.update(
-            0,
-            0,
-            DraftCost(0.0, 0),
-            target_time / steps,
-            scores.step_tokens or None,
-            scores.compute_seconds / steps or None,
-            None,
-            (now - self._committed[0]) / steps,
-            self.policy.costs.quiet(self._committed[1]),
-            scores.threads,
-            steps,
-            now,
-        )
-        self._committed = (now, self.policy.costs.quiet_since())
-
     def _speculate(self, k: int, wanted: int, draws: Draws, start: float, measure: bool = False) -> Round:
         cfg = self.config
         # 1. This round's drafts: last round's continuation, or proposed now.
@@ -649,74 +530,6 @@ class SpeculativeLoop(GenerationSessions):
         if cfg.logprobs is not None:
             logprobs = token_logprobs.chain(scores, committed, min(accepted, k), None if cfg.coupled else target_row)
         return self._commit(committed, proposed=proposed, accepted=accepted, logprobs=logprobs)
-
-    def _tree_round(self, depth: int, draws: Draws, start: float) -> Round:
-        """A round over a draft tree (tree_nodes > 0): the draft proposes a tree of depth
-        `depth`, the target verifies it in one forward; greedy and the invariant rule walk it
-        here (rule.tree_greedy_path), the Leviathan rule on the target (rule.tree_walk)."""
-        cfg = self.config
-        asked = time.perf_counter()
-        try:
-            prefill = self._draft_behind()
-            proposal, draft_time = self._draft_call(self.draft.stub.Propose, self._tree_request(depth, draws), prefill)
-        except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
-            if not self._draft_failed(err):
-                raise
-            self.stats.draft_seconds += time.perf_counter() - asked
-            return self._speculate(0, 0, draws, start)
-        self.draft.length, self.draft.pending = proposal.length, []
-        tokens, parents = list(proposal.token_ids), list(proposal.parent_ids)
-        if not tokens:  # a model-free drafter found nothing: a plain target step
-            self.stats.draft_seconds += draft_time
-            return self._speculate(0, 0, draws, start)
-        request = model_pb2.ScoreRequest(
-            session=self.target.ref(),
-            append_tokens=self.target.pending,
-            draft_token_ids=tokens,
-            draft_parent_ids=parents,
-            sampling=self._sampling,
-            noise_seed=cfg.noise_seed,
-            threads=self._threads(self.target, concurrent=False),
-            logprobs=cfg.logprobs,
-        )
-        if not cfg.coupled:  # the Leviathan rule: the target walks the tree with the draft's rows
-            request.draft_rows.extend(proposal.node_rows)
-            request.draft_row_nodes[:] = proposal.row_nodes
-            request.accept_uniforms[:] = draws.accept[: len(tokens)]
-            request.final_uniform = draws.final
-        scores, target_time = self._call(self.target.stub.Score, request)
-        self.target.length, self.target.pending = scores.length, []
-        if cfg.coupled:
-            path = rule.tree_greedy_path(parents, tokens, scores.argmax_token_ids)
-            last = scores.argmax_token_ids[path[-1] + 1 if path else 0]
-        else:
-            path, last = list(scores.accepted_nodes), scores.final_token
-            if any(parents[node] != (path[i - 1] if i else -1) for i, node in enumerate(path)):
-                raise SpecdecError(f"target returned {path}, not a path of the draft tree")
-        self._tree_acceptance.update(cfg.sampling.greedy, parents, list(proposal.token_probs), path)
-        with self._stats_lock:
-            self.stats.draft_seconds += draft_time
-            self.stats.target_seconds += target_time
-            self.stats.add_proposal(proposal)
-            self.stats.add_scores(scores)
-        self.stats.round_seconds += time.perf_counter() - start
-        logprobs = token_logprobs.tree(scores, path, parents, cfg.coupled) if cfg.logprobs is not None else None
-        committed = [tokens[i] for i in path] + [last]
-        return self._commit(committed, proposed=len(tokens), accepted=len(path), logprobs=logprobs)
-
-    def _tree_request(self, depth: int, draws: Draws) -> model_pb2.ProposeRequest:
-        cfg = self.config
-        return model_pb2.ProposeRequest(
-            session=self.draft.ref(),
-            append_tokens=self.draft.pending,
-            k=depth,
-            sampling=self._sampling,
-            uniforms=draws.draft[: depth * TREE_DRAWS],
-            noise_seed=cfg.noise_seed,
-            tree_nodes=cfg.tree_nodes,
-            tree_acceptance=self._tree_acceptance.table(cfg.sampling.greedy),
-            threads=self._threads(self.draft, concurrent=False),  # a tree's round is sequential
-        )
 
     def _commit(self, committed: list[int], proposed: int, accepted: int, logprobs=None) -> Round:
         cfg = self.config

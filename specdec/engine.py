@@ -10,26 +10,20 @@ A session holds its committed tokens and a cache of keys/values for a prefix of
   bits from a one-token forward, and acceptance stays high;
 - a commit keeps whatever the cache holds that the committed tokens match, and a speculative
   tail past them: an overlapped round's continuation, proposed past drafts that the commit
-  then accepts, goes on from its cached tail (a 9-token re-feed a round at k = 8, measured:
-  60 ms on the draft's core where its next step costs 12).
+  then accepts, goes on from its cached tail (docs/architecture.md#overlapped-rounds).
 Rollback and discarding a rejected speculative tail are truncations (O(1)): no copies, no
 re-prefill.
 
-Every change to a session runs on the engine's model worker (specdec.worker), the one
-thread that touches the model: a request is a generator over the session that yields
-`Forward`s (feed these tokens, return these logits) and returns its result; the worker
-runs the forwards of different sessions' requests as one batched forward when the backend
-has `forward_batch` (specdec.backend, over a slot cache: specdec.kvcache), one by one
-otherwise. A prompt is prefilled in chunks of the backend's prefill_chunk tokens (PREFILL_CHUNK
-unless it says), one chunk a step, and a
+Every change to a session runs on the engine's model worker (specdec.worker), the one thread
+that touches the model: a request is a generator over the session that yields `Forward`s (feed
+these tokens, return these logits) and returns its result; the worker runs the forwards of
+different sessions' requests as one batched forward when the backend has `forward_batch`
+(specdec.backend, over a slot cache: specdec.kvcache), one by one otherwise. A prompt is
+prefilled in chunks of the backend's prefill_chunk tokens (PREFILL_CHUNK unless it says), and a
 step takes prompts' chunks up to PREFILL_BUDGET tokens (at least one chunk) beside every decode
-and verify: neither a long prompt nor a wave of new ones stalls the others' decodes for more
-than such a step. `call` submits a request and waits for it.
-
-Threads: a request may name the threads its forwards use (the orchestrator's choice of how the
-draft and the target share one machine's cores, specdec.placement); a step runs with the fewest
-any of its forwards allows, under the machine's core lock (`placement.Cores`; none given: the
-process's threads, no lock).
+and verify. `call` submits a request and waits for it. Threads: a request may name the threads
+its forwards use (specdec.placement); a step runs with the fewest any of its forwards allows,
+under the machine's core lock (`placement.Cores`; none given: the process's threads, no lock).
 
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
@@ -37,13 +31,13 @@ budget before a cache grows; sessions idle past the TTL are closed by `close_idl
 Prefix cache (specdec.prefix; SessionLimits.prefix_cache, on a backend with `copy_prefix`): a
 session opens from the longest prefix of its prompt that another cache holds (an open session's
 committed positions, or a closed session's cache kept for it) and prefills only the rest, in the
-chunks a whole prefill would feed it in (ending at multiples of the chunk). What it indexes
-is what `cached` holds of the committed tokens, cut wherever the cache is cut (`_crop`); a
+chunks a whole prefill would feed it in (ending at multiples of the chunk). What it indexes is
+what `cached` holds of the committed tokens, cut wherever the cache is cut (`_crop`); a
 speculative tail or a draft tree never is. A closed session's cache is kept (`close`), within the
 KV budget, until a reservation or a new session needs its room.
 
-The engine knows nothing of RPC or of the accept/resample rule; draft_service and
-target_service build propose and score on it.
+The engine knows nothing of RPC or of the accept/resample rule; draft_service and target_service
+build propose and score on it. Why: docs/architecture.md#one-model-worker-batched-forwards.
 """
 
 from __future__ import annotations

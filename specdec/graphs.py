@@ -15,20 +15,13 @@ vLLM and gpt-fast do:
   model worker; torch's graph state is per thread, pytorch issue #123177);
 - a graph reads one static input tensor (ids, positions, and the slot each column writes to)
   that a step fills with one host-to-device copy, and writes the last hidden states of every
-  column; the step gathers the columns it wants and applies the output layer eagerly (vocab-
-  sized logits of every padded column would cost more than the launches they save);
+  column; the step gathers the columns it wants and applies the output layer eagerly;
 - every row attends over `[:length]` of its slot with a mask: the committed keys before its
   window's start, and within a window of TREE_WINDOW positions after it the keys its `seen` row
   allows (window_visible). A chain sees the window's columns up to its own; a draft tree's node (the
   target's verify, the draft's extend_tree) sees its ancestors, at its depth's rotary position,
   so one graph serves both; a tree past the window runs eager. A slice of the static block keeps
-  its address. Why KV-length buckets and not one graph over the
-  whole capacity: each row reads its slot's keys and values for every position attended (the
-  gather and the attention), so a 100-token session in a 1024-position slot would read 10x what
-  it holds at every step; with lengths 256, 512, ... it reads at most 2x, for |lengths| times the
-  graphs (the default 7 batches x 6 widths x 3 lengths: 126, captured in 5.8 s for the fp32
-  SmolLM2-135M shape on one H100; 10.1 s with an eager warm-up run before every capture instead
-  of one per batch and width);
+  its address;
 - a pad column (past its row's block) and a pad row write into a pad slot no session owns, so
   padding never touches a session's keys; their outputs are never read. Rollback stays a length.
 Anything outside the buckets (a prompt's prefill chunk wider than the widest, more rows than
@@ -36,28 +29,16 @@ the largest batch, a length past the largest) runs HFBackend's eager forward on 
 The static forwards take the architecture's masks (specdec.architectures: a layer's sliding window
 is measured in the keys' places in the sequence, a tree's nodes at their depths'). An architecture
 whose forward cannot be captured (MoE routers: the experts a token goes to are read back to the
-host) is served eager on CUDA, all its forwards HFBackend's, with one log line saying so.
-
-Why not torch.compile the whole forward: the launch overhead is what a small model loses on a GPU (fp32
-SmolLM2-135M, H100: one token 36.7 ms eager, 3.3 ms compiled with CUDA graphs), and graphs of
-the eager forward remove it in seconds at start, where compiling a variant took 38-60 s and
-compiled variants were built on the serving path. What a graph of the eager forward still pays,
-a kernel for each op, is cut by compiling small pieces before the capture (specdec.fusion; on CUDA
-by default): on one H200 the width-grown target alone ran 1.16x faster, k = 8 1.46x
-(docs/gpu.md). Measured here (one H100, the SmolLM2-135M
-shape with random weights, a 100-token context, ms): fp32 one token 18.6-30.2 eager, 3.8
-graphed; 5 tokens 22.4-34.0 / 8.0; 9 tokens 21.9-36.9 / 8.4; 8 sessions' decode step 19.8-32.5
-/ 8.3; bf16 one token 39.6 / 3.6, 5 tokens 38.7 / 4.0 (the 5-token forward costing twice the
-one-token one is fp32's alone; inductor's compiled fp32 verify of 5, 7.5 ms, paid it too).
-On a CPU there is no launch overhead to remove (torch.compile gained ~10% on a one-token
-forward, lost to padding on verify blocks, for 1-2 minutes of compiling a variant): a CPU
-serves eager (HFBackend); this backend runs there only for the tests, its static forwards
-eager, which exercises the buffers, buckets and padding.
+host) is served eager on CUDA, all its forwards HFBackend's, with one log line saying so. Pieces
+compiled before the capture: specdec.fusion. On a CPU this backend runs only for the tests (a CPU
+serves HFBackend), its static forwards eager, which exercises the buffers, buckets and padding.
 
 `builds` counts graphs built, `builds_after_ready` those built after `prepare` finished: a
 step that found no graph for its bucket builds one then (not the eager forward: the shapes are
 within the buckets). That never happens when the buckets are consistent; Describe and the
 metrics export it, and a test holds it at zero.
+
+Why and what was measured: docs/gpu.md#why-graphs-of-the-eager-forward-bucketed-by-kv-length.
 """
 
 from __future__ import annotations

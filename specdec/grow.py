@@ -1,9 +1,8 @@
 """Growing the embedded model into a target that costs like a large one and computes exactly its function.
 
-A real pair's target is 8-70x its draft (Llama-3.1-8B over Llama-3.2-1B); the embedded default
-pair is one model twice, so on a GPU, where both cost the same few ms a forward, speculation
-cannot pay. Weights cannot be downloaded everywhere, so this grows the embedded model the
-Net2Net way into one that costs more while every logit stays the base model's:
+The embedded default pair is one model twice, so on a GPU, where both cost the same few ms a
+forward, speculation cannot pay; weights cannot be downloaded everywhere. So this grows the
+embedded model the Net2Net way into one that costs more while every logit stays the base model's:
 
 - extra decoder layers whose output projections (o_proj, down_proj) are zero: each adds
   nothing to the residual stream, so each is an identity, but its attention and MLP still run on
@@ -12,13 +11,9 @@ Net2Net way into one that costs more while every logit stays the base model's:
   whose down_proj columns are zero, so they compute and contribute nothing;
 - a wider model (Net2WiderNet, `width` m): every hidden unit, head (and KV head) and MLP neuron
   duplicated m times, and every weight that reads duplicated units split among the copies (1/m
-  each), so each copy computes the base unit's value: the residual stream is the base's
-  repeated m times, every RMSNorm sees the same mean square (hence the same normalised values,
-  its gains repeated), each duplicated head attends as its original (head_dim and rotary stay),
-  and the output projections' m copies sum to the base's output. The embeddings are repeated,
-  the lm_head the embeddings over m (untied: tied, the input side would be divided too).
-  A grown model then has a real large model's cost shape: wide matmuls, memory-bound on a GPU,
-  where depth alone gave a deep, narrow, launch-bound one.
+  each), so each copy computes the base unit's value (every RMSNorm sees the same mean square,
+  each duplicated head attends as its original, the output projections' m copies sum to the
+  base's output). The embeddings are repeated, the lm_head the embeddings over m (untied).
 
 Vocab, tokenizer, chat template and generation config stay. The acceptance of the embedded draft
 against a grown target is therefore exactly its acceptance against the base model: a grown alias
@@ -32,23 +27,16 @@ from the base's 30 layers, MLP 1536, 134.5M parameters (tied embeddings counted 
     smollm2-135m-w4    30 layers, hidden 2304, 36 heads, MLP 6144   1,925.3M parameters  14.3x  (GPUs: a 1B-like)
     smollm2-135m-w4x4 120 layers, hidden 2304, 36 heads, MLP 6144   7,021.8M parameters  52.2x  (GPUs: an 8B-like)
 
-A forward's matmul FLOPs per token (2 per weight, the tied lm_head included) and its weight
-bytes scale with the parameter count. The layers multiply too, as between real pairs (8B/1B:
-32/16 layers, 70B/1B: 80/16), because a small model's GPU forward costs by its layer count (a
-few us a kernel), not its bytes. Measured, one-token decode forward (medians):
-- CPU, fp32, 1 thread (a shared 2-core machine: noisy): 39-42 / 142-146 / 278-404 ms, x4 3.5-3.6x.
-- H100, bf16, CUDA graphs (torch.compile reduce-overhead, static cache; random weights of each
-  shape): 2.19 / 4.26 / 6.21 ms, x8 2.8x the base (fp32 x8: 8.9 ms, 4.1x the bf16 draft), as
-  Llama-3.1-8B's shape is 3.3x Llama-3.2-1B's there (7.59 / 2.33 ms): x8 is that pair's regime.
-Each is built once, from the fp32 conversion, into
-$SPECDEC_CACHE/SmolLM2-135M-Instruct-x{factor}: a transformers Llama checkpoint (sharded
-safetensors + index, config, tokenizer) that any code loads with from_pretrained. Its config.json
-says what it is ("specdec_grown_from", "specdec_grown_factor", "specdec_identity_layers").
+Each is built once, from the fp32 conversion, into $SPECDEC_CACHE/SmolLM2-135M-Instruct-x{factor}:
+a transformers Llama checkpoint (sharded safetensors + index, config, tokenizer) that any code
+loads with from_pretrained. Its config.json says what it is ("specdec_grown_from",
+"specdec_grown_factor", "specdec_identity_layers").
 
 This module owns the construction (pure functions over a state dict and a config dict), the
 aliases (specdec.models names them too) and their cache, built from specdec.embedded's conversion;
 models.resolve calls ensure_grown. It knows nothing of sessions, RPC or llama.cpp
 (no GGUF of a grown model exists: the grown aliases are transformers-only).
+Why and what was measured: docs/models.md#a-target-that-outweighs-its-draft-smollm2-135m-x4-smollm2-135m-x8.
 """
 
 from __future__ import annotations

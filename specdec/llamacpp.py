@@ -1,59 +1,39 @@
 """A llama.cpp backend: a GGUF run natively (llama-cpp-python), sessions batched.
 
 Both services use it: the draft service runs the embedded SmolLM2 GGUF requantised to Q8_0
-(the default alias, `--drafter llamacpp`; specdec.models.draft_gguf_path: faster than the
-shipped Q4_1 on CPU at every batch size), the target service its F32 requantisation
-(specdec.models.f32_gguf_path: the same weights as the fp32 transformers target,
-`--backend llamacpp`). One llama.cpp context holds every session: a session is a sequence id
-with a KV stream of its own (SEQUENCE_CELLS cells, allocated at start), and `forward_batch` puts
-the new tokens of several sessions into one llama_batch, each at its own positions and sequence
-id, so the draft steps or the verify blocks (different widths, different lengths) of many
-sessions are one llama_decode. Rolling back removes the sequence's cells past the kept length
-(llama_memory_seq_rm); no re-prefill.
+(the default alias, `--drafter llamacpp`; specdec.models.draft_gguf_path), the target service its
+F32 requantisation (specdec.models.f32_gguf_path: the same weights as the fp32 transformers
+target, `--backend llamacpp`). One llama.cpp context holds every session: a session is a
+sequence id with a KV stream of its own (SEQUENCE_CELLS cells, allocated at start), and
+`forward_batch` puts the new tokens of several sessions into one llama_batch, each at its own
+positions and sequence id, so the draft steps or the verify blocks (different widths, different
+lengths) of many sessions are one llama_decode. Rolling back removes the sequence's cells past
+the kept length (llama_memory_seq_rm); no re-prefill.
 
-A session's logits depend on its own tokens only, never on the sessions beside it, so a seeded
-request reproduces its text under any load (the Leviathan rule reads the draft's probabilities:
-a draft whose numbers moved with the load moved the text). Three choices keep it so, each
-measured on the Q8_0 draft:
-- a KV stream per session (kv_unified off). In one shared cache, a session's tokens land in
-  whichever cells other sessions' rollbacks freed, and attention sums its keys in cell order:
-  logits moved by up to 1.0 under churn. In its own stream they are in position order;
-- ubatches under 64 tokens a stream (UBATCH_TOKENS) where flash attention runs: from 64 queries
-  the CPU flash-attention kernel switches to a tiled F32 kernel, so a prompt chunk and a
-  re-prefill after a restart (the same tokens in other blocks) gave other logits (1.08). An F32
-  model runs plain attention, whose logits do not move with the ubatch (bit for bit, 32 to 512
-  tokens, measured): it takes F32_UBATCH_TOKENS, which prefills faster;
-- the sessions of a step in increasing sequence ids: llama.cpp puts only consecutive streams in
-  one ubatch, so a new session takes the lowest free id and a step is sorted (8 sessions in
-  reverse order cost 58 ms a step, sorted 34).
-With all three a session's logits are bit for bit the same alone, batched with others, under
-churn and after a re-prefill.
-
-A step whose streams skip an id (a session between two requests, a freed one) would be two
-ubatches, each reading every weight. So a short gap is filled (MAX_FILL): each missing
-stream gets one token without logits at its next position, removed after the decode
-(llama_memory_seq_rm, as a rollback removes a rejected draft), and the step is one ubatch. The
-filled stream is as it was: its next token takes the same cell (a rollback's guarantee). Filled,
-the F32 target's step of 8 with one gap cost 43.5 ms (61.2 split), with three 42.2 (89.4); the Q8_0
-draft's 26.6 (34.5) and 26.1 (36.2).
-
-A shared prompt prefix (specdec.prefix) is copied from one session's stream to another's with
-llama.cpp's per-sequence state (llama_state_seq_get_data / set_data: the source's cells, in
-position order, written to the empty destination stream from its first cell), then cut to the
-prefix (llama_memory_seq_rm): the logits after it are bit for bit a fresh prefill's. Not
-llama_memory_seq_cp: across streams (kv_unified off) it copies whole streams only, every one of
-SEQUENCE_CELLS cells, at the next decode (measured: +150 ms on the decode after it, against 33 ms
-for the state copy of 1,400 cells of the Q8_0 draft, 104 ms of the F32 target).
+Invariant: a session's logits depend on its own tokens only, bit for bit the same alone, batched
+with others, under churn and after a re-prefill, so a seeded request reproduces its text under
+any load (the Leviathan rule reads the draft's probabilities). Three choices keep it so:
+- a KV stream per session (kv_unified off): its tokens are in position order;
+- ubatches under 64 tokens a stream (UBATCH_TOKENS) where flash attention runs (from 64 queries
+  its CPU kernel switches to a tiled one with other logits); an F32 model runs plain attention,
+  whose logits do not move with the ubatch, and takes F32_UBATCH_TOKENS;
+- the sessions of a step in increasing sequence ids (llama.cpp puts only consecutive streams in
+  one ubatch): a new session takes the lowest free id and a step is sorted.
+A step whose streams skip an id would be two ubatches, so a short gap is filled (MAX_FILL): each
+missing stream gets one token without logits at its next position, removed after the decode; the
+filled stream is as it was. A shared prompt prefix (specdec.prefix) is copied with llama.cpp's
+per-sequence state (llama_state_seq_get_data / set_data), then cut to the prefix: the logits after
+it are bit for bit a fresh prefill's (not llama_memory_seq_cp: across streams it copies whole ones).
 
 Implements the backend interface of specdec.backend. Logits are computed only at the
 positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify),
 and returned as views of llama.cpp's output buffer, valid until the next forward (the
-interface's contract): a draft step's argmax reads its 49152 floats where llama.cpp wrote them,
-no row is copied. An F32 model runs in float32 throughout (F32
-KV cache, no flash attention: its logits are within ~1e-4 of the fp32 transformers target's);
-a quantised one with an F16 KV cache and flash attention (a one-session step 7 ms, 10.5 without).
+interface's contract): no row is copied. An F32 model runs in float32 throughout (F32 KV cache,
+no flash attention); a quantised one with an F16 KV cache and flash attention.
 Threads: the service's (specdec.placement, its --threads), and per step what its requests
 allow (set_threads: llama_set_n_threads, no new threads: the OpenMP team of the next decode).
+
+Why and what was measured: docs/models.md#the-llamacpp-backend-and-seeds.
 """
 
 from __future__ import annotations
