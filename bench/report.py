@@ -179,8 +179,13 @@ def summarise(config, rows: dict, forward_costs: dict | None = None) -> dict:
 
 
 def baseline_method(rows) -> str:
-    """What speedups are over: hf-static where it ran (a GPU's honest baseline), else hf-target."""
-    return "hf-static" if any(r.method == "hf-static" for r in rows) else "hf-target"
+    """What speedups are over: hf-static where it ran (a GPU's honest baseline), else hf-target, and
+    without the transformers rows (--no-hf) llama.cpp's target alone where it ran."""
+    methods = {r.method for r in rows}
+    for method in ("hf-static", "hf-target", "llamacpp-target"):
+        if method in methods:
+            return method
+    return "hf-target"
 
 
 COLUMNS = [

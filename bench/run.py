@@ -55,6 +55,7 @@ from specdec.limits import SessionLimits
 from specdec.security import ClientSecurity
 
 PROMPTS = Path(__file__).with_name("prompts.json")
+DOCUMENT = Path(__file__).with_name("long_chat.json")  # its system prompt: a store's return policy, 1,298 tokens
 # The services' limits in every bench but --ttft: every method runs the same prompts one after another,
 # and with the prefix cache on all but the first would start from the first's keys and values.
 COLD = SessionLimits(prefix_cache=False)
@@ -74,6 +75,7 @@ class BenchConfig:
     max_tokens: int = 128
     repeats: int = 1
     prompt_kinds: tuple[str, ...] = ()  # empty: all
+    prompt_tokens: tuple[int, ...] = ()  # each prompt at these lengths, a document before it (at_lengths)
     max_prompts: int = 0  # 0: all
     seed: int = 1
     out: Path = Path("bench-results")
@@ -95,6 +97,31 @@ def load_prompts(config: BenchConfig) -> list[dict]:
     if config.prompt_kinds:
         prompts = [p for p in prompts if p["kind"] in config.prompt_kinds]
     return prompts[: config.max_prompts] if config.max_prompts else prompts
+
+
+def at_lengths(prompts: list[dict], tokenizer, lengths: tuple[int, ...]) -> list[dict]:
+    """Each prompt at each length N: a document before its question (the store's policy of
+    long_chat.json, repeated past its 1,298 tokens), cut so that the chat-templated prompt is about
+    N tokens, of kind "N tokens"; a length shorter than the question alone gives the question alone."""
+    document = tokenizer.encode(json.loads(DOCUMENT.read_text())["system"], add_special_tokens=False)
+
+    def with_document(room: int, question: str) -> str:
+        excerpt = tokenizer.decode((document * (room // len(document) + 1))[:room])
+        return f"A document:\n\n{excerpt}\n\n{question}"
+
+    out = []
+    for n in lengths:
+        for p in prompts:
+            text = p["prompt"]
+            room = n - len(_chat_ids(tokenizer, with_document(0, text)))
+            while room > 0:  # the excerpt's tokens may merge anew where it meets the text around it
+                text = with_document(room, p["prompt"])
+                excess = len(_chat_ids(tokenizer, text)) - n
+                if excess <= 0:
+                    break
+                room, text = room - excess, p["prompt"]
+            out.append({"kind": f"{n} tokens", "prompt": text})
+    return out
 
 
 # -- in-process transformers (a) and (b) ----------------------------------------------------
@@ -219,6 +246,8 @@ def run(config: BenchConfig) -> dict:
 
     prompts = load_prompts(config)
     target_model, tokenizer = models.load(config.target)
+    if config.prompt_tokens:
+        prompts = at_lengths(prompts, tokenizer, config.prompt_tokens)
     prompt_ids = [_chat_ids(tokenizer, p["prompt"]) for p in prompts]
     prompt_texts = [_chat_text(tokenizer, p["prompt"]) for p in prompts]
     threads = torch.get_num_threads()  # hf-target's; the llama.cpp engines get as many

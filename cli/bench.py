@@ -59,6 +59,14 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
     b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
     b.add_argument("--kinds", default="", help="only prompts of these kinds: chat, code, summarisation, list")
+    b.add_argument(
+        "--prompt-tokens",
+        default="",
+        metavar="N,...",
+        help="each prompt at these lengths (e.g. 20,250,1000,2000): a document (a store's return policy, repeated "
+        "past its 1,298 tokens) before its question, to about N tokens in all; the speedups by length are the "
+        "by-kind table (with --no-hf, over llama.cpp's target alone)",
+    )
     b.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     b.add_argument(
         "--hf-static",
@@ -227,6 +235,7 @@ def bench(args) -> int:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
+        prompt_tokens=tuple(int(n) for n in floats(args.prompt_tokens)),
         hf_baselines=not args.no_hf,
         hf_static=args.hf_static,
         out=args.out,
