@@ -77,6 +77,28 @@ class Sharing:
         return profiled(self.verify[threads], tokens) / profiled(self.verify[every], tokens)
 
 
+class DecayedMean:
+    """A mean whose past weighs less: each `add` first decays what is kept by its `decay` (per step:
+    DECAY or FIT_DECAY to the power of the round's share of a step)."""
+
+    __slots__ = ("total", "weight")
+
+    def __init__(self):
+        self.total = self.weight = 0.0
+
+    def add(self, value: float, weight: float = 1.0, decay: float = 1.0) -> None:
+        self.total = decay * self.total + weight * value
+        self.weight = decay * self.weight + weight
+
+    def fade(self, decay: float) -> None:
+        """Decay what is kept, adding nothing (a step that measured another kind)."""
+        self.total *= decay
+        self.weight *= decay
+
+    def mean(self, default: float | None = None) -> float | None:
+        return self.total / self.weight if self.weight else default
+
+
 @dataclass
 class DraftCost:
     """What a round waited for the draft: `seconds` for `tokens` proposed; of which the service
@@ -155,8 +177,8 @@ class PairCosts:
         # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
-        self.draft_scale = [0.0, 0.0]  # [sum, weight] of measured / profiled step, FIT_DECAY
-        self.target_scale = [0.0, 0.0]  # the same for the target's steps on shared cores (target_step)
+        self.draft_scale = DecayedMean()  # measured / profiled step, FIT_DECAY
+        self.target_scale = DecayedMean()  # the same for the target's steps on shared cores (target_step)
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
         # the draft: seconds waited for it, of which its service computed, its steps, the tokens
@@ -170,17 +192,17 @@ class PairCosts:
         self.verify = CostLine()
         self.usual_k = 0.0  # drafts proposed a round, weighted like the verify line
         # seconds a round waited on the target beyond its step's compute (the RPC, and queueing
-        # behind a step in progress), weighted by DECAY: [sum, weight] for rounds that
-        # speculated (k > 0) and rounds that did not
-        self.waits = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        # behind a step in progress), weighted by DECAY: for rounds that speculated (k > 0) and
+        # rounds that did not
+        self.waits = {True: DecayedMean(), False: DecayedMean()}
         # the sessions in the verify step of a speculating round over the generations running
         # (DECAY; explorations left out: a lone speculating round rides in everyone's step)
-        self.shared = [0.0, 0.0]
+        self.shared = DecayedMean()
         self.off_rounds = 0.0  # steps in a row (rounds of all generations, see update) without speculation
         self.explore_after = EXPLORE_EVERY  # steps off before the next exploration
         # a quiet round's measured seconds over its price, per load class (see Calibration):
-        # {class: {speculated: [sum, weight]}}, each decayed by its own rounds (FIT_DECAY)
-        self.priced: dict[int, dict[bool, list[float]]] = {}
+        # {class: {speculated: mean}}, each decayed by its own rounds (FIT_DECAY)
+        self.priced: dict[int, dict[bool, DecayedMean]] = {}
         # prompts being prefilled on the pair, and a count of every start and end of one: a
         # round is quiet when the count did not move between its generation's commits
         self.prefilling = 0
@@ -227,11 +249,11 @@ class PairCosts:
         theirs, as the draft's step is priced; None elsewhere, or before a step is measured. Under
         load the verify line is fitted over steps of a few sizes: its slope came out at 0-1.7 ms a
         token, and it priced a plain step of 16 on every core near a speculating one on a share."""
-        sharing, (total, weight) = self.sharing, self.target_scale
+        sharing, scale = self.sharing, self.target_scale.mean()
         curve = sharing.verify.get(threads or sharing.target_threads[1]) if sharing is not None else None
-        if not curve or not weight:
+        if not curve or scale is None:
             return None
-        return profiled(curve, tokens) * total / weight
+        return profiled(curve, tokens) * scale
 
     def draft_cost(self, sessions: int, threads: int | None = None) -> float:
         """Seconds a drafted token costs when `sessions` draft together: the draft's step for
@@ -261,16 +283,14 @@ class PairCosts:
             return None
         curve = self._draft_curve(threads)
         if curve:
-            total, weight = self.draft_scale
-            return profiled(curve, sessions) * (total / weight if weight else 1.0)
+            return profiled(curve, sessions) * self.draft_scale.mean(1.0)
         line = self.draft_line.fit()
         return None if line is None else line[0] + line[1] * (sessions - 1)
 
     def sessions(self, load: int) -> float:
         """Generations whose blocks share a verify step when `load` speculate: all of them until
         measured (lockstep), then the share measured of the load."""
-        total, weight = self.shared
-        return load * (total / weight if weight else 1.0)
+        return load * self.shared.mean(1.0)
 
     def wait(self, speculating: bool) -> float:
         """Seconds a round waits on the target beyond its step's compute, speculating or not.
@@ -280,10 +300,10 @@ class PairCosts:
         (16 clients on 2 shared cores: 50-100 ms), where rounds without speculation share one
         step; priced with that queueing, a plain step of 16 looked 1.6x its measured cost, and
         adaptive lookahead speculated at 0.65x speculation off."""
-        total, weight = self.waits[speculating]
-        if weight < 0.5 if speculating else weight == 0:
-            total, weight = self.waits[not speculating]
-        return total / weight if weight else 0.0
+        waits = self.waits[speculating]
+        if waits.weight < 0.5 if speculating else waits.weight == 0:
+            waits = self.waits[not speculating]
+        return waits.mean(0.0)
 
     def prefill(self, started: bool) -> None:
         """A prefill on the pair started or ended (an OpenSession on either service, a draft's
@@ -308,19 +328,17 @@ class PairCosts:
         over the speculating rounds'; None until speculating rounds at that load are measured
         (see Calibration)."""
         kinds = self.priced.get(load_class(load), {})
-        on, off = kinds.get(True, (0.0, 0.0)), kinds.get(False, (0.0, 0.0))
-        if on[1] < CALIBRATED:
+        on, off = kinds.get(True, DecayedMean()), kinds.get(False, DecayedMean())
+        if on.weight < CALIBRATED:
             return None
-        return (off[0] / off[1] if off[1] >= CALIBRATED else 1.0) / (on[0] / on[1])
+        return (off.mean() if off.weight >= CALIBRATED else 1.0) / on.mean()
 
     def calibrate(self, load: int, speculated: bool, ratio: float) -> None:
         """A quiet round's measured/priced ratio, counted up to MISPRICED; its kind's window at
         its load decays by the round (a round of each of `load` generations is one step)."""
-        kept = self.priced.setdefault(load_class(load), {True: [0.0, 0.0], False: [0.0, 0.0]})[speculated]
+        kept = self.priced.setdefault(load_class(load), {True: DecayedMean(), False: DecayedMean()})[speculated]
         share = 1 / max(1, load)  # a round of each generation is one step
-        f = FIT_DECAY**share
-        kept[0] = f * kept[0] + share * min(ratio, MISPRICED)
-        kept[1] = f * kept[1] + share
+        kept.add(min(ratio, MISPRICED), share, FIT_DECAY**share)
 
     def measure(self, load: int, tokens: int, at: float) -> None:
         """A round of one of `load` generations committed `tokens` at `at` (seconds, the loop's
@@ -404,15 +422,10 @@ class PairCosts:
         share = 1 / max(1, sessions)
         d = DECAY**share
         if step_sessions:
-            self.shared[0] = d * self.shared[0] + min(1.0, step_sessions / max(1, sessions))
-            self.shared[1] = d * self.shared[1] + 1
+            self.shared.add(min(1.0, step_sessions / max(1, sessions)), decay=d)
         if quiet:
-            for mode, waited in self.waits.items():
-                waited[0] *= d
-                waited[1] *= d
-                if mode == (proposed > 0):
-                    waited[0] += queued(target_seconds, target_compute)
-                    waited[1] += 1
+            self.waits[proposed > 0].add(queued(target_seconds, target_compute), decay=d)
+            self.waits[proposed == 0].fade(d)
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
         if draft.tokens:
@@ -425,15 +438,12 @@ class PairCosts:
             if draft.steps:
                 self.draft_line.add(draft.step_tokens / draft.steps, draft.compute / draft.steps, share)
             if draft.steps and self.draft_profile and quiet:  # a step beside a prompt's chunks is no decode step
-                f = FIT_DECAY**share
                 curve = self._draft_curve(draft.threads or None)
                 ratio = draft.compute / draft.steps / profiled(curve, draft.step_tokens / draft.steps)
-                self.draft_scale = [f * self.draft_scale[0] + share * ratio, f * self.draft_scale[1] + share]
+                self.draft_scale.add(ratio, share, FIT_DECAY**share)
         self.usual_k = FIT_DECAY**share * self.usual_k + proposed
         curve = self.sharing.verify.get(target_threads) if self.sharing is not None else None
         if curve and quiet:
-            f = FIT_DECAY**share
-            ratio = target_compute / profiled(curve, step)
-            self.target_scale = [f * self.target_scale[0] + share * ratio, f * self.target_scale[1] + share]
+            self.target_scale.add(target_compute / profiled(curve, step), share, FIT_DECAY**share)
         scale = self.verify_scale(target_threads or None)
         self.verify.add(step, target_compute / scale(step) if scale else target_compute, share)

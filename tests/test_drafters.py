@@ -170,7 +170,7 @@ def test_loops_given_one_pairs_costs_share_them():
     list(loops[1].rounds())
     assert costs.verify.w > measured
     # every quiet round after a generation's first measured its time against its price (alone: load 1)
-    assert costs.priced[0][False][1] + costs.priced[0][True][1] > 0 and set(costs.priced) == {0}
+    assert costs.priced[0][False].weight + costs.priced[0][True].weight > 0 and set(costs.priced) == {0}
 
 
 def test_rounds_behind_a_prefill_are_not_calibrated():
@@ -318,7 +318,7 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     assert costs.calibration(32) == pytest.approx(1 / MISPRICED)
     # explorations ride in everyone's steps, rounds behind a prefill are not quiet, drafts the
     # policy did not choose (an exploration's continuation, carried) were not priced: none counts
-    before = [list(v) for v in costs.priced[load_class(8)].values()]
+    before = [(v.total, v.weight) for v in costs.priced[load_class(8)].values()]
     assert eight._best_k() == 0 and eight.priced[0] is None
     eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0)
     eight.priced = (spec_price, plain_price, 8)
@@ -326,7 +326,7 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0)
     eight.exploring = False
     eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0, quiet=False)
-    assert [list(v) for v in costs.priced[load_class(8)].values()] == before
+    assert [(v.total, v.weight) for v in costs.priced[load_class(8)].values()] == before
 
 
 def test_unknown_drafter_is_refused():
