@@ -37,7 +37,9 @@ def forward_costs(backend, widths, context: int, reps: int = REPS) -> dict[int, 
     wanting the logits of all of them (a verify; width 1: a draft step), per width."""
     ids = [(100 + i) % backend.vocab_size for i in range(context + max(widths))]
     with scratch_caches(backend, 1) as [cache]:
-        backend.forward(cache, ids[:context], 1)
+        chunk = getattr(backend, "prefill_chunk", None) or context  # llama.cpp takes a prompt in chunks
+        for start in range(0, context, chunk):
+            backend.forward(cache, ids[start : min(context, start + chunk)], 1)
         times: dict[int, list[float]] = {w: [] for w in widths}
         for rep in range(reps + 2):
             for width in widths:  # interleaved: a drift in machine speed hits every width alike
