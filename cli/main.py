@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from cli import bench, generate, ray, serving
+from cli import bench, generate, options, ray, serving
 from specdec.errors import SpecdecError
 
 EPILOG = """\
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    options.apply_environment()
     try:
         return COMMANDS[args.command](args)
     except grpc.RpcError as err:

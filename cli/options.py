@@ -2,7 +2,9 @@
 
 Models, drafters, servers, limits, telemetry and TLS / token flags; then the frozen
 configs those flags become (specdec.security, specdec.limits, deploy.local, deploy.hosting).
-Tokens are read here from their files or from $SPECDEC_AUTH_TOKEN / $SPECDEC_SERVICE_AUTH_TOKEN.
+Tokens are read here from their files or from $SPECDEC_AUTH_TOKEN / $SPECDEC_SERVICE_AUTH_TOKEN; the
+settings the library takes from the environment ($SPECDEC_CACHE, $SPECDEC_FUSE) by apply_environment, once
+a process (cli.main), and the OTEL_* variables by the commands that serve (cli.serving).
 """
 
 from __future__ import annotations
@@ -10,15 +12,34 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.configs import BACKENDS, OrchestratorConfig
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from orchestrator import CALIBRATION_TOKENS, RULES
-from specdec import models, security, validation
+from specdec import embedded, models, security, validation
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 from specdec.placement import parse_cpus
+
+FUSE_ENV = "SPECDEC_FUSE"  # specdec.graphs.FUSE_ENV, not imported here: specdec.graphs imports torch
+
+
+def apply_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Set the library's settings from the environment (os.environ where None), once a process, before a
+    command runs: the cache ($SPECDEC_CACHE; specdec.embedded.set_cache_dir) and the fusion of CUDA models
+    ($SPECDEC_FUSE; specdec.graphs.set_fuse, imported only where the variable is set or torch is loaded
+    already, so that a client's command imports no torch). The children a command starts (deploy.local)
+    inherit the environment and read it again as they start."""
+    environ = os.environ if environ is None else environ
+    embedded.set_cache_dir(environ.get(embedded.CACHE_ENV))
+    fuse = environ.get(FUSE_ENV)
+    if fuse or "specdec.graphs" in sys.modules:
+        from specdec import graphs
+
+        graphs.set_fuse(fuse)
 
 
 def add_model_flags(p: argparse.ArgumentParser, dtype: str, prefix: str = "") -> None:

@@ -161,7 +161,7 @@ def _log(msg: str) -> None:
 def _telemetry(args, role: str):
     from specdec import telemetry  # the OpenTelemetry SDK: only for the commands that serve
 
-    return telemetry.setup(role, args.metrics_port, args.host)
+    return telemetry.setup(role, args.metrics_port, args.host, environ=os.environ)
 
 
 # -- signals and drain -------------------------------------------------------------------------

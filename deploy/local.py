@@ -4,7 +4,8 @@ keep them running.
 Each child is `python -m cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
 folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
-telemetry).
+telemetry, SPECDEC_FUSE their fusion: each child's command line reads it again), but for the cache:
+SPECDEC_CACHE is set to this process's (specdec.embedded.cache_dir), where start() built the models.
 
 The draft and target bind loopback only; the orchestrator binds `host` and alone faces
 clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target may both
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from deploy.configs import ModelServiceConfig
 from orchestrator import CALIBRATION_TOKENS
-from specdec import models, security
+from specdec import embedded, models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
 
 LOOPBACK = "127.0.0.1"
@@ -231,6 +232,7 @@ class LocalPipeline:
         """The child's environment: the services' token to the model services (which require it)
         and to the orchestrator (which sends it to them), the clients' token to the orchestrator."""
         env = {k: v for k, v in os.environ.items() if k not in (security.TOKEN_ENV, security.SERVICE_TOKEN_ENV)}
+        env[embedded.CACHE_ENV] = str(models.cache_dir())  # where start() built the models
         if name != "orchestrator":
             env[security.TOKEN_ENV] = self.service_token
             return env

@@ -6,7 +6,9 @@ the two through their actor handles (so it finds a restarted service on its new 
 serves the client API. Neither adds behaviour of its own: what the services do, how they
 are secured (specdec.security: TLS, mTLS, a token, plaintext only where allowed) and
 observed (specdec.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
-runtime_env) is the same inside and outside Ray.
+runtime_env) is the same inside and outside Ray. A Ray worker runs no command line, so its actors'
+entry (worker_environment) reads that environment, as cli.options.apply_environment does elsewhere:
+the OTEL_* variables, SPECDEC_CACHE and, where a model is hosted, SPECDEC_FUSE.
 
 Ray's decorators are applied where the actors are created (deploy.ray_deploy). Ray, and
 deploy.hosting (torch and the models), are imported inside the actors: a driver that only
@@ -58,7 +60,7 @@ class ModelServiceHost(_Host):
         from specdec import telemetry
 
         self._locate(loopback)
-        self.telemetry = telemetry.setup(config.role)
+        self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
         self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
 
 
@@ -79,7 +81,7 @@ class OrchestratorHost(_Host):
         from specdec import telemetry
 
         self._locate(loopback)
-        self.telemetry = telemetry.setup("orchestrator")
+        self.telemetry = telemetry.setup("orchestrator", environ=worker_environment())
         self.orchestrator = hosting.start_orchestrator(
             actor_endpoint(draft),
             actor_endpoint(target),
@@ -104,6 +106,23 @@ class OrchestratorHost(_Host):
     def reopens(self) -> dict[str, int]:
         """Sessions re-opened after each service lost them, since this actor started."""
         return {"draft": self.pair.draft.reopens, "target": self.pair.target.reopens}
+
+
+def worker_environment(hosts_model: bool = False) -> dict[str, str]:
+    """A Ray worker's settings from its own environment (a runtime_env's variables, else those of the
+    raylet that started it), read at an actor's entry as it has no command line: the cache
+    (specdec.embedded.set_cache_dir) and, for an actor that hosts a model, the fusion setting
+    (specdec.graphs.set_fuse, which imports torch) are set; the environment is returned for
+    specdec.telemetry.setup."""
+    from specdec import embedded
+
+    environ = dict(os.environ)
+    embedded.set_cache_dir(environ.get(embedded.CACHE_ENV))
+    if hosts_model:
+        from specdec import graphs
+
+        graphs.set_fuse(environ.get(graphs.FUSE_ENV))
+    return environ
 
 
 def actor_endpoint(handle) -> Callable[[float], str]:

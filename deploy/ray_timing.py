@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from deploy import ray_cluster, ray_deploy
-    from specdec import models
+    from specdec import embedded, models
 
+    # A command line of its own: like the `specdec` it runs, it takes the cache (where `ray up` keeps its state) from
+    # $SPECDEC_CACHE.
+    embedded.set_cache_dir(os.environ.get(embedded.CACHE_ENV))
     given = _given_address(args.up_args)
     t0 = time.perf_counter()
     address = specdec("ray", "up", "--name", NAME, "--port", "0", "--quiet", *args.up_args).split()[-1]

@@ -35,7 +35,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 from ray.util.placement_group import get_current_placement_group
 
 from deploy import ray_deploy, serve_status
-from deploy.ray_actors import actor_endpoint
+from deploy.ray_actors import actor_endpoint, worker_environment
 from orchestrator import continuation, openai_api
 from orchestrator.calibration import calibrate
 from orchestrator.generation import request_defaults
@@ -98,7 +98,7 @@ class Pair:
             namespace=ray_deploy.NAMESPACE,
         )
         ray_deploy.started(self.services, config.start_timeout)
-        self.telemetry = telemetry.setup("orchestrator")
+        self.telemetry = telemetry.setup("orchestrator", environ=worker_environment())
         orchestrator = config.orchestrator
         self.pair = connect(
             actor_endpoint(self.services["draft"]),
@@ -167,7 +167,7 @@ class Door:
     async def __init__(self, pairs, config: DoorConfig):
         self.pairs = pairs
         self.config = config
-        self.telemetry = telemetry.setup("orchestrator")  # it serves the orchestrator API
+        self.telemetry = telemetry.setup("orchestrator", environ=worker_environment())  # it serves the orchestrator API
         self.servicer = continuation.ResumingServicer(self._open, lambda err: isinstance(err, LOST), config.resume)
         token = config.server_security.token
         self.server, port = lifecycle.start(

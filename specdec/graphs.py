@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
 import threading
 import time
@@ -66,8 +65,9 @@ from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 KV_MEMORY_FRACTION = 0.4
 # A CUDA model's norms, gated MLPs and rotary embedding are compiled by inductor before the capture (specdec.fusion)
 # where triton is installed; SPECDEC_FUSE=0 captures the eager forward's kernels as they are, =1 fuses, another
-# value names torch.compile's backend.
+# value names torch.compile's backend. The command line (cli.options.apply_environment) reads it: set_fuse.
 FUSE_ENV = "SPECDEC_FUSE"
+_fuse: str | None = None  # set_fuse's; None: by device (fuse_backend)
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 # Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
 # step's mask covers this many keys more than its width (specdec.graphs.window_visible).
@@ -128,7 +128,7 @@ class GraphBackend(HFBackend):
     """HFBackend with static short forwards over a fixed cache, built by prepare(limits)."""
 
     def __init__(self, spec: models.ModelSpec, buckets: Buckets = Buckets(), fuse: str | None = None):
-        """fuse: torch.compile's backend for specdec.fusion ("inductor"), "" for none; None: FUSE_ENV's."""
+        """fuse: torch.compile's backend for specdec.fusion ("inductor"), "" for none; None: set_fuse's."""
         super().__init__(spec)
         self.buckets = buckets
         self.fuse = fuse_backend(self.device) if fuse is None else fuse
@@ -403,10 +403,18 @@ class StaticView:
         return out[0], out[1]
 
 
+def set_fuse(value: str | None) -> None:
+    """The fusion setting of this process, a FUSE_ENV value ("0", "1", a backend; None or "": by device), from
+    its composition root (the CLI, a Ray actor): a module-level setting, not a parameter, as the backends are
+    built by draft_service.drafters and deploy.hosting, from configs that carry no such field."""
+    global _fuse
+    _fuse = value
+
+
 def fuse_backend(device: torch.device) -> str:
-    """torch.compile's backend for specdec.fusion: FUSE_ENV's ("" for 0, inductor for 1); where unset,
+    """torch.compile's backend for specdec.fusion: set_fuse's ("" for 0, inductor for 1); where unset,
     inductor on CUDA with triton installed, else "" (none)."""
-    value = os.environ.get(FUSE_ENV, "").strip()
+    value = (_fuse or "").strip()
     if value:
         return "" if value == "0" else "inductor" if value == "1" else value
     return "inductor" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else ""

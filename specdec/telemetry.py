@@ -20,9 +20,10 @@ One request is one trace:
   -> the same methods (server, in the draft / target process) -> specdec.forward, specdec.kv.crop,
   specdec.kv.copy (a prefix another session's cache held, copied at OpenSession).
 
-`setup(role)` reads OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER
+`setup(role, environ=...)` takes, from the environment its caller read (the CLI, a Ray actor: this
+module reads none), OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER
 (none | console | otlp, comma-separated; metrics also prometheus), OTEL_EXPORTER_OTLP_PROTOCOL
-(grpc | http/protobuf, per signal OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL). The exporters
+(grpc | http/protobuf, per signal OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL). The SDK's exporters
 read the rest themselves (OTEL_EXPORTER_OTLP_ENDPOINT, headers, OTEL_BSP_*,
 OTEL_METRIC_EXPORT_INTERVAL, OTEL_TRACES_SAMPLER). With everything off (the default) it returns
 a Telemetry that adds nothing: no interceptor, no proxy, no wrapper. The instruments, the
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import time
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -118,13 +118,16 @@ def _exporters(value: str | None) -> tuple[str, ...]:
     return tuple(n for n in names if n != "none")
 
 
-def setup(role: str, metrics_port: int | None = None, host: str = "127.0.0.1") -> Telemetry:
-    """Telemetry for one service process, from the OTEL_* environment (call once per process or actor).
+def setup(
+    role: str, metrics_port: int | None = None, host: str = "127.0.0.1", environ: Mapping[str, str] | None = None
+) -> Telemetry:
+    """Telemetry for one service process, from the OTEL_* variables of `environ`, which its composition root
+    (the CLI, a Ray actor) reads; None: none, telemetry off. Call once per process or actor.
 
     Hand the result to the service's `serve(..., telemetry=...)` and call its `shutdown()` after
     the server stopped: that flushes the last spans and metrics.
     """
-    return start(TelemetryConfig.from_env(role, os.environ, metrics_port, host))
+    return start(TelemetryConfig.from_env(role, environ or {}, metrics_port, host))
 
 
 def start(config: TelemetryConfig) -> Telemetry:

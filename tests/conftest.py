@@ -8,8 +8,13 @@ import string
 import pytest
 import torch
 
+from cli import options
 from specdec.backend import HFBackend
 from specdec.models import ModelSpec
+
+# The suite is a process of its own, as a command is: $SPECDEC_CACHE (CI sets it) and $SPECDEC_FUSE
+# applied as the CLI applies them (the library reads no environment).
+options.apply_environment()
 
 CHARS = string.ascii_lowercase + string.digits + " .,!?\n"
 JSON_CHARS = CHARS + '{}[]":-_\\'  # enough for JSON (structured output's tests)
@@ -90,3 +95,11 @@ def tiny_backends(tiny_models):
         "target": HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32")),
         "draft": HFBackend(ModelSpec(tiny_models["draft"], "cpu", "float32")),
     }
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """A test on the real default model is slow too: `-m "not slow"` (make test-quick) leaves it out."""
+    for item in items:
+        if item.get_closest_marker("real_model") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

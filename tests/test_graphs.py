@@ -35,11 +35,11 @@ from deploy.configs import ModelServiceConfig
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import fusion, models
+from specdec import fusion, graphs, models
 from specdec.backend import HFBackend
 from specdec.engine import SessionEngine, warm_up
 from specdec.errors import OutOfRange, ResourceExhausted
-from specdec.graphs import FUSE_ENV, Buckets, GraphBackend, bucket, fuse_backend, kv_shape
+from specdec.graphs import Buckets, GraphBackend, bucket, fuse_backend, kv_shape
 from specdec.kvcache import Slot
 from specdec.limits import SessionLimits
 from specdec.models import ModelSpec
@@ -66,6 +66,7 @@ def graph_backend(path, device="cpu", buckets=BUCKETS, limits=LIMITS, fuse="") -
 
 # On a CPU, fused pieces run through torch.compile's aot_eager backend: its tracing, guards and variants are
 # what a CUDA device's inductor compiles (inductor's C++ for a CPU takes ~25 s a variant here).
+@pytest.mark.slow
 @pytest.mark.parametrize("device, fuse", [(d, "") for d in DEVICES] + [(d, FUSE[d]) for d in DEVICES])
 def test_forwards_equal_eager(tiny_models, device, fuse):
     eager = HFBackend(ModelSpec(tiny_models["target"], device, "float32"))
@@ -104,6 +105,7 @@ def test_forwards_equal_eager(tiny_models, device, fuse):
             b.release(slot)
 
 
+@pytest.mark.slow
 def test_fused_pieces_compile_once_for_all_layers(tmp_path):
     """One compiled function a piece serves every layer (a variant where a batch or width is 1, not a
     layer); the patched rotary embedding runs compiled only inside a fused backend's static forward."""
@@ -147,12 +149,12 @@ def test_a_compiler_that_fails_leaves_the_eager_forward(tiny_models, capsys):
 
 
 def test_fusing_by_default_on_cuda_with_triton_only(monkeypatch):
-    monkeypatch.delenv(FUSE_ENV, raising=False)
+    monkeypatch.setattr(graphs, "_fuse", None)  # what the CLI sets from $SPECDEC_FUSE: unset
     assert fuse_backend(torch.device("cpu")) == ""  # a CPU serves eager: nothing to fuse
     has_triton = importlib.util.find_spec("triton") is not None
     assert fuse_backend(torch.device("cuda", 0)) == ("inductor" if has_triton else "")
     for value, backend in (("0", ""), ("1", "inductor"), ("aot_eager", "aot_eager")):
-        monkeypatch.setenv(FUSE_ENV, value)
+        monkeypatch.setattr(graphs, "_fuse", value)
         assert fuse_backend(torch.device("cuda", 0)) == fuse_backend(torch.device("cpu")) == backend
 
 
@@ -246,6 +248,7 @@ def test_every_forward_of_a_service_runs_on_its_model_worker(tiny_models):
         }, role
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_generations_equal_eager_and_nothing_is_built_after_ready(tiny_models, tiny_backends, device):
     """Through real gRPC services, two clients at once (fixed k 3 and 7: verify blocks 4 and 8
@@ -338,6 +341,7 @@ def services(draft_backend, target_backend):
     )
 
 
+@pytest.mark.slow
 def test_sampling_through_the_loop_follows_the_static_target(tmp_path):
     path = make_tiny_model(tmp_path / "markov", seed=4)
     backend = GraphBackend(ModelSpec(path, "cpu", "float32"), BUCKETS)

@@ -159,13 +159,16 @@ def test_build_writes_a_sharded_checkpoint_from_pretrained_loads(tiny, tmp_path,
     assert AutoTokenizer.from_pretrained(target).chat_template == AutoTokenizer.from_pretrained(path).chat_template
 
 
+@pytest.mark.slow
 def test_grown_alias_is_built_once_under_concurrent_starts(tiny, tmp_path):
     """Two processes resolve the alias at once (the base: a tiny model where the embedded model's
     conversion would be): one builds, the other waits for it; a later resolve builds nothing."""
     path, base, batches = tiny
     shutil.copytree(path, tmp_path / "SmolLM2-135M-Instruct")
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path)}
-    code = "from specdec import models; print(models.resolve('smollm2-135m-x4'))"
+    # a process of its own: $SPECDEC_CACHE applied as the CLI applies it
+    code = "from cli import options; options.apply_environment(); from specdec import models; "
+    code += "print(models.resolve('smollm2-135m-x4'))"
     ready = "import safetensors.torch, specdec.grow; print('ready', flush=True); " + code
     # The cache's lock held here until both have imported what building needs: they reach it together,
     # and without it both would build (two notices, or a failed rename)
@@ -205,6 +208,7 @@ def test_the_aliases_shapes_land_near_their_factors():
     assert grow.GROWTH["w4"].shape(SMOLLM2) == grow.Shape(30, 6144, 4)
 
 
+@pytest.mark.slow
 def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter():
     for alias in models.DERIVED_ALIASES:
         spec = models.ModelSpec(alias)

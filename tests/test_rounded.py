@@ -9,7 +9,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from specdec import models, rounded
+from specdec import embedded, models, rounded
 from tests.conftest import make_tiny_model
 
 
@@ -31,7 +31,7 @@ def test_a_rounded_weight_lies_on_its_groups_grid_within_half_a_step():
 def test_the_alias_is_built_once_from_the_conversion(tmp_path, monkeypatch, capfd):
     base = make_tiny_model(tmp_path / "base", seed=5, layers=2)
     shutil.copytree(base, tmp_path / "SmolLM2-135M-Instruct")
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "_cache", tmp_path)  # the cache the CLI would set from $SPECDEC_CACHE
     path = models.resolve("smollm2-135m-int3")
     assert path == str(tmp_path / "SmolLM2-135M-Instruct-int3")
     assert "rounding SmolLM2-135M-Instruct to 3 bits" in capfd.readouterr().err

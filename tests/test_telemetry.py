@@ -109,6 +109,7 @@ def observed(tiny_models):
         )
 
 
+@pytest.mark.slow
 def test_the_request_ran_many_rounds_and_services_exited_cleanly(observed):
     s = observed.stats
     assert observed.finish_reason == "length" and s.generated_tokens == 24
@@ -167,10 +168,12 @@ def check_one_trace(spans, stats) -> None:
     assert all(round_ == 1 for round_, name in opened if "TargetService" in name)
 
 
+@pytest.mark.slow
 def test_one_request_is_one_trace_with_rounds_parenting_draft_and_target_spans(observed):
     check_one_trace(observed.receiver.spans, observed.stats)
 
 
+@pytest.mark.slow
 def test_prometheus_metrics_agree_with_the_response(observed):
     s, orch = observed.stats, observed.scraped["orchestrator"]
     draft, target = observed.scraped["draft"], observed.scraped["target"]
@@ -221,6 +224,7 @@ def test_prometheus_metrics_agree_with_the_response(observed):
     assert metric(observed.side, "specdec_kv_tokens", specdec_role="draft") == len(SIDE_PROMPT) - 1
 
 
+@pytest.mark.slow
 def test_otlp_metrics_arrive_and_agree(observed):
     s, receiver = observed.stats, observed.receiver
 
@@ -332,8 +336,9 @@ def test_a_bad_otel_setting_is_one_error_line():
     assert out.stderr.startswith("specdec: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'")
 
 
+@pytest.mark.slow
 def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_path_factory):
-    """Draft and target hosted in Ray actors the way any host does it: telemetry.setup(role) in the
+    """Draft and target hosted in Ray actors the way any host does it: telemetry.setup(role, environ=...) in the
     actor (OTEL_* from the runtime_env), serve(..., telemetry=...), and stop() = server stop then
     telemetry.shutdown() before the actor goes (ray.kill would lose the unflushed spans)."""
     ray = pytest.importorskip("ray")
@@ -346,7 +351,7 @@ def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_pat
             from deploy.configs import ModelServiceConfig
             from specdec import telemetry
 
-            self.telemetry = telemetry.setup(role)
+            self.telemetry = telemetry.setup(role, environ=os.environ)  # the actor's: OTEL_* from the runtime_env
             config = ModelServiceConfig(role, ModelSpec(model, "cpu", "float32"))
             self.server, self.port = hosting.start_model_service(config, telemetry=self.telemetry)
 
@@ -377,7 +382,7 @@ def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_pat
             _temp_dir=str(tmp_path_factory.mktemp("ray")),
             runtime_env={"env_vars": {**env, "PYTHONPATH": str(ROOT)}},
         )
-        orchestrator = telemetry.setup("orchestrator")
+        orchestrator = telemetry.setup("orchestrator", environ=os.environ)
         try:
             remote = ray.remote(ServiceActor)
             actors = {role: remote.remote(role, tiny_models[role]) for role in ("draft", "target")}
