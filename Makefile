@@ -15,7 +15,7 @@ AVX512_ARGS = $(if $(and $(call cpu_has,avx512f,y),$(call cpu_has,avx512cd,y),$(
 	$(call cpu_has,avx512_bf16,-DGGML_AVX512_BF16=ON))
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON $(AVX512_ARGS)
 
-.PHONY: setup demo test lint protos clean llama-tools two-hosts
+.PHONY: setup demo test test-quick lint protos clean llama-tools two-hosts
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,10 @@ llama-tools: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The quick tier for iteration: everything but the tests marked slow (docs/testing.md); CI runs `make test`.
+test-quick: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # The default pair split across two network namespaces (root): TLS, mTLS, separate tokens, a draft
 # killed and found again (scripts/two_hosts.py; tests/test_two_hosts.py runs it with tiny models).

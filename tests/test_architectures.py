@@ -36,6 +36,8 @@ from specdec.v1 import orchestrator_pb2
 from tests.checkpoints import CONFIGS, WINDOW, tiny_checkpoint
 from tests.harness import pipeline
 
+pytestmark = pytest.mark.slow  # the architecture matrix
+
 # The matrix, through the services; the backend test covers every family.
 MATRIX = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2", "gemma3_text",

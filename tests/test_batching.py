@@ -27,7 +27,7 @@ from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
 from target_service.server import TargetServicer
-from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, status_of
+from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, status_of, wait_until
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare
 from tests.test_loop import kernel_after_transform, pair
@@ -174,6 +174,47 @@ class BatchingMarkov(MarkovBackend):
         return [self.forward(*item) for item in items]
 
 
+class Held:
+    """A backend whose batched forward, once `hold()` is called, waits in the step until `release()`:
+    `running` is set when that step has begun, so a test queues requests behind a step known to run."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.running, self._released = threading.Event(), threading.Event()
+        self._released.set()
+
+    def hold(self) -> None:
+        self.running.clear()
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def forward_batch(self, items):
+        if not self._released.is_set():
+            self.running.set()
+            assert self._released.wait(60)  # a hang guard only: the test releases it at once
+        return self._backend.forward_batch(items)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def queue_behind_a_running_step(engine, backend: Held, blocker: threading.Thread, *others: threading.Thread):
+    """Start `blocker`, and once its step runs, `others`; release the step once all of them are
+    queued on the worker (each thread's session id its name), so that they run as one step."""
+    backend.hold()
+    blocker.start()
+    assert backend.running.wait(60)  # a hang guard only
+    for t in others:
+        t.start()
+    assert wait_until(lambda: engine.worker.busy() == {t.name for t in (blocker, *others)}, 60)
+    backend.release()
+    for t in (blocker, *others):
+        t.join()
+
+
+@pytest.mark.slow
 def test_sampling_through_batched_verification_follows_the_target():
     target_probs, draft_probs = random_markov(8, 31), random_markov(8, 32)
     draft, target, draft_engine, target_engine = pair(target_probs, draft_probs)
@@ -202,7 +243,9 @@ def test_sampling_through_batched_verification_follows_the_target():
 def test_score_reports_the_tokens_of_its_batched_step():
     """ScoreResponse.step_tokens: the tokens of the batched forward that scored the request, all
     sessions' together (what adaptive lookahead prices a round by); alone, its own block."""
-    target = Direct(TargetServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.3), "target")))
+    backend = Held(BatchingMarkov(random_markov(8, 31)))
+    engine = SessionEngine(backend, "target")
+    target = Direct(TargetServicer(engine))
     for sid in "abc":
         target.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
     steps = {}
@@ -212,14 +255,10 @@ def test_score_reports_the_tokens_of_its_batched_step():
         request = model_pb2.ScoreRequest(session=ref, draft_token_ids=drafts)
         steps[sid] = target.Score(request).step_tokens
 
-    blocker = threading.Thread(target=score, args=("c", [1]))
-    blocker.start()
-    time.sleep(0.1)  # c's step is running: a and b queue behind it and run as one step
-    both = [threading.Thread(target=score, args=(sid, drafts)) for sid, drafts in (("a", [1, 2]), ("b", [3, 4, 5, 6]))]
-    for t in both:
-        t.start()
-    for t in (blocker, *both):
-        t.join()
+    # c's step is running: a and b queue behind it and run as one step.
+    blocker = threading.Thread(target=score, args=("c", [1]), name="c")
+    both = [threading.Thread(target=score, args=(s, d), name=s) for s, d in (("a", [1, 2]), ("b", [3, 4, 5, 6]))]
+    queue_behind_a_running_step(engine, backend, blocker, *both)
     assert steps == {"c": 2, "a": 3 + 5, "b": 3 + 5}
 
 
@@ -227,7 +266,9 @@ def test_propose_reports_its_steps_and_their_tokens():
     """ProposeResponse.steps and step_tokens: the batched forwards that ran a proposal and their
     tokens, all sessions' (what adaptive lookahead prices the draft by); a proposal of 3 run
     alone is 3 one-token steps, two proposals of 3 side by side share their steps."""
-    draft = Direct(DraftServicer(SessionEngine(SlowBackend(BatchingMarkov(random_markov(8, 31)), 0.3), "draft")))
+    backend = Held(BatchingMarkov(random_markov(8, 31)))
+    engine = SessionEngine(backend, "draft")
+    draft = Direct(DraftServicer(engine))
     for sid in "abc":
         draft.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[0, 1, 2]))
     replies = {}
@@ -238,14 +279,10 @@ def test_propose_reports_its_steps_and_their_tokens():
 
     propose("a")
     assert (replies["a"].steps, replies["a"].step_tokens) == (3, 3)
-    blocker = threading.Thread(target=propose, args=("c", 1))
-    blocker.start()
-    time.sleep(0.1)  # c's step is running: a and b queue behind it and start together
-    both = [threading.Thread(target=propose, args=(sid,)) for sid in "ab"]
-    for t in both:
-        t.start()
-    for t in (blocker, *both):
-        t.join()
+    # c's step is running: a and b queue behind it and start together.
+    blocker = threading.Thread(target=propose, args=("c", 1), name="c")
+    both = [threading.Thread(target=propose, args=(sid,), name=sid) for sid in "ab"]
+    queue_behind_a_running_step(engine, backend, blocker, *both)
     assert (replies["c"].steps, replies["c"].step_tokens) == (1, 1)
     assert {(replies[sid].steps, replies[sid].step_tokens) for sid in "ab"} == {(3, 6)}
 

@@ -18,6 +18,7 @@ from bench.run import _chat_ids, alpha_from_tokens_per_round, theoretical_speedu
 DATA = Path(__file__).with_name("data")
 
 
+@pytest.mark.slow
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
     cmd = [sys.executable, "-m", "cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
     cmd += ["--hf-static"]  # on by default for a CUDA target only
@@ -73,6 +74,7 @@ def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
         assert time["round_ms"] >= time["target_wait_ms"] > 0 and 0 < time["busy_cores"] <= 1, key
 
 
+@pytest.mark.slow
 def test_round_overhead_on_tiny_models(tiny_models):
     """bench.overhead: the services in their own processes, their forwards timed; a round is its
     forwards plus what the services, the wire and the orchestrator add."""
@@ -245,6 +247,7 @@ def test_the_engine_row_runs_every_prompt_at_every_concurrency():
         assert cell["total_tokens_per_second"] > 0 and backend.free_caches() == free
 
 
+@pytest.mark.slow
 def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, tmp_path):
     """--concurrency with --trees: adaptive rows with draft trees beside the chains-only one."""
     from specdec.models import ModelSpec
@@ -269,6 +272,7 @@ def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, t
     assert "k=adaptive tree 4" in concurrency.format_table(json.loads((tmp_path / "concurrency.json").read_text()))
 
 
+@pytest.mark.slow
 def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
     """`--rtt-ms`: the services on a core each, a delaying relay before the target, each row at each RTT."""
     cmd = [sys.executable, "-m", "cli", "bench", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "12", "--kinds"]
@@ -285,6 +289,7 @@ def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
     assert "alone, no link" in out.stdout and "overlap k=2" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends, tmp_path):
     """bench/ttft.py's client on in-process services with the prefix cache on (the CLI's `--ttft` starts
     LocalPipelines instead): every case timed from the stream, the next turn and the same request again
@@ -320,6 +325,7 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
     assert "<= 0.2x" in table and "multi-turn" in table
 
 
+@pytest.mark.slow
 def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
     """`specdec bench --serving`: stand-ins, a cell a (method, clients), each with its rate and every
     process's CPU per token; the table and the JSON."""

@@ -111,6 +111,7 @@ def test_deadline_is_passed_on_to_the_model_services(slow):
     assert scores == sorted(scores, reverse=True)  # what is left of one deadline
 
 
+@pytest.mark.slow
 def test_killed_service_gives_unavailable_within_the_deadline(tiny_models, tiny_backends, tmp_path):
     """kill -9 of a standalone target service mid-stream, and it does not come back: the
     orchestrator waits for it (orchestrator.recovery) but answers UNAVAILABLE before the

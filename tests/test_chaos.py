@@ -18,6 +18,7 @@ from cli import main as cli
 # Ten kills under Leviathan with chains; four under the invariant rule with trees; two of each fault
 # under Leviathan: kills, stops (SIGSTOP for seconds: a host that hangs), the link holding its
 # packets, the link slowed (each kill costs a process start: CI's time).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule,tree,kills,faults",
     [("leviathan", 0, 10, "kill"), ("invariant", 6, 4, "kill"), ("leviathan", 0, 8, "kill,stop,drop,slow")],

@@ -4,8 +4,12 @@ process); 4 clients on the default pair are in test_real_model.py, on its pipeli
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.v1 import orchestrator_pb2
 from tests.harness import pipeline, run_clients, run_sequentially
+
+pytestmark = pytest.mark.slow
 
 
 def test_16_clients_x_4_requests_on_tiny_models(tiny_backends):

@@ -32,6 +32,8 @@ from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import ROOT, SlowBackend, long_request, model_stubs, open_sessions, wait_until
 from tests.test_openai_api import http_json
 
+pytestmark = pytest.mark.slow  # services lost and found again, processes
+
 DESCRIBE = model_pb2.DescribeRequest()
 
 

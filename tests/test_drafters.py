@@ -69,6 +69,7 @@ def test_greedy_equals_target_only(drafter, adaptive):
     assert spec == plain and stats.draft_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,adaptive", [("ngram", False), ("model", True)])
 def test_distribution_through_the_loop(drafter, adaptive):
     target_probs = random_markov(6, 41, alpha=0.3)  # peaked rows: n-grams repeat often

@@ -41,6 +41,7 @@ def slow(tiny_backends):
         yield p
 
 
+@pytest.mark.slow
 def test_sigterm_drains_the_orchestrator(slow, tmp_path):
     """The process starts with SIGTERM blocked, as under a parent that blocks it (a CI runner
     did): the service unblocks it rather than never hearing it."""

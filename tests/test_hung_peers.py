@@ -80,6 +80,7 @@ def draft_fault(stub, start, end) -> None:
     assert wait_until(speculates, BOUND, step=0.2)
 
 
+@pytest.mark.slow
 def test_a_stopped_draft_then_a_stopped_target():
     cfg = PipelineConfig(target=ModelSpec(model=TARGET), draft=ModelSpec(model=DRAFT), lookahead=4)
     with LocalPipeline(cfg, log=lambda *_: None) as pipeline:
@@ -121,6 +122,7 @@ def test_a_stopped_draft_then_a_stopped_target():
         assert wait_until(served, BOUND, step=0.2)
 
 
+@pytest.mark.slow
 def test_a_slow_link_to_the_draft():
     """200 ms a message: the draft is slow, not lost (rounds wait for it, the text is the target's);
     2 s a message: keepalive's pings go unanswered within their timeout, the draft is left behind."""
@@ -160,6 +162,7 @@ INSECURE = ["--allow-insecure"]  # plaintext between the test's own namespaces (
 WHY = netns.unavailable() or (None if NFT else "nftables' `nft` is not installed (apt-get install nftables)")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(WHY is not None, reason=f"dropping packets needs namespaces and nftables: {WHY}")
 def test_the_draft_s_packets_dropped(tmp_path):
     """The draft on host b, the target and the orchestrator on host a; b drops every packet to the

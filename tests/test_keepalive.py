@@ -17,8 +17,12 @@ import socket
 import threading
 import time
 
+import pytest
+
 from target_service.server import serve as serve_target
 from tests.harness import SlowBackend, long_request, pipeline
+
+pytestmark = pytest.mark.slow
 
 DEADLINE = 60.0
 NOTICED_WITHIN = 10.0  # a bound on a state change (the stream ends), not a speed measurement

@@ -70,6 +70,7 @@ def test_kv_token_cap(tiny_backends):
         assert p.orchestrator.Generate(long_request(30)).finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_idle_sessions_are_reaped_and_busy_ones_are_not(tiny_backends):
     limits = SessionLimits(idle_ttl=1.0)
     with slow_pipeline(tiny_backends, 0.02, limits=limits) as p:
@@ -90,6 +91,7 @@ def one_slot(tiny_backends):
         yield p
 
 
+@pytest.mark.slow
 def test_admission_refuses_the_excess_and_completes_the_admitted(one_slot):
     p = one_slot
     running = p.orchestrator.GenerateStream(long_request(80))
@@ -112,6 +114,7 @@ def test_admission_refuses_the_excess_and_completes_the_admitted(one_slot):
     assert p.open_sessions() == (0, 0)
 
 
+@pytest.mark.slow
 def test_a_cancelled_request_leaves_the_queue(one_slot):
     p = one_slot
     admission = p.servers["orchestrator"].gate.admission

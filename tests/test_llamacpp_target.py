@@ -54,6 +54,7 @@ NEW_TOKENS = 40
 NEAR_TIE = 1e-3  # logit gap within which rounding (shape, library) may flip greedy: 30x what it moves
 
 
+@pytest.mark.slow
 def test_backend_selection():
     """Config: `auto` (the default) runs the embedded default in float32 on a CPU with llama.cpp,
     anything else with transformers; a .gguf target implies llamacpp, and a .gguf draft the

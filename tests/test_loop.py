@@ -41,6 +41,7 @@ def kernel_after_transform(probs, params: SamplingParams) -> np.ndarray:
     return probs_from_logits(logits, params).double().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "vocab,k,sampling",
     [
@@ -79,6 +80,7 @@ def test_loop_greedy_is_target_argmax_chain(k):
     assert stats.draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_target_only_matches_distribution(monkeypatch):
     """The Leviathan rule, speculation off: PLAIN_STEPS tokens a Score, each sampled on the target
     with its plain round's draws, so a seed gives the same text as one step a Score; the law is the
@@ -137,6 +139,7 @@ def test_target_only_runs_several_steps_a_score_greedy(monkeypatch):
     assert target_engine.open_sessions == 0
 
 
+@pytest.mark.slow
 def test_target_only_invariant_rule_is_unchanged_by_steps_a_score(monkeypatch):
     """The invariant rule, speculation off: the target samples PLAIN_STEPS tokens a Score with the
     noise of their positions, so a seed gives the same text one step a Score, several, or with

@@ -150,6 +150,7 @@ def test_mismatched_pair_is_refused(tiny_models, tiny_backends):
         )
 
 
+@pytest.mark.slow
 def test_cli_generate_json_starts_three_processes(tiny_models):
     cmd = [sys.executable, "-m", "cli", "generate", "hello", "--json", "--max-tokens", "24", "--raw"]
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]

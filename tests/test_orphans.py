@@ -54,6 +54,7 @@ def assert_clean_and_serving(p) -> None:
     assert held(p) == clean
 
 
+@pytest.mark.slow
 def test_short_deadline_storm_leaves_no_session(storm_pipeline):
     p, rng = storm_pipeline, random.Random(14)
     calls = [p.orchestrator.Generate.future(long_request(400), timeout=rng.uniform(0.01, 0.2)) for _ in range(STORM)]
@@ -62,6 +63,7 @@ def test_short_deadline_storm_leaves_no_session(storm_pipeline):
     assert_clean_and_serving(p)
 
 
+@pytest.mark.slow
 def test_cancelled_stream_storm_leaves_no_session(storm_pipeline):
     p, rng = storm_pipeline, random.Random(15)
     streams = [p.orchestrator.GenerateStream(long_request(400), timeout=60) for _ in range(STORM)]

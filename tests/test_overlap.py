@@ -92,6 +92,7 @@ def test_a_carried_round_drafts_one_token_a_step():
     assert all(r.steps == r.step_tokens for r in continued) and {r.steps for r in continued[:5]} == {5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "vocab,k,sampling,drafter",
     [
@@ -127,6 +128,7 @@ class CountingRows(Direct):
         return self.servicer.ProposalRow(request, None)
 
 
+@pytest.mark.slow
 def test_distribution_of_short_overlapped_generations():
     """Generations of 7 tokens at k = 3: their ends take the paths a long chain rarely does (a
     continuation shortened or skipped for lack of room, the next round's drafts used with no

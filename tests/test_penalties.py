@@ -169,6 +169,7 @@ def kernels():
     return random_markov(len(SUPPORT), 91), random_markov(len(SUPPORT), 92)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [HISTORY, MARKOV], ids=["penalties", "bias-min-p"])
 def test_the_law_through_the_services_is_the_transformed_targets(kernels, params):
     target_kernel, draft_kernel = kernels
@@ -179,6 +180,7 @@ def test_the_law_through_the_services_is_the_transformed_targets(kernels, params
     assert counts_chisquare(plain_observed, plain_expected) < 1e-3  # the test tells the laws apart
 
 
+@pytest.mark.slow
 def test_a_target_that_skips_the_transform_fails_the_same_test(kernels, monkeypatch):
     untransformed = types.SimpleNamespace(
         session_rows=lambda session, logits, params, before: logits, chain=penalties.chain, paths=penalties.paths
@@ -190,6 +192,7 @@ def test_a_target_that_skips_the_transform_fails_the_same_test(kernels, monkeypa
     assert counts_chisquare(observed, expected) < 1e-3
 
 
+@pytest.mark.slow
 def test_a_draft_that_tells_the_rule_other_rows_than_it_drew_from_fails_the_same_test(kernels, monkeypatch):
     """The rule needs the draft's rows to be the law its proposals were drawn from: a draft that
     draws from its penalised rows but tells the rule its raw ones is caught."""

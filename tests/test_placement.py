@@ -30,6 +30,7 @@ def test_parse_cpus():
             parse_cpus(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["draft", "target"])
 def test_service_applies_its_cores_and_threads(tiny_models, tmp_path, role):
     core = max(os.sched_getaffinity(0))  # the last core this test may use
@@ -40,6 +41,7 @@ def test_service_applies_its_cores_and_threads(tiny_models, tmp_path, role):
     assert list(info.cpus) == [core] and info.threads == 1
 
 
+@pytest.mark.slow
 def test_default_uses_every_core_it_may(tiny_models, tmp_path):
     with cli_process(
         "target-service", "--model", tiny_models["target"], ready_file=tmp_path / "ready", log=tmp_path / "log"
@@ -50,6 +52,7 @@ def test_default_uses_every_core_it_may(tiny_models, tmp_path):
     assert list(info.cpus) == cores and info.threads == len(cores)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", [(["--cpus", "x"], "--cpus"), (["--threads", "0"], "--threads")])
 def test_bad_placement_is_one_clear_line(tiny_models, flags, message):
     cmd = [sys.executable, "-m", "cli", "target-service", "--model", tiny_models["target"], "--port", "0", *flags]
@@ -155,6 +158,7 @@ def test_a_step_runs_with_the_fewest_threads_its_requests_allow():
     assert cores.counts() == [4]  # it owns its cores: one count
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="sharing cores needs two")
 def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
     """Unpinned on one machine, each service reports its machine and times its forwards at its

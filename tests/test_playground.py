@@ -55,6 +55,7 @@ def browser(tmp_path):
         driver.quit()
 
 
+@pytest.mark.slow
 def test_the_playground_streams_a_reply_with_shaded_rounds_and_statistics(tiny_backends, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait

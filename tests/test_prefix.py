@@ -343,6 +343,7 @@ def test_llamacpp_copies_a_prefix_bit_for_bit():
     assert backend.free_caches() == 16
 
 
+@pytest.mark.slow
 def test_the_law_through_the_services_with_the_cache_on():
     """Sampling at temperature 1, many short generations from one shared prompt (each opening from
     the last's kept cache, or copying it): the transitions follow the target's Markov law, and the

@@ -39,6 +39,8 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
 from tests.harness import greedy, wait_until
 
+pytestmark = pytest.mark.slow  # a Ray cluster
+
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 INSECURE = ClientSecurity(allow_insecure=True)  # plaintext to the node's address, allowed
 NEW_TOKENS = 40

@@ -161,6 +161,7 @@ def http(url: str, body: dict | None = None, token: str | None = TOKEN) -> tuple
         return err.code, json.loads(err.read())
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_a_pair_under_load(app, reference):
     assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()
     stop = threading.Event()
@@ -182,6 +183,7 @@ def test_autoscaling_adds_a_pair_under_load(app, reference):
     assert outputs and all(out == reference[:160] for out in outputs)
 
 
+@pytest.mark.slow
 def test_two_pairs_behind_one_grpc_and_one_http_address(app, two_pairs, reference):
     replicas = pairs()
     assert len(replicas) == 2 and ray_serve.status(NAME)[0] == "RUNNING"
@@ -238,6 +240,7 @@ def _model(app: App) -> str:
     return models["data"][0]["id"]
 
 
+@pytest.mark.slow
 def test_status_lists_every_replica_and_its_services(app, two_pairs, capsys):
     ray_cli._serve_status(argparse.Namespace(name=NAME, json=True), *ray_serve.status(NAME))
     report = json.loads(capsys.readouterr().out)
@@ -256,6 +259,7 @@ def test_status_lists_every_replica_and_its_services(app, two_pairs, capsys):
     assert len(table) == 2 + 1 + 2 * 3  # the door; each pair and its two services
 
 
+@pytest.mark.slow
 def test_a_pair_killed_mid_generation_loses_no_request(app, two_pairs, reference):
     stub = app.stub()
     streams = [stub.GenerateStream(request(), metadata=AUTH) for _ in range(2)]
@@ -285,6 +289,7 @@ def test_a_pair_killed_mid_generation_loses_no_request(app, two_pairs, reference
     assert victim.id not in {r.id for r in pairs()}
 
 
+@pytest.mark.slow
 def test_autoscaling_removes_a_pair_once_the_load_is_gone(app):
     scale(app, downscale_delay=2.0)
     assert wait_until(lambda: running_pairs() == (1, 1), 300, step=0.5), running_pairs()

@@ -129,10 +129,14 @@ def test_client_sees_unavailable_and_the_orchestrator_keeps_serving(services):
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(request, timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "target service" in err.value.details()
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:  # a new request, while the target is down: at once
+        assert pair.health[1].wait(up=False, timeout=10)  # the loss is known: the target is down
+        # A new request while the target is down is refused at once ("retry later"), never after a
+        # wait for the target to come back ("did not come back within 3.0 s"). The 30 s deadline is
+        # a hang guard only.
+        with pytest.raises(grpc.RpcError) as err:
             stub.Generate(request, timeout=30)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 1.0
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "target service" in err.value.details()
+        assert "retry later" in err.value.details() and "did not come back" not in err.value.details()
         services["target"].restart()
         assert pair.health[1].wait(up=True, timeout=10)  # the probe finds it back
         assert stub.Generate(request).token_ids == before.token_ids
@@ -197,6 +201,7 @@ def test_reopen_outlasts_a_late_open(services):
     real.CloseSession(model_pb2.CloseSessionRequest(session_id="late"))
 
 
+@pytest.mark.slow
 def test_killed_service_process_restarted_on_the_same_port(tiny_models, tiny_backends, tmp_path):
     draft = InProcess(serve_draft, tiny_backends["draft"])
     target = ServiceProcess("target", tiny_models["target"], tmp_path)

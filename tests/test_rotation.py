@@ -18,6 +18,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from draft_service.server import serve as serve_draft
 from specdec.security import ClientSecurity, channel
@@ -25,6 +26,8 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 from tests.certs import make_pki
 from tests.harness import SlowBackend, cli_process, long_request, status_of, wait_until
+
+pytestmark = pytest.mark.slow  # processes started, killed and signalled
 
 Code = grpc.StatusCode
 

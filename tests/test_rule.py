@@ -141,6 +141,7 @@ def tree_chain(walk, target, draft, depth: int, width: int, n_tokens: int, seed:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth,width", [(3, 2), (2, 4), (4, 1)])
 def test_tree_rule_preserves_target_distribution(depth, width):
     target, draft = random_markov(8, seed=110), random_markov(8, seed=210)

@@ -322,6 +322,7 @@ def run_cli(*args: str, env_token: str | None = None) -> subprocess.CompletedPro
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_cli_services_client_and_loadtest_with_mtls_and_token(tiny_models, pki, tmp_path):
     good = pki["good"]
     token_file = tmp_path / "token"

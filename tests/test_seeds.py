@@ -135,6 +135,7 @@ SCHEDULES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
 def test_seeded_output_is_the_target_alones_under_any_schedule(drafter):
     target_probs = random_markov(12, 51, alpha=0.3)
@@ -149,6 +150,7 @@ def test_seeded_output_is_the_target_alones_under_any_schedule(drafter):
     assert other != alone  # the seed matters
 
 
+@pytest.mark.slow
 def test_the_distribution_through_the_loop_is_the_targets():
     target_probs, draft_probs = random_markov(6, 61), random_markov(6, 62)
     draft, target = pair(target_probs, draft_probs)
@@ -200,6 +202,7 @@ def run_all(address: str, requests) -> list[list[int]]:
         return list(pool.map(lambda r: list(stub.Generate(r, timeout=300).token_ids), requests))
 
 
+@pytest.mark.slow
 def test_eight_clients_at_once_give_the_target_alones_text(tiny_backends):
     with pipeline(tiny_backends["draft"], tiny_backends["target"]) as p:
         address = p.addresses["orchestrator"]
@@ -212,6 +215,7 @@ def test_eight_clients_at_once_give_the_target_alones_text(tiny_backends):
         assert p.sessions_freed_within(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False])
 def test_leviathan_with_a_fixed_lookahead_gives_one_text_under_load(tiny_backends, overlap):
     leviathan = orchestrator_pb2.RULE_LEVIATHAN
@@ -240,6 +244,7 @@ def support_kernel(kernel) -> np.ndarray:
     return kernel_after_transform(kernel, SamplingParams(temperature=0.7, top_k=4, top_p=0.9))
 
 
+@pytest.mark.slow
 def test_the_output_law_through_the_services_is_the_targets(markov_kernels):
     target_kernel, draft_kernel = markov_kernels
     counts = chains_through_the_services(target_kernel, draft_kernel, 8, 1000)
@@ -247,6 +252,7 @@ def test_the_output_law_through_the_services_is_the_targets(markov_kernels):
     assert counts_chisquare(counts, support_kernel(draft_kernel)) < 1e-3
 
 
+@pytest.mark.slow
 def test_a_wrong_coupling_through_the_services_fails_the_same_test(markov_kernels, monkeypatch):
     monkeypatch.setattr(rule, "coupled_tokens", probs_plus_gumbel)  # the services run in this process
     target_kernel, draft_kernel = markov_kernels

@@ -24,6 +24,8 @@ from specdec.v1 import model_pb2
 from target_service.server import serve as serve_target
 from tests.harness import model_stubs, open_sessions
 
+pytestmark = pytest.mark.slow  # hypothesis: 60 random sequences through real services
+
 Code = grpc.StatusCode
 OK = Code.OK
 CONTEXT = 12  # a short context, so that running past it is common

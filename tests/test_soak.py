@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import grpc
+import pytest
 
 from bench import loadtest
 from bench.chaos import open_sessions, service_rss
@@ -14,6 +15,8 @@ from deploy.local import LocalPipeline, PipelineConfig
 from specdec.models import ModelSpec
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import wait_until
+
+pytestmark = pytest.mark.slow
 
 WARMUP = 100
 REQUESTS = 1000

@@ -107,6 +107,7 @@ def test_not_under_the_leviathan_rule():
     assert stats.cache_branches == 0 and stats.draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_through_the_services(tiny_backends):
     """Over gRPC: the branches are calls the loop cancels when not wanted; nothing is left behind."""
     with slow_pipeline(tiny_backends, delay=0.01) as p:

@@ -229,6 +229,7 @@ def test_64_sessions_at_once_each_get_the_targets_greedy_text():
         assert p.sessions_freed_within(10)
 
 
+@pytest.mark.slow
 def test_a_leviathan_seed_gives_one_text_among_64_requests(markov_pipeline):
     address = markov_pipeline
     leviathan = orchestrator_pb2.RULE_LEVIATHAN
@@ -237,6 +238,7 @@ def test_a_leviathan_seed_gives_one_text_among_64_requests(markov_pipeline):
     assert [list(r.token_ids) for r in together] == [list(alone.token_ids)] * MANY
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [orchestrator_pb2.RULE_LEVIATHAN, orchestrator_pb2.RULE_INVARIANT])
 def test_the_output_law_of_64_sessions_at_once_is_the_targets(markov_kernels_64, rule):
     target_kernel, draft_kernel = markov_kernels_64
@@ -319,6 +321,7 @@ def tokens_request(ids: list[int], max_tokens: int) -> orchestrator_pb2.Generate
     return orchestrator_pb2.GenerateRequest(token_ids=orchestrator_pb2.TokenIds(ids=ids), max_new_tokens=max_tokens)
 
 
+@pytest.mark.slow
 def test_one_step_mixes_lookaheads_a_tree_and_a_grammar(tiny_backends):
     parity = model_pb2.Constraint(regex="([hij][klm])*")
     requests = [

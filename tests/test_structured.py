@@ -209,6 +209,7 @@ def chains_through_the_services(target_kernel, draft_kernel, tokens: int) -> np.
     return transition_counts([[index[t] for t in out] for out in outputs], len(SUPPORT))
 
 
+@pytest.mark.slow
 def test_the_law_through_the_services_is_the_masked_targets(kernels):
     target_kernel, draft_kernel = kernels
     counts = chains_through_the_services(target_kernel, draft_kernel, 500)
@@ -234,6 +235,7 @@ def unmasked_in_the_rule(engine, session, k, params, uniforms, assumed=(), noise
     return drafts, [float(rows[i, t]) for i, t in enumerate(drafts)]
 
 
+@pytest.mark.slow
 def test_a_draft_row_left_unmasked_in_the_rule_fails_the_same_test(kernels, monkeypatch):
     wrong = drafters.Drafter(unmasked_in_the_rule, proposer.proposal_row, proposer.propose_tree)
     monkeypatch.setattr(drafters, "MODEL", wrong)  # the draft service runs in this process
@@ -319,6 +321,7 @@ def test_greedy_json_over_grpc_is_the_masked_argmax_of_the_target_alone(json_mod
     assert p.sessions_freed_within(5)
 
 
+@pytest.mark.slow
 def test_a_hundred_sampled_json_outputs_parse_and_validate(json_stack):
     p, _ = json_stack
     requests = [schema_request(seed=i, temperature=1.0, lookahead=4) for i in range(100)]

@@ -12,11 +12,14 @@ import socket
 from pathlib import Path
 
 import grpc
+import pytest
 
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
 from specdec.models import ModelSpec
 from specdec.v1 import model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import cli_process, open_sessions, service_channel, wait_until
+
+pytestmark = pytest.mark.slow  # processes started, killed and signalled
 
 REQUEST = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=16)
 

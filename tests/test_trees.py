@@ -249,6 +249,7 @@ def test_the_draft_proposes_a_spine_with_runners_up():
     engine.close("s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verify", VERIFY)
 def test_the_law_through_the_loop_is_the_targets(verify):
     target_probs, draft_probs = random_markov(6, 51), random_markov(6, 52)
@@ -288,6 +289,7 @@ def kernels():
     return random_markov(len(SUPPORT), 81), random_markov(len(SUPPORT), 82)
 
 
+@pytest.mark.slow
 def test_the_law_through_the_services_is_the_targets(kernels):
     target_kernel, draft_kernel = kernels
     counts = chains_through_the_services(target_kernel, draft_kernel, 1000)
@@ -295,6 +297,7 @@ def test_the_law_through_the_services_is_the_targets(kernels):
     assert counts_chisquare(counts, support_kernel(draft_kernel)) < 1e-3
 
 
+@pytest.mark.slow
 def test_a_wrong_residual_through_the_services_fails_the_same_test(kernels, monkeypatch):
     monkeypatch.setattr(rule, "tree_walk", wrong_tree_walk)  # the target service runs in this process
     target_kernel, draft_kernel = kernels

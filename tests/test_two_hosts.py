@@ -26,7 +26,7 @@ from tests.harness import ROOT
 
 CLIENT_TOKEN, SERVICE_TOKEN = "client-t0ken", "service-t0ken"
 WHY = netns.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two hosts need network namespaces: {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=f"two hosts need network namespaces: {WHY}")]
 
 
 def cli(*args) -> list[str]:

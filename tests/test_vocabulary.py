@@ -133,6 +133,7 @@ def test_a_draft_whose_output_layer_is_the_larger_draws_only_the_targets_rows(tm
         assert p.sessions_freed_within(5)
 
 
+@pytest.mark.slow
 def test_the_law_of_a_padded_soft_capped_pair_is_the_targets_over_the_shared_rows(tmp_path):
     target_path = tiny_checkpoint(tmp_path / "target", "gemma2", extra_rows=TARGET_ROWS - TOKENS)
     draft_path = tiny_checkpoint(tmp_path / "draft", "gemma2", seed=1, like=target_path, extra_rows=DRAFT_ROWS - TOKENS)
