@@ -2,4 +2,5 @@
 
 # The drafters a draft service can run (draft_service.drafters); here, so the CLI lists them without torch.
 # "auto": llamacpp for the embedded default pair's draft when llama-cpp-python is installed, else model.
-METHODS = ("auto", "model", "ngram", "llamacpp")
+# "suffix": model-free, over the session's and recent sessions' tokens; "hybrid": it beside auto's model.
+METHODS = ("auto", "model", "ngram", "llamacpp", "suffix", "hybrid")

@@ -4,6 +4,9 @@
 - ngram: model-free prompt lookup over the session's tokens (draft_service.ngram);
 - llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
   (specdec.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
+- suffix: model-free lookup of the longest suffix in the session's tokens and in a store of the
+  service's recent sessions' (draft_service.suffix);
+- hybrid: the suffix index where its match is strong, else the model auto picks (llamacpp or model);
 - auto (the default): llamacpp for the embedded default (its GGUF, requantised to Q8_0, drafts
   several times faster than the bf16 copy on a CPU, which is what makes speculation pay there),
   llamacpp for a .gguf path, model for anything else or without llama-cpp-python.
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draft_service import METHODS, ngram, proposer
+from draft_service import METHODS, ngram, proposer, suffix
 from specdec import models
 
 
@@ -32,6 +35,12 @@ MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree)
 NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 
+def suffix_drafter(store: suffix.Store | None = None, hybrid: bool = False) -> Drafter:
+    """A suffix (or hybrid) drafter with a store of its own (a draft service's), or `store`."""
+    index = suffix.HybridDrafter(store) if hybrid else suffix.SuffixDrafter(store)
+    return Drafter(index.propose, proposer.proposal_row, index.propose_tree)
+
+
 def make(method: str, spec, compile: bool | None = None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
     the model drafter's forwards as CUDA graphs (specdec.graphs.hf_backend; None: by device)."""
@@ -43,6 +52,12 @@ def make(method: str, spec, compile: bool | None = None):
         return hf_backend(spec, compile), MODEL
     if method == "ngram":
         return ngram.TokenizerBackend(spec), NGRAM
+    if method == "suffix":
+        backend = ngram.TokenizerBackend(spec)
+        backend.name = f"suffix({spec.model})"
+        return backend, suffix_drafter()
+    if method == "hybrid":
+        return make(auto(spec), spec, compile)[0], suffix_drafter(hybrid=True)
     if method == "llamacpp":
         from specdec.llamacpp import LlamaCppBackend
 

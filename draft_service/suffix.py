@@ -1,0 +1,449 @@
+"""A model-free drafter over a suffix index: the session's own tokens and a store of recent sessions'.
+
+Much of what users send copies text they already have: code to edit, a document to answer from,
+an agent resending nearly the same request. The `suffix` drafter proposes what followed the
+longest suffix of the current sequence (up to MAX_MATCH tokens) where it occurred before: earlier
+in the session (prompt and committed output) or in the token sequences of the service's recent
+sessions (the store: the last STORE_SESSIONS closed sessions, at most STORE_TOKENS tokens in all,
+the oldest evicted first; one store per drafter, that is per draft service, shared by its sessions
+under a lock). SuffixDecoding (Oliaro et al. 2024) does this with a suffix tree over a global
+store; this is a simpler design with the same proposals for the cases that pay.
+
+The index. Both sources are numpy int32 arrays: the session's tokens (a copy kept per session and
+extended by what it committed since the last round, rebuilt after a rollback), and the store's
+sequences concatenated with a separator (-1) between them, rebuilt only when a session enters
+it. A lookup scans a source for the last token (np.flatnonzero: ~65 us over a full store of 256k
+tokens on this machine's CPU, a few us over a session of a few thousand), then narrows those
+occurrences one token further back at a time while any still match, up to MAX_MATCH: what is
+left are the occurrences of the longest matching suffix. No hash of n-grams or suffix automaton
+to maintain, evict or keep consistent under rollbacks; a proposal costs well under 1 ms (the
+unit tests time one against a full store). A match of one token counts within the session (as
+the ngram drafter's does) but not in the store: one token matched somewhere in 256k tokens says
+nothing of copying (MIN_STORE_MATCH = 2).
+
+Scoring. The longest match wins; at equal length the occurrences of both sources are pooled.
+The continuation is built a token at a time: the most frequent next token among the occurrences
+still matching (ties: the most recent occurrence's), the others dropped; it stops where that
+token's share of the occurrences that go on falls under MIN_SHARE (they disagree: a guess, not
+a copy), where none goes on, or at its length cap min(k, max(1, 2 * match length)): a suffix of
+one or two tokens matches by chance as often as by copying (common bigrams), so it earns a short
+proposal, which costs little when rejected; a match of 4 or more is a copy in progress and earns
+the whole lookahead (k, which the orchestrator's adaptive lookahead sizes from measured
+acceptance anyway).
+
+Exactness as the ngram drafter's: proposals are deterministic functions of the sequence, point
+masses (draft prob 1, one-hot rows for ProposalRow in sampling mode; nothing kept under greedy
+or the invariant rule), and under a constraint only the grammar-allowed prefix (ngram.allowed).
+A tree is the chain it finds: two point masses under one parent are not a draw from one row.
+
+The store is filled without a hook in the engine: a session proposing is remembered (the Session
+object, which the engine marks `closed` when it retires it), and at each proposal the sessions
+found closed since enter the store with their last tokens (prompt + committed output: the last
+round's accepted tokens, never sent to the draft, are not in it). Sessions still open are not
+searched by other sessions. `store_tokens()` reports the tokens the stores of this process hold
+(the draft service's Describe and telemetry are built in specdec, outside this package: the
+function is the metric).
+
+Why not arctic-inference (which ships SuffixDecoding's C++ suffix tree): on PyPI it is an sdist
+(0.3.0) that compiles C++ at install time and pulls its own build dependencies (it did not
+finish within the minute allowed to try); this drafter needs a few hundred lines of numpy that
+install anywhere specdec does and that the tests cover.
+
+`hybrid` (HybridDrafter) puts the index beside a model drafter: a round whose match is strong
+(at least HYBRID_MATCH tokens, its first token agreed by most occurrences) proposes the index's
+continuation, other rounds the model's, unless the index's strong proposals in this session have
+lately matched less than HYBRID_RATE of their drafts to what was committed (each scored whether
+used or not, an exponential average). Length alone is a weak score on text that repeats its own
+structure without copying it (nested JSON of growing indent: matches of 4+ tokens whose
+continuations matched 30% of the time, where the default draft's matched 97%); the measured
+share tells a copy from such text, and the index takes over again when the text turns to a copy.
+The model's cache is caught up on the committed tokens by the next model forward (engine.forward
+feeds what the cache lacks), and by one forward whenever it lags CATCH_UP tokens (a run of index
+rounds), so no forward ever feeds more than a llama.cpp batch holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from draft_service import ngram, proposer
+from draft_service.proposer import TreeProposal
+from specdec.engine import Session, SessionEngine
+from specdec.prefix import common_prefix
+from specdec.sampling import SamplingParams
+
+MAX_MATCH = 32  # the longest suffix looked for
+MIN_STORE_MATCH = 2  # a store match shorter than this is ignored
+MIN_SHARE = 0.5  # the continuation stops where its next token's share of the occurrences is less
+BLOCK = 64  # occurrences few enough to match the rest of their suffix in one gather
+MAX_OCCURRENCES = 4096  # of the last token, the most recent looked at, per source (a worst-case bound)
+STORE_TOKENS = 262_144  # the store's budget
+STORE_SESSIONS = 1024  # ... and its sessions at most
+HYBRID_MATCH = 4  # hybrid: the match length from which the index proposes instead of the model
+HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts the committed tokens lately matched
+RATE_WEIGHT = 0.3  # the weight of a proposal's score in that share (an exponential average)
+PENDING = 4  # proposals awaiting their score, per session, at most
+CATCH_UP = 64  # hybrid: the committed tokens the model's cache may lag before an index round feeds them
+SEPARATOR = -1
+
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def store_tokens() -> int:
+    """The tokens the stores of this process hold (a draft service has one)."""
+    return sum(store.tokens for store in list(_STORES))
+
+
+class Store:
+    """Recent sessions' token sequences, the oldest evicted past `budget` tokens or `sessions`
+    sequences; safe to share across threads."""
+
+    def __init__(self, budget: int = STORE_TOKENS, sessions: int = STORE_SESSIONS):
+        self.budget, self.sessions = budget, sessions
+        self._lock = threading.Lock()
+        self._docs: deque[np.ndarray] = deque()
+        self._tokens = 0
+        self._buffer: np.ndarray | None = np.full(1, SEPARATOR, np.int32)
+        _STORES.add(self)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def add(self, tokens) -> None:
+        doc = np.asarray(tokens, dtype=np.int32)[-self.budget :]
+        if doc.size < 2:
+            return
+        with self._lock:
+            self._docs.append(doc.copy())
+            self._tokens += doc.size
+            while self._tokens > self.budget or len(self._docs) > self.sessions:
+                self._tokens -= self._docs.popleft().size
+            self._buffer = None
+
+    def buffer(self) -> np.ndarray:
+        """The sequences, oldest first, each followed by SEPARATOR (a leading one too); never
+        changed in place, so a caller reads it outside the lock."""
+        with self._lock:
+            if self._buffer is None:
+                parts = [np.full(1, SEPARATOR, np.int32)]
+                for doc in self._docs:
+                    parts += [doc, parts[0]]
+                self._buffer = np.concatenate(parts)
+            return self._buffer
+
+
+def occurrences(source: np.ndarray, end: int, context: np.ndarray, max_match: int = MAX_MATCH):
+    """(m, positions): m the length of the longest suffix of `context` that occurs in
+    source[:end] (up to max_match; 0: not even its last token), and the positions right after
+    each of its occurrences there (ascending)."""
+    if not context.size or end <= 0:
+        return 0, np.empty(0, np.int64)
+    hits = np.flatnonzero(source[:end] == context[-1])[-MAX_OCCURRENCES:]
+    if not hits.size:
+        return 0, hits
+    after, m = hits + 1, 1
+    limit = min(max_match, context.size)
+    while m < limit and after.size > BLOCK:  # many: narrowed a token at a time
+        before = after - 1 - m
+        before = before[before >= 0]
+        keep = source[before] == context[-1 - m]
+        if not keep.any():
+            return m, after
+        after = before[keep] + 1 + m
+        m += 1
+    if m < limit:  # few: the rest of each one's match at once
+        back = np.arange(m + 1, limit + 1)
+        at = after[:, None] - back[None, :]
+        equal = (source[np.maximum(at, 0)] == context[-back][None, :]) & (at >= 0)
+        lengths = m + np.cumprod(equal, axis=1).sum(axis=1)
+        m = int(lengths.max())
+        after = after[lengths == m]
+    return m, after
+
+
+@dataclass
+class Suggestion:
+    """A proposal of the index: its tokens, the length of the match it continues, and the
+    occurrences that agreed on each token (`support`) out of those that went on (`seen`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    match: int = 0
+    support: list[int] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)
+
+    def strong(self, match: int = HYBRID_MATCH) -> bool:
+        """A copy in progress: a match of at least `match` tokens whose first token more than
+        half of its occurrences agree on."""
+        return self.match >= match and bool(self.tokens) and 2 * self.support[0] > self.seen[0]
+
+
+def suggest(sequence: np.ndarray, store: np.ndarray | None, k: int, max_match: int = MAX_MATCH) -> Suggestion:
+    """The index's proposal of at most k tokens after `sequence`, from its own earlier tokens and
+    the store's buffer (Store.buffer)."""
+    sequence = np.asarray(sequence, dtype=np.int32)
+    context = sequence[-max_match:]
+    # the session: occurrences ending before its last token (which the suffix itself ends at)
+    sources = [(sequence, *occurrences(sequence, sequence.size - 1, context, max_match))]
+    if store is not None and store.size > 1:
+        m, after = occurrences(store, store.size, context, max_match)
+        sources.append((store, m if m >= MIN_STORE_MATCH else 0, after))
+    match = max(m for _, m, _ in sources)
+    if k < 1 or match == 0:
+        return Suggestion(match=match)
+    found = [(src, after) for src, m, after in sources if m == match][::-1]  # the store's (older) first
+    out = Suggestion(match=match)
+    cap = min(k, max(1, 2 * match))
+    for i in range(cap):
+        if sum(after.size for _, after in found) == 1:  # one occurrence left: the rest of it, as it is
+            [(src, after)] = [(src, after) for src, after in found if after.size]
+            rest = src[int(after[0]) + i : int(after[0]) + cap]
+            ended = np.flatnonzero(rest == SEPARATOR)
+            rest = rest[: ended[0]] if ended.size else rest
+            out.tokens += rest.tolist()
+            out.support += [1] * rest.size
+            out.seen += [1] * rest.size
+            break
+        nexts = [np.where(at < src.size, src[np.minimum(at, src.size - 1)], SEPARATOR) for src, at in ahead(found, i)]
+        pooled = np.concatenate(nexts)
+        going = pooled[pooled != SEPARATOR]
+        if not going.size:
+            break
+        if (going == going[0]).all():  # one occurrence left, or all agree: the usual case
+            token, agreed = int(going[0]), int(going.size)
+        else:
+            values, counts = np.unique(going, return_counts=True)
+            tied = values[counts == counts.max()]
+            token = int(tied[0]) if tied.size == 1 else int(pooled[np.flatnonzero(np.isin(pooled, tied))[-1]])
+            agreed = int(counts.max())
+        if agreed < MIN_SHARE * going.size:
+            break
+        out.tokens.append(token)
+        out.support.append(agreed)
+        out.seen.append(int(going.size))
+        found = [(src, after[nxt == token]) for (src, after), nxt in zip(found, nexts, strict=True)]
+    return out
+
+
+def ahead(found, i: int):
+    """(source, the positions i tokens past each occurrence's end) for each source."""
+    return [(src, after + i) for src, after in found]
+
+
+class _Tokens:
+    """A session's tokens as a numpy array, extended by what it committed since (a rollback: rebuilt)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.array = np.empty(0, np.int32)
+        self.length = 0
+        # hybrid: the index's recent proposals, used or not, not yet settled: (committed length,
+        # assumed tokens, drafts); and the share of their drafts the committed tokens matched
+        self.pending: list[tuple[int, list[int], list[int]]] = []
+        self.rate = 1.0
+
+    def settle(self) -> None:
+        """Score the pending proposals the committed tokens now settle: a proposal scores the
+        share of its drafts they match up to the first they do not (what the rule would have
+        accepted of it: under greedy and the invariant rule exactly, under the Leviathan rule in
+        expectation, a point mass x being accepted as often as the target commits x)."""
+        tokens, waiting = self.session.tokens, []
+        for base, assumed, drafts in self.pending:
+            start = base + len(assumed)
+            seen = tokens[base : start + len(drafts)]
+            if seen[: len(assumed)] != assumed[: len(seen)]:
+                continue  # its assumed tokens were rejected (or rolled back): never verified
+            got = seen[len(assumed) :]
+            matched = next((i for i, (a, b) in enumerate(zip(drafts, got, strict=False)) if a != b), len(got))
+            if matched < len(got) or len(got) == len(drafts):
+                self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * matched / len(drafts)
+            elif len(waiting) < PENDING:
+                waiting.append((base, assumed, drafts))
+        self.pending = waiting
+
+    def update(self) -> np.ndarray:
+        tokens = self.session.tokens
+        n, have = len(tokens), self.length
+        window = min(have, 16)
+        if have > n or (window and not np.array_equal(self.array[have - window : have], tokens[have - window : have])):
+            have = 0  # rolled back (and maybe grown again): rebuilt
+        if n > self.array.size:
+            grown = np.empty(max(n, 2 * self.array.size, 256), np.int32)
+            grown[:have] = self.array[:have]
+            self.array = grown
+        if n > have:
+            self.array[have:n] = tokens[have:n]
+        self.length = n
+        return self.array[:n]
+
+
+class SuffixDrafter:
+    """The suffix index of one draft service: its sessions' tokens and the store (Drafter's
+    propose and propose_tree as bound methods; ProposalRow is proposer.proposal_row)."""
+
+    def __init__(self, store: Store | None = None):
+        self.store = store if store is not None else Store()
+        self._lock = threading.Lock()
+        self._live: dict[int, _Tokens] = {}  # id(session) -> its tokens; holds the session, so the id stays its
+
+    def suggest(self, session: Session, assumed: list[int], k: int) -> Suggestion:
+        """The index's proposal after the session's committed tokens and `assumed`."""
+        return self._suggest(session, assumed, k)[0]
+
+    def _suggest(self, session: Session, assumed: list[int], k: int) -> tuple[Suggestion, _Tokens]:
+        self._sweep()
+        with self._lock:
+            tokens = self._live.get(id(session))
+            if tokens is None:
+                tokens = self._live[id(session)] = _Tokens(session)
+        sequence = tokens.update()
+        if assumed:
+            sequence = np.concatenate([sequence, np.asarray(assumed, np.int32)])
+        return suggest(sequence, self.store.buffer(), k), tokens
+
+    def _sweep(self) -> None:
+        """Sessions closed since the last proposal enter the store."""
+        with self._lock:
+            closed = [key for key, tokens in self._live.items() if tokens.session.closed]
+            done = [self._live.pop(key) for key in closed]
+        for tokens in done:
+            self.store.add(tokens.update())
+
+    def propose(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        k: int,
+        params: SamplingParams,
+        uniforms: list[float],
+        assumed: list[int] = (),
+        noise_seed: int | None = None,
+        alternatives: list | None = None,
+    ) -> tuple[list[int], list[float]]:
+        """At most k tokens after the committed ones and `assumed`, as ngram.propose: point masses."""
+        assumed = list(assumed)
+        drafts = ngram.allowed(session, assumed, self.suggest(session, assumed, k).tokens)
+        if params.greedy or noise_seed is not None or not drafts:
+            session.proposal_rows = None
+            return drafts, []
+        held = assumed + drafts
+        session.proposal_rows = one_hot(held, session.vocab_size or engine.backend.vocab_size)
+        session.proposal_start, session.proposal_tokens = len(session.tokens), held
+        return drafts, [1.0] * len(drafts)
+
+    def propose_tree(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        depth: int,
+        nodes: int,
+        params: SamplingParams,
+        uniforms,
+        noise_seed=None,
+        _=(),
+    ) -> TreeProposal:
+        """The chain the index finds (at most min(depth, nodes) tokens), as ngram.propose_tree."""
+        drafts = ngram.allowed(session, [], self.suggest(session, [], min(depth, nodes)).tokens)
+        return chain(engine, session, drafts, params, noise_seed)
+
+
+def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    rows = torch.zeros(len(tokens), vocab)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return rows
+
+
+def chain(engine: SessionEngine, session: Session, drafts: list[int], params, noise_seed) -> TreeProposal:
+    """A tree that is a chain of point masses (rows one-hot in Leviathan sampling mode)."""
+    proposal = TreeProposal(drafts, list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
+    if drafts and not params.greedy and noise_seed is None:
+        rows = one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
+        proposal.rows = dict(zip(range(-1, len(drafts) - 1), rows, strict=True))
+    return proposal
+
+
+class HybridDrafter(SuffixDrafter):
+    """A model drafter (draft_service.proposer) with the suffix index beside it: a round whose
+    match is strong (Suggestion.strong) proposes the index's continuation, point masses, and no
+    model forward runs for its tokens; any other round is the model's. The law of a round's
+    drafts is that of whichever proposed them: ProposalRow reads the rows of the round that did
+    (the index's one-hot rows, or the model's)."""
+
+    def __init__(self, store: Store | None = None, match: int = HYBRID_MATCH, rate: float = HYBRID_RATE):
+        super().__init__(store)
+        self.match, self.rate = match, rate
+
+    def choose(self, session: Session, assumed: list[int], k: int) -> list[int]:
+        """The index's drafts if it proposes this round (none: the model's round). It proposes
+        where its match is strong and its proposals of the session have lately matched what was
+        committed (the share of their drafts, HYBRID_RATE at least): its strong proposals are
+        scored whether the round used them or not, so it takes over again when the text turns
+        to a copy."""
+        found, state = self._suggest(session, assumed, k)
+        state.settle()
+        if not found.strong(self.match):
+            return []
+        state.pending.append((len(session.tokens), assumed, found.tokens))
+        return ngram.allowed(session, assumed, found.tokens) if state.rate >= self.rate else []
+
+    def propose(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        k: int,
+        params: SamplingParams,
+        uniforms: list[float],
+        assumed: list[int] = (),
+        noise_seed: int | None = None,
+        alternatives: list | None = None,
+    ):
+        assumed = list(assumed)
+        drafts = self.choose(session, assumed, k)
+        yield from catch_up(engine, session)
+        if not drafts:
+            model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
+            return (yield from model)
+        if params.greedy or noise_seed is not None:
+            session.proposal_rows = None
+            return drafts, []
+        # the assumed tokens' rows stay those of the proposal that drew them (keep_rows)
+        rows = one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
+        proposer.keep_rows(session, len(assumed), rows, drafts)
+        return drafts, [1.0] * len(drafts)
+
+    def propose_tree(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        depth: int,
+        nodes: int,
+        params: SamplingParams,
+        uniforms,
+        noise_seed=None,
+        acceptance=(),
+    ):
+        drafts = self.choose(session, [], min(depth, nodes))
+        yield from catch_up(engine, session)
+        if not drafts:
+            model = proposer.propose_tree(engine, session, depth, nodes, params, uniforms, noise_seed, acceptance)
+            return (yield from model)
+        return chain(engine, session, drafts, params, noise_seed)
+
+
+def catch_up(engine: SessionEngine, session: Session):
+    """Feed the model's cache the committed tokens it lacks, once they are CATCH_UP or more (a
+    run of index rounds): the round's forwards then feed few, and no forward more than a
+    llama.cpp batch holds."""
+    tokens, cached = session.tokens, session.cached
+    agreed = common_prefix(cached, tokens, max(0, min(len(cached), len(tokens)) - 2 * CATCH_UP))
+    if len(tokens) - agreed >= CATCH_UP:
+        yield engine.forward(session, [], 1)

@@ -1,0 +1,349 @@
+"""The suffix drafter (draft_service.suffix) and the hybrid one: the index's matches and its store,
+exactness through the loop (greedy, the invariant rule, the Leviathan rule's law) and through the
+three services on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from draft_service import METHODS, suffix
+from draft_service.drafters import Drafter, make, suffix_drafter
+from draft_service.ngram import TokenizerBackend
+from draft_service.proposer import proposal_row
+from draft_service.server import DraftServicer
+from draft_service.server import serve as serve_draft
+from orchestrator.generation import RequestDefaults
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.server import connect
+from orchestrator.server import serve as serve_orchestrator
+from specdec.engine import Session, SessionEngine
+from specdec.models import ModelSpec
+from specdec.sampling import SamplingParams
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from target_service.server import TargetServicer
+from target_service.server import serve as serve_target
+from tests.conftest import make_tokenizer
+from tests.standins import Direct, MarkovBackend, random_markov
+from tests.stats import markov_chisquare
+
+# -- the index ------------------------------------------------------------------------------------
+
+
+def test_the_longest_match_and_its_occurrences():
+    seq = np.array([1, 2, 3, 9, 7, 2, 3, 5, 1, 2, 3], np.int32)
+    m, after = suffix.occurrences(seq, seq.size - 1, seq)
+    assert m == 3 and after.tolist() == [3]  # [1, 2, 3] once before; [2, 3] twice
+    m, after = suffix.occurrences(seq, seq.size - 1, seq, max_match=2)
+    assert m == 2 and after.tolist() == [3, 7]
+    assert suffix.occurrences(seq, seq.size - 1, np.array([4], np.int32))[0] == 0
+    assert suffix.suggest(seq, None, 4).tokens == [9, 7, 2, 3]
+    assert suffix.suggest(np.array([1, 2, 3], np.int32), None, 4).tokens == []  # nothing repeats
+
+
+def test_the_continuation_is_the_most_frequent_and_stops_where_they_disagree():
+    # [5, 6] four times before the end (each after a different token): then 7 8 1, 7 8 2, 7 9, 4
+    seq = [5, 6, 7, 8, 1, 5, 6, 7, 8, 2, 5, 6, 7, 9, 3, 5, 6, 4, 10, 5, 6]
+    found = suffix.suggest(np.array(seq, np.int32), None, 8)
+    assert found.match == 2 and found.tokens == [7, 8, 2, 5]  # at most 2 * 2 tokens
+    # 7: 3 of 4; 8: 2 of the 3 left; 1 or 2: an even split, the more recent wins; then one left
+    assert found.support == [3, 2, 1, 1] and found.seen == [4, 3, 2, 1]
+    assert suffix.suggest(np.array([7, 3, 1, 7, 3, 2, 7, 3], np.int32), None, 4).tokens == [2, 7, 3]
+    # a three-way split, each under MIN_SHARE: nothing
+    assert suffix.suggest(np.array([7, 3, 1, 7, 3, 2, 7, 3, 4, 7, 3], np.int32), None, 4).tokens == []
+
+
+def test_a_proposals_length_follows_its_match():
+    seq = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1], np.int32)
+    assert suffix.suggest(seq, None, 8).tokens == [2, 3]  # a match of 1: at most 2 tokens
+    seq = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3], np.int32)
+    assert suffix.suggest(seq, None, 8).tokens == [4, 5, 6, 7, 8, 9]  # of 3: 6
+    assert suffix.suggest(seq, None, 4).tokens == [4, 5, 6, 7]  # capped by k
+
+
+def test_the_store_evicts_the_oldest_past_its_budget():
+    gc.collect()  # other tests' stores: gone before the count
+    store = suffix.Store(budget=100, sessions=3)
+    before = suffix.store_tokens()
+    store.add(range(40))
+    store.add(range(100, 140))
+    assert store.tokens == 80 and len(store) == 2 and suffix.store_tokens() == before + 80
+    store.add(range(200, 240))  # 120 > 100: the first goes
+    assert store.tokens == 80 and store.buffer()[1] == 100
+    store.add(range(300, 310))
+    store.add(range(400, 410))  # a fourth: over 3 sessions
+    assert len(store) == 3 and store.tokens == 60 and store.buffer()[1] == 200
+    store.add(range(1000, 1500))  # longer than the budget: its last 100 tokens
+    assert len(store) == 1 and store.tokens == 100 and store.buffer()[1] == 1400
+    buffer = store.buffer()
+    assert buffer[0] == buffer[-1] == suffix.SEPARATOR and buffer.size == 102
+
+
+def test_a_proposal_from_the_store_and_from_the_prompt():
+    store = suffix.Store()
+    earlier = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    store.add(earlier)
+    store.add([50, 51, 52])
+    # a new sequence that repeats the earlier session's text
+    found = suffix.suggest(np.array([7, 8, 22, 23, 24], np.int32), store.buffer(), 5)
+    assert found.tokens == [25, 26, 27, 28, 29] and found.match == 3
+    # it does not run past the end of a stored sequence into the next one
+    assert suffix.suggest(np.array([7, 28, 29], np.int32), store.buffer(), 5).tokens == []
+    # a single matched token in the store is no evidence; in the session it is
+    assert suffix.suggest(np.array([7, 8, 24], np.int32), store.buffer(), 5).tokens == []
+    # the session's own prompt: at an equal match, pooled (a tie: the more recent, the session's)
+    seq = np.array([22, 23, 24, 40, 41, 9, 22, 23, 24], np.int32)
+    assert suffix.suggest(seq, store.buffer(), 2).tokens == [40, 41]
+    seq = np.array([9, 22, 23, 24, 40, 41, 9, 22, 23, 24], np.int32)
+    assert suffix.suggest(seq, store.buffer(), 2).tokens == [40, 41]  # the session's match is longer (4)
+    seq = np.array([9, 22, 23, 24, 40, 41, 20, 21, 22, 23, 24], np.int32)
+    assert suffix.suggest(seq, store.buffer(), 2).tokens == [25, 26]  # the store's is (5)
+
+
+def test_a_proposal_costs_well_under_a_millisecond():
+    rng = np.random.default_rng(0)
+    store = suffix.Store()
+    for _ in range(64):
+        store.add(rng.integers(0, 5000, 4096))
+    assert store.tokens == suffix.STORE_TOKENS
+    sequence = rng.integers(0, 5000, 4000).astype(np.int32)
+    sequence = np.concatenate([sequence, sequence[100:120]])
+    buffer = store.buffer()
+    best = float("inf")
+    for _ in range(10):  # the fastest of 10: a loaded machine's other work is not the proposal's cost
+        start = time.perf_counter()
+        found = suffix.suggest(sequence, buffer, 8)
+        best = min(best, time.perf_counter() - start)
+    assert found.tokens == sequence[120:128].tolist()
+    assert best < 1e-3, best
+
+
+class _Engine:
+    class backend:  # noqa: N801
+        vocab_size = 64
+
+
+def test_closed_sessions_enter_the_store_and_rows_are_point_masses():
+    index = suffix.SuffixDrafter(suffix.Store())
+    first = Session(tokens=[1, 2, 3, 4, 5, 6, 7, 8], cache=None)
+    greedy, sampling = SamplingParams(), SamplingParams(temperature=0.8)
+    assert index.propose(_Engine, first, 4, greedy, []) == ([], [])
+    first.tokens += [9, 10]
+    first.closed = True  # the engine retired it
+    second = Session(tokens=[30, 31, 4, 5, 6], cache=None)
+    drafts, probs = index.propose(_Engine, second, 4, sampling, [0.5] * 4)
+    assert index.store.tokens == 10 and drafts == [7, 8, 9, 10] and probs == [1.0] * 4
+    assert proposal_row(second, 0, 7).tolist() == np.eye(64)[7].tolist()
+    second.tokens += [7, 8]  # committed; then rolled back to before them and on another way
+    del second.tokens[5:]
+    second.tokens += [5, 6, 7]
+    drafts, _ = index.propose(_Engine, second, 4, sampling, [0.5] * 4, assumed=[8])
+    assert drafts == [9, 10] and proposal_row(second, 0, 8)[8] == 1.0  # the assumed one: a point mass
+    assert index.propose(_Engine, second, 4, greedy, [], noise_seed=None)[1] == []
+    assert second.proposal_rows is None
+    del second.tokens[2:]  # rolled back, and on another way: the index follows
+    second.tokens += [8, 9]
+    assert index.suggest(second, [], 4).tokens == [10]
+
+
+def test_registered():
+    assert {"suffix", "hybrid"} <= set(METHODS)
+    with pytest.raises(ValueError):
+        make("suffixes", None)
+
+
+def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
+    """The hybrid's index proposes only while its strong proposals of the session have lately
+    matched what was committed; scored whether used or not, it takes over again on a copy."""
+
+    def model(engine, session, k, *rest):
+        return [99], [1.0]
+        yield  # a generator, as proposer.propose
+
+    monkeypatch.setattr(suffix.proposer, "propose", model)
+    index = suffix.HybridDrafter(suffix.Store(), match=2)
+    session = Session(tokens=list(range(100, 300)), cache=None)  # a text each round copies a bit of
+    greedy = SamplingParams()
+
+    def round_at(j: int) -> str:
+        session.tokens += [100 + j, 101 + j, 102 + j]  # a unique match of 3
+        session.cached = list(session.tokens)  # the model's cache: no catch-up due
+        gen = index.propose(_Engine, session, 4, greedy, [])
+        with pytest.raises(StopIteration) as stop:
+            next(gen)
+        return "index" if stop.value.value[0] == [103 + j, 104 + j, 105 + j, 106 + j] else "model"
+
+    who = []
+    for miss in range(4):  # the text goes on otherwise each time
+        who.append(round_at(10 * miss))
+        session.tokens += [50 + miss]  # its first draft rejected
+    assert who == ["index", "index", "model", "model"]  # its share: 1, 0.7, then 0.49 < HYBRID_RATE
+    assert index._live[id(session)].rate < suffix.HYBRID_RATE
+    for j in range(50, 100, 10):  # now a copy: the index's proposals (unused) match, and it comes back
+        who.append(round_at(j))
+        session.tokens += [103 + j, 104 + j, 105 + j, 106 + j, 107 + j]
+    assert who[4:] == ["model", "model", "index", "index", "index"], who  # 0.24, 0.47, 0.63, ...
+
+
+# -- through the loop, on Markov stand-ins ------------------------------------------------------
+
+
+def hybrid(match: int = 2, rate: float = 0.0) -> Drafter:
+    """A hybrid whose index proposes on any match of `match` tokens (rate 0: whatever its share):
+    rounds of both kinds, mixed."""
+    index = suffix.HybridDrafter(suffix.Store(), match=match, rate=rate)
+    return Drafter(index.propose, proposal_row, index.propose_tree)
+
+
+def loop_pair(target_probs, draft_probs, drafter: Drafter):
+    target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
+    draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), drafter)
+    return Direct(draft), Direct(target)
+
+
+def run(draft, target, sampling, n, seed=3, **config):
+    loop = SpeculativeLoop(draft, target, [0, 1, 2], LoopConfig(sampling, n, seed=seed, **config))
+    kinds = [r.proposed for r in loop.rounds()]
+    return loop.generated, loop.stats, kinds
+
+
+SCHEDULES = [{"lookahead": 4}, {"lookahead": 4, "overlap": True}, {"lookahead": 6, "adaptive": True}]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
+    target_probs = random_markov(12, 31, alpha=0.3)
+    draft, target = loop_pair(target_probs, random_markov(12, 32), suffix_drafter() if kind == "suffix" else hybrid())
+    plain, _, _ = run(draft, target, SamplingParams(), 200, speculate=False)
+    sampling = SamplingParams(temperature=0.8)
+    alone, _, _ = run(draft, target, sampling, 200, seed=5, speculate=False, rule="invariant")
+    for schedule in SCHEDULES:
+        out, stats, _ = run(draft, target, SamplingParams(), 200, **schedule)
+        assert out == plain, schedule
+        assert "adaptive" in schedule or stats.accepted_tokens > 0, schedule
+        out, stats, _ = run(draft, target, sampling, 200, seed=5, rule="invariant", **schedule)
+        assert out == alone, schedule
+    assert draft.servicer.engine.open_sessions == 0
+
+
+@pytest.mark.parametrize("kind,overlap,n", [("suffix", False, 6000), ("hybrid", True, 8000)])
+def test_the_leviathan_rules_law_is_the_targets(kind, overlap, n):
+    """Point-mass drafts (and, hybrid, rounds of the model's drafts between them, their rows
+    read from the round that proposed) keep the target's law: chi-square over transitions."""
+    target_probs = random_markov(6, 41, alpha=0.3)  # peaked rows: n-grams repeat often
+    draft, target = loop_pair(target_probs, random_markov(6, 42), suffix_drafter() if kind == "suffix" else hybrid())
+    tokens, stats, _ = run(draft, target, SamplingParams(temperature=1.0), n, lookahead=4, overlap=overlap)
+    assert markov_chisquare([2, *tokens], target_probs) > 1e-3
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_hybrid_rounds_are_the_index_s_or_the_model_s():
+    """A hybrid proposal is the index's continuation (no model step) where the match is strong, the
+    model's otherwise; the model's cache catches up on what the index's rounds committed."""
+    target_probs = random_markov(12, 31, alpha=0.3)
+    steps = []
+    draft_backend = MarkovBackend(random_markov(12, 32))
+    forward = draft_backend.forward
+
+    def counting(cache, token_ids, n_logits):
+        steps.append(len(token_ids))
+        return forward(cache, token_ids, n_logits)
+
+    draft_backend.forward = counting
+    target = Direct(TargetServicer(SessionEngine(MarkovBackend(target_probs), "target")))
+    draft = Direct(DraftServicer(SessionEngine(draft_backend, "draft"), hybrid(match=3)))
+    out, stats, ks = run(draft, target, SamplingParams(), 300, lookahead=4)
+    plain, _, _ = run(draft, target, SamplingParams(), 300, speculate=False)
+    assert out == plain and stats.accepted_tokens > 0
+    assert len(steps) < 1 + sum(ks)  # some rounds ran no model step
+    assert max(steps[1:]) <= suffix.CATCH_UP + 2 * 5  # no catch-up feeds more than that
+
+
+# -- through the three services on loopback -----------------------------------------------------
+
+REPEATING = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
+PLAIN = "hello world, write me a short poem"
+TOKENIZER = make_tokenizer()
+
+
+@contextlib.contextmanager
+def services(tiny_models, tiny_backends, kind: str):
+    if kind == "suffix":
+        backend = TokenizerBackend(ModelSpec(tiny_models["draft"], "cpu", "float32"))
+    else:
+        backend = tiny_backends["draft"]
+    drafter = suffix_drafter(hybrid=kind == "hybrid")
+    draft_server, draft_port = serve_draft(backend, drafter=drafter)
+    target_server, target_port = serve_target(tiny_backends["target"])
+    pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
+    orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=4))
+    try:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
+        yield stub, drafter.propose.__self__.store
+    finally:
+        for server in (orch_server, draft_server, target_server):
+            server.stop(None)
+
+
+def request(ids, n=60, sampling=None, seed=None, rule=orchestrator_pb2.RULE_UNSPECIFIED, disabled=False):
+    spec = orchestrator_pb2.SpeculationParams(rule=rule, disabled=disabled)
+    if not disabled:
+        spec.lookahead = 4
+    out = orchestrator_pb2.GenerateRequest(
+        token_ids=orchestrator_pb2.TokenIds(ids=ids),
+        sampling=sampling or model_pb2.SamplingParams(),
+        max_new_tokens=n,
+        speculation=spec,
+    )
+    if seed is not None:
+        out.seed = seed
+    return out
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_through_the_services(tiny_models, tiny_backends, kind):
+    with services(tiny_models, tiny_backends, kind) as (stub, _):
+        accepted = 0
+        for prompt in (REPEATING, PLAIN):
+            on = stub.Generate(request(ids(prompt)))
+            off = stub.Generate(request(ids(prompt), disabled=True))
+            assert list(on.token_ids) == list(off.token_ids) and off.stats.draft_tokens == 0
+            accepted += on.stats.accepted_tokens
+        assert accepted > 0
+        sampling = model_pb2.SamplingParams(temperature=0.8)
+        for rule in (orchestrator_pb2.RULE_LEVIATHAN, orchestrator_pb2.RULE_INVARIANT):
+            out = stub.Generate(request(ids(REPEATING), 50, sampling, seed=7, rule=rule))
+            assert out.stats.generated_tokens == 50 or out.finish_reason == "stop"
+            if rule == orchestrator_pb2.RULE_INVARIANT:
+                alone = stub.Generate(request(ids(REPEATING), 50, sampling, seed=7, rule=rule, disabled=True))
+                assert list(out.token_ids) == list(alone.token_ids)
+
+
+def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):
+    """An agent resends its request with a little more: what the target wrote the first time,
+    which the new session has not seen, is drafted from the store. (The tiny target's greedy
+    text loops, which its own tokens predict: a seeded sample under the invariant rule, the same
+    token at a position whatever the schedule, is text the session's own tokens do not predict.)"""
+    prompt = ids("zebra")  # its sample at seed 2 meets no EOS for 150 tokens
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    rule = orchestrator_pb2.RULE_INVARIANT
+    with services(tiny_models, tiny_backends, "suffix") as (stub, store):
+        first = stub.Generate(request(prompt, 120, sampling, seed=2, rule=rule))
+        resent = prompt + list(first.token_ids)[:10]
+        assert store.tokens == 0
+        again = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule))
+        assert store.tokens >= len(prompt) + 100  # the first session entered the store
+        assert list(again.token_ids) == list(first.token_ids)[10:110]
+    with services(tiny_models, tiny_backends, "suffix") as (stub, _):  # an empty store
+        fresh = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule))
+    assert list(fresh.token_ids) == list(again.token_ids)
+    assert again.stats.accepted_tokens > fresh.stats.accepted_tokens + 30, (again.stats, fresh.stats)
