@@ -124,7 +124,9 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
         "requantised to Q8_0: the draft that pays on a CPU) and for a .gguf draft, else model (default); "
         "model: a transformers draft model; ngram: model-free prompt lookup over the session's tokens (the "
         "draft model only gives the tokenizer); llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; "
-        "the default alias runs the embedded GGUF requantised to Q8_0)",
+        "the default alias runs the embedded GGUF requantised to Q8_0); suffix: model-free, the continuation "
+        "most frequent after the longest match in the session and in recent requests (text that copies); "
+        "hybrid: suffix's proposal where its match is strong, else the model draft's (auto's model)",
     )
 
 
