@@ -48,7 +48,15 @@ def propose(
     Under the invariant rule (`noise_seed`) a proposal is only token ids: the target accepts
     those equal to its own sample, whatever proposed them."""
     assumed = list(assumed)
-    drafts = allowed(session, assumed, lookup(session.tokens + assumed, k))
+    return point_masses(engine, session, params, noise_seed, assumed, lookup(session.tokens + assumed, k))
+
+
+def point_masses(
+    engine: SessionEngine, session: Session, params: SamplingParams, noise_seed, assumed: list[int], found: list[int]
+) -> tuple[list[int], list[float]]:
+    """A model-free proposal of the tokens `found` after `assumed`: the grammar's prefix of them, each a
+    point mass (draft prob 1; one-hot rows kept for ProposalRow in Leviathan sampling mode)."""
+    drafts = allowed(session, assumed, found)
     if params.greedy or noise_seed is not None or not drafts:
         session.proposal_rows = None
         return drafts, []

@@ -331,14 +331,8 @@ class SuffixDrafter:
     ) -> tuple[list[int], list[float]]:
         """At most k tokens after the committed ones and `assumed`, as ngram.propose: point masses."""
         assumed = list(assumed)
-        drafts = ngram.allowed(session, assumed, self.suggest(session, assumed, k).tokens)
-        if params.greedy or noise_seed is not None or not drafts:
-            session.proposal_rows = None
-            return drafts, []
-        held = assumed + drafts
-        session.proposal_rows = one_hot(held, session.vocab_size or engine.backend.vocab_size)
-        session.proposal_start, session.proposal_tokens = len(session.tokens), held
-        return drafts, [1.0] * len(drafts)
+        found = self.suggest(session, assumed, k).tokens
+        return ngram.point_masses(engine, session, params, noise_seed, assumed, found)
 
     def propose_tree(
         self,
