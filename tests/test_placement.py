@@ -167,6 +167,7 @@ def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
     request that names none gets every core; and a greedy generation, whichever placement each
     round takes, is the target's own greedy output."""
     from deploy import hosting
+    from deploy.configs import OrchestratorConfig
     from orchestrator.server import connect
 
     n = len(os.sched_getaffinity(0))
@@ -207,7 +208,9 @@ def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
             draft.Propose(bad)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"])
+        # no pricing run at start: an adaptive request's first rounds draft (priced, this random draft's do not pay)
+        config = OrchestratorConfig(calibration_tokens=0)
+        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
         stack.callback(orchestrator.stop, None)
         client = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}"))
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from deploy import hosting
-from deploy.configs import ModelServiceConfig
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec.models import ModelSpec
 from specdec.standin import StandinBackend, StandinSpec
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
@@ -37,7 +37,9 @@ def standin_pair(draft: str, target: str = "standin:0"):
             server, port = hosting.start_model_service(ModelServiceConfig(role, ModelSpec(model)))
             servers.append(server)
             addresses[role] = f"127.0.0.1:{port}"
-        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"])
+        # no pricing run at start: the tests count their own requests' rounds
+        config = OrchestratorConfig(calibration_tokens=0)
+        orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
         servers.append(orchestrator.server)
         info = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses["target"])).Describe(
             model_pb2.DescribeRequest()
