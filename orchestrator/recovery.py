@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import grpc
 
+from orchestrator import scheduler
 from orchestrator.loop import SessionLost
 from specdec.errors import Unavailable
 from specdec.limits import RecoveryConfig
@@ -103,8 +104,11 @@ class ResilientStub:
 
         def call(request, **kwargs):
             stub, request = prepared(request)
+            fn = getattr(stub, method)
             try:
-                return getattr(stub, method)(request, **kwargs)
+                if scheduler.in_task() and not getattr(fn, "waits_in_tasks", False):  # unary: others run meanwhile
+                    return scheduler.result(fn.future(request, **kwargs))
+                return fn(request, **kwargs)
             except grpc.RpcError as err:
                 lost = SessionLost.of(self, f"{self.name} service at {self.address}", err)
                 if lost is None:
@@ -121,6 +125,8 @@ class ResilientStub:
     def probe(self, timeout: float) -> model_pb2.ModelInfo:
         """What the service describes itself as, on a live connection (a fresh one where the current
         one does not answer); raises when it does not answer within `timeout` seconds."""
+        if scheduler.in_task():  # a reconnect blocks: on a thread, the other tasks running meanwhile
+            return scheduler.offload(self.probe, timeout)
         deadline = time.monotonic() + timeout
         stub = self._live_stub(deadline)
         return stub.Describe(model_pb2.DescribeRequest(), timeout=max(_left(deadline), 0.1))
@@ -128,6 +134,8 @@ class ResilientStub:
     def reopen(self, session_id: str, token_ids: list[int], timeout: float | None = None, **fields) -> None:
         """Wait for the service, then open `session_id` afresh holding `token_ids` (`fields`: more of
         OpenSessionRequest's, as the session was opened with: its constraint)."""
+        if scheduler.in_task():  # waits and reconnects: on a thread, the other tasks running meanwhile
+            return scheduler.offload(self.reopen, session_id, token_ids, timeout, **fields)
         wait = self.config.wait_seconds
         if timeout is not None:
             wait = min(timeout - min(self.config.answer_margin, timeout / 10), wait)

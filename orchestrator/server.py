@@ -13,6 +13,7 @@ from orchestrator.lookahead import price
 from orchestrator.loop import RUNNING, SessionLost
 from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
+from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub
 from specdec import lifecycle
 from specdec.errors import FailedPrecondition
@@ -244,6 +245,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return self.telemetry.requests(chunks)
 
     def Generate(self, request, context):
+        # A task of the scheduler (orchestrator.scheduler): this thread waits for its answer.
+        return SCHEDULER.run(self._generate, request, context)
+
+    def _generate(self, request, context):
         ids, text, logprobs = [], [], []
         last = None
         for chunk in self._chunks(request, context):
@@ -256,7 +261,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         )
 
     def GenerateStream(self, request, context):
-        for chunk in self._chunks(request, context):
+        for chunk in SCHEDULER.iterate(lambda: self._chunks(request, context)):
             yield _chunk_proto(chunk)
 
     def Describe(self, request, context):

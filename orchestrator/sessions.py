@@ -32,12 +32,13 @@ import contextlib
 import contextvars
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
+from orchestrator import scheduler
 from orchestrator.rounds import SessionLost
+from orchestrator.scheduler import Continuations
 from specdec.errors import Unavailable
 from specdec.v1 import model_pb2
 
@@ -60,8 +61,9 @@ def wait_quietly(future, timeout: float | None) -> None:
             pass
 
 
-# Continuations run here, beside the round's Score call; a thread is idle while its round waits.
-CONTINUATIONS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="specdec-continuation")
+# Continuations run here, beside the round's Score call: a task of the scheduler's beside a
+# generation that is one (orchestrator.scheduler), else a thread, idle while its round waits.
+CONTINUATIONS = Continuations(max_workers=64)
 
 
 def close_once(side: Side) -> bool:
@@ -151,7 +153,7 @@ class GenerationSessions:
                     if self._ended:  # the generation ended while this was being sent
                         self._cancel_draft_open()
                     try:
-                        self._draft_open_call.result()
+                        scheduler.result(self._draft_open_call)
                     except grpc.RpcError as err:  # as the stub's own calls raise it
                         where = f"{getattr(side.stub, 'name', 'draft')} service at {getattr(side.stub, 'address', '')}"
                         lost = SessionLost.of(side.stub, where, err)

@@ -29,6 +29,7 @@ import time
 
 import grpc
 
+from orchestrator import scheduler
 from specdec.v1 import model_pb2
 
 # The calls each service takes on its step stream: stub method -> StepCall's oneof field. An
@@ -94,9 +95,14 @@ class StepFuture:
         """The response; raises StepError (DEADLINE_EXCEEDED past the call's deadline or `timeout`)."""
         if not self._settled:
             wait = self._left(timeout)
-            if self._unsettled.acquire(timeout=-1 if wait is None else wait):
+            if scheduler.in_task():  # a generation on the scheduler: the other tasks run meanwhile
+                settled = scheduler.SCHEDULER.suspend(self, wait)
+            elif self._unsettled.acquire(timeout=-1 if wait is None else wait):
                 self._unsettled.release()  # for any other waiter
+                settled = True
             else:
+                settled = False
+            if not settled:
                 self._settle(None, StepError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 0.0)
                 self._link.cancel(self)
         if self._error is not None:
@@ -181,8 +187,9 @@ class _Stream:
         code, details = grpc.StatusCode.UNAVAILABLE, "the step stream ended"
         try:
             for message in self.call:
-                for result in message.results:
-                    self._resolve(result)
+                with scheduler.SCHEDULER.together():  # the tasks of a step wake together
+                    for result in message.results:
+                        self._resolve(result)
         except grpc.RpcError as err:
             code, details = err.code(), err.details()
         with self.link._cond:
@@ -223,6 +230,7 @@ class StepLink:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._stream: _Stream | None = None
+        self._held: list[tuple[_Stream, model_pb2.StepCall]] = []  # the scheduler's tasks' calls until flush
 
     def future(self, method: str, field: str, request, timeout: float | None = None) -> StepFuture:
         span, carrier = None, None
@@ -238,9 +246,22 @@ class StepLink:
             call.id = next(self._ids)
             future = StepFuture(self, stream, call.id, field, deadline, span)
             stream.pending[call.id] = future
-            stream.outbox.append(call)
-            self._cond.notify_all()
+            if scheduler.in_task():  # held, then sent with the step's other calls once no task is ready
+                self._held.append((stream, call))
+                scheduler.SCHEDULER.flush_later(self)
+            else:
+                stream.outbox.append(call)
+                self._cond.notify_all()
         return future
+
+    def flush(self) -> None:
+        """Send what the scheduler's tasks queued, as one message (the scheduler's thread)."""
+        with self._cond:
+            held, self._held = self._held, []
+            for stream, call in held:
+                if not stream.closed:  # else its calls failed with it
+                    stream.outbox.append(call)
+            self._cond.notify_all()
 
     def cancel(self, future: StepFuture) -> None:
         """Forget `future` here and drop its call on the service."""
@@ -265,12 +286,16 @@ class _StepMethod:
     """A stub method that goes over the link: called as a unary method, or .future() as its future;
     `unary`: the unary method, for the requests `stays_unary` names."""
 
+    waits_in_tasks = True  # called in a scheduler task, it waits there (orchestrator.scheduler)
+
     def __init__(self, link: StepLink, method: str, field: str, unary=None, stays_unary=lambda request: False):
         self._link, self._method, self._field = link, method, field
         self._unary, self._stays_unary = unary, stays_unary
 
     def __call__(self, request, timeout: float | None = None, **kwargs):
         if self._stays_unary(request):
+            if scheduler.in_task():  # its reply waited for without blocking the other tasks
+                return scheduler.result(self._unary.future(request, timeout=timeout, **kwargs))
             return self._unary(request, timeout=timeout, **kwargs)
         return self.future(request, timeout).result()
 
