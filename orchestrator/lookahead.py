@@ -173,6 +173,17 @@ class AdaptiveLookahead:
             self.exploring = True
             return min(2, self.k_max)
 
+    def unexplored(self) -> None:
+        """The round next_k chose to explore went without drafts (the draft's session still opening):
+        the next round explores instead, at the same wait (else the wait doubled on no evidence, and a
+        generation whose draft opens on its first exploration never measured one)."""
+        with self.costs.lock:
+            if self.exploring:
+                self.exploring = False
+                costs = self.costs
+                costs.explore_after = max(EXPLORE_EVERY, costs.explore_after / 2)
+                costs.off_rounds = costs.explore_after
+
     def would_speculate(self) -> bool:
         """Whether the next round would draft, asked before it (no round counted): a new
         generation opens its draft's session only then."""

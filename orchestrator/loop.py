@@ -271,6 +271,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         ready = self.draft is not None and bool(self.generated) and self._draft_ready(wanted, self._waits_for_draft)
         # under load, the policy chose a plain round: its rounds take several steps (_plain_steps)
         self._policy_plain = wanted == 0 and self.policy is not None and self.policy.may_stop and RUNNING.count() > 1
+        if wanted and not ready and self.policy is not None:
+            self.policy.unexplored()  # an exploration waits for the draft's session
         wanted = wanted if ready else 0
         self._round_speculates = wanted > 0  # under load, its requests run beside others' (see Threads)
         if not ready:

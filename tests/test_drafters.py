@@ -136,6 +136,30 @@ def test_explorations_back_off_while_speculation_does_not_pay():
     assert policy.next_k() > 0 and policy.costs.explore_after == 8
 
 
+def test_an_exploration_without_the_drafts_session_is_made_at_the_next_round():
+    """An exploring round whose draft session was still opening ran without drafts: the next round
+    explores instead, at the same wait, and once it drafts and finds speculation paying the policy
+    speculates (before, the wait doubled on no evidence and a new generation never explored)."""
+    policy = AdaptiveLookahead(k_max=8)
+    for _ in range(20):  # every draft rejected, expensive draft: speculation off
+        k = policy.next_k()
+        policy.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
+    while not policy.next_k():  # k = 0 rounds until the exploration
+        policy.update(proposed=0, accepted=0, draft=0.0, target_seconds=0.1)
+    wait = policy.costs.explore_after
+    policy.unexplored()  # that round had no draft session yet
+    policy.update(proposed=0, accepted=0, draft=0.0, target_seconds=0.1)
+    k = policy.next_k()
+    assert k > 0 and policy.exploring and policy.costs.explore_after == wait
+    for _ in range(40):  # the draft, open now, pays: explorations find it
+        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
+        k = policy.next_k() or policy.next_k()
+    assert policy.next_k() > 0
+    policy.exploring = False
+    policy.unexplored()  # not exploring: nothing changes
+    assert policy.costs.explore_after == 8
+
+
 def test_generations_on_a_pair_start_from_its_costs():
     """What one generation measured of its pair (here: speculation does not pay) the next one
     starts from, instead of from k_max with no evidence; its acceptance is its own, with the
