@@ -106,9 +106,9 @@ class ResilientStub:
             stub, request = prepared(request)
             fn = getattr(stub, method)
             try:
-                if scheduler.in_task() and not getattr(fn, "waits_in_tasks", False):  # unary: others run meanwhile
-                    return scheduler.result(fn.future(request, **kwargs))
-                return fn(request, **kwargs)
+                if getattr(fn, "waits_in_tasks", False):  # a step method: waits in a task itself
+                    return fn(request, **kwargs)
+                return scheduler.call(fn, request, **kwargs)
             except grpc.RpcError as err:
                 lost = SessionLost.of(self, f"{self.name} service at {self.address}", err)
                 if lost is None:

@@ -5,7 +5,7 @@ A request's loop (orchestrator.loop) is written as one generation's rounds that 
 Run on a thread of its own per request, 64 requests were 64 threads that woke once a call each and
 contended for the interpreter's lock: the orchestrator, not the models, was the ceiling under load
 (docs/architecture.md, "The scheduler"). Here each generation is a task (a greenlet) on one
-scheduler thread. A task runs until it waits (a step call's result, a continuation, a pause); the
+scheduler thread. A task runs until it waits (a step call's result, a continuation, a reconnect); the
 scheduler then runs the next task that is ready, and once none is, flushes every step link
 (orchestrator.step_link): the calls the tasks made meanwhile leave together as one message a service
 runs as one batched step. A step's results come back as one message; the tasks they wake run, and
@@ -13,8 +13,8 @@ their next calls leave together again. The rounds keep each request's own policy
 constraint, deadline, cancellation, trees): the code that decides them is the loop's, unchanged.
 
 What waits in a task must wait here, not block the thread (every task would stop with it):
-`result(future)` for any future with add_done_callback, `sleep`, and `offload` for blocking work (a
-reconnect) that runs on a thread meanwhile. Outside a task (tests driving a loop, the pricing run,
+`result(future)` for any future with add_done_callback, `call` for a unary gRPC call, and `offload`
+for blocking work (a reconnect) that runs on a thread meanwhile. Outside a task (tests driving a loop, the pricing run,
 Ray Serve replicas) each of them blocks as usual, so the same code runs both ways.
 
 Owns the scheduler thread, its tasks and their timers; knows nothing of rounds or the rule.
@@ -92,7 +92,6 @@ class Scheduler:
         self._held = threading.local()  # a thread's wakes held back (together)
         self._thread: threading.Thread | None = None
         self._hub: greenlet.greenlet | None = None
-        self.tasks = 0  # tasks alive (status, tests)
 
     # -- from any thread ---------------------------------------------------------------------
     def spawn(self, fn: Callable, *args, **kwargs) -> TaskFuture:
@@ -196,14 +195,6 @@ class Scheduler:
         done = self._hub.switch()
         return bool(done) or future.done()
 
-    def pause(self, seconds: float) -> None:
-        """Sleep `seconds` in a task, the other tasks running meanwhile."""
-        task = greenlet.getcurrent()
-        wait = next(self._ids)
-        task.wait = wait
-        self._timers[task] = (time.monotonic() + max(0.0, seconds), wait)
-        self._hub.switch()
-
     # -- the scheduler's thread ----------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._thread is None:
@@ -218,11 +209,7 @@ class Scheduler:
 
     def _start(self, future: TaskFuture, ctx: contextvars.Context, fn, args, kwargs) -> None:
         def body(_value=None) -> None:
-            self.tasks += 1
-            try:
-                ctx.run(_complete, future, fn, args, kwargs)
-            finally:
-                self.tasks -= 1
+            ctx.run(_complete, future, fn, args, kwargs)
 
         self._ready.append((_Task(body, parent=self._hub), None))
 
@@ -232,6 +219,15 @@ class Scheduler:
         task.wait = None
         self._timers.pop(task, None)
         self._ready.append((task, value))
+
+    def _drain(self) -> None:
+        """Do what the inbox holds now, without waiting."""
+        try:
+            while True:
+                action, args = self._inbox.get_nowait()
+                action(*args)
+        except queue.Empty:
+            pass
 
     def _main(self, started: threading.Event) -> None:
         self._hub = greenlet.getcurrent()
@@ -243,12 +239,11 @@ class Scheduler:
                 timeout = max(0.0, min(d for d, _ in self._timers.values()) - time.monotonic())
             try:
                 action, args = inbox.get(timeout=timeout)
-                action(*args)
-                while True:  # all that arrived meanwhile: a step's results wake together
-                    action, args = inbox.get_nowait()
-                    action(*args)
             except queue.Empty:
                 pass
+            else:
+                action(*args)
+                self._drain()  # all that arrived meanwhile: a step's results wake together
             if self._timers:
                 now = time.monotonic()
                 for task, (deadline, wait) in list(self._timers.items()):
@@ -260,13 +255,8 @@ class Scheduler:
                     task.switch(value)
                 except BaseException:  # noqa: BLE001 - a task's own errors reach its future; this thread must go on
                     log.exception("a scheduler task failed outside its future")
-                if not ready and inbox.qsize():  # results that came while these ran join this step
-                    try:
-                        while True:
-                            action, args = inbox.get_nowait()
-                            action(*args)
-                    except queue.Empty:
-                        pass
+                if not ready:  # results that came while these ran join this step
+                    self._drain()
             links, self._links = self._links, set()
             for link in links:
                 link.flush()
@@ -285,12 +275,11 @@ def result(future, timeout: float | None = None):
     return future.result(timeout)
 
 
-def sleep(seconds: float) -> None:
-    """time.sleep, or a task's pause (the other tasks run meanwhile)."""
+def call(method, request, **kwargs):
+    """A unary gRPC call; in a task, its reply waited for without blocking the other tasks."""
     if in_task():
-        SCHEDULER.pause(seconds)
-    else:
-        time.sleep(seconds)
+        return result(method.future(request, **kwargs))
+    return method(request, **kwargs)
 
 
 _OFFLOAD = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="specdec-offload")

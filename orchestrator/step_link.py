@@ -294,9 +294,7 @@ class _StepMethod:
 
     def __call__(self, request, timeout: float | None = None, **kwargs):
         if self._stays_unary(request):
-            if scheduler.in_task():  # its reply waited for without blocking the other tasks
-                return scheduler.result(self._unary.future(request, timeout=timeout, **kwargs))
-            return self._unary(request, timeout=timeout, **kwargs)
+            return scheduler.call(self._unary, request, timeout=timeout, **kwargs)
         return self.future(request, timeout).result()
 
     def future(self, request, timeout: float | None = None, **kwargs):

@@ -1,7 +1,7 @@
 """The orchestrator's scheduler (orchestrator.scheduler): generations as tasks on one thread, and the
 calls its tasks make while others run leave as one message on a step stream.
 
-Tasks take turns where they wait (a future, a pause, work offloaded to a thread), not in any
+Tasks take turns where they wait (a future, work offloaded to a thread), not in any
 order of threads; a future's result, error and timeout reach the task that waits; a stream of
 items reaches the calling thread in order, with its error; and a step's calls from 32 tasks reach
 a real gRPC Steps handler on loopback as one message.
@@ -22,12 +22,19 @@ from orchestrator.step_link import StepLink
 from specdec.v1 import model_pb2
 
 
+def later(seconds: float, value=None) -> concurrent.futures.Future:
+    """A future another thread sets after `seconds`."""
+    future = concurrent.futures.Future()
+    threading.Timer(seconds, future.set_result, args=(value,)).start()
+    return future
+
+
 def test_tasks_take_turns_where_they_wait():
     events: list[str] = []
 
     def task(name: str) -> str:
         events.append(f"{name} starts")
-        scheduler.sleep(0.05)
+        scheduler.result(later(0.05))
         events.append(f"{name} ends")
         return name
 
@@ -45,9 +52,7 @@ def test_a_task_waits_for_a_future_set_on_another_thread_and_sees_its_error_and_
     def wait_for(future, timeout=None):
         return scheduler.result(future, timeout)
 
-    done = concurrent.futures.Future()
-    threading.Timer(0.05, done.set_result, args=(42,)).start()
-    assert SCHEDULER.run(wait_for, done) == 42
+    assert SCHEDULER.run(wait_for, later(0.05, 42)) == 42
 
     failed = concurrent.futures.Future()
     threading.Timer(0.05, failed.set_exception, args=(ValueError("no"),)).start()
@@ -108,7 +113,7 @@ def test_closing_a_stream_early_closes_the_tasks_source():
     def source():
         try:
             for i in range(1000):
-                scheduler.sleep(0.001)
+                scheduler.result(later(0.001))
                 yield i
         finally:
             closed.set()
