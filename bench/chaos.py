@@ -52,7 +52,7 @@ import grpc
 from bench.loadtest import percentile
 from bench.relay import DelayRelay
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
-from specdec.security import ClientSecurity, channel
+from specdec.serving.security import ClientSecurity, channel
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 PROMPTS = (

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, hf_generate, load_prompts
 from deploy import configs as deploy_configs
-from specdec import models
 from specdec.limits import AdmissionLimits
+from specdec.weights import models
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _runs(requests: list, c: int, generate, duration: float | None = None) -> tu
 
     One client runs on the calling thread: the in-process `generate` rows ran at 0.55-0.6x their
     speed on a pool thread once the main thread had run a forward (torch's OpenMP on a second
-    thread: a service's forwards all run on its one model worker, specdec.lifecycle)."""
+    thread: a service's forwards all run on its one model worker, specdec.serving.lifecycle)."""
     t0 = time.perf_counter()
 
     def client(i: int) -> list[dict]:
@@ -138,7 +138,7 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
 
 
 def _llamacpp_batch(backend, requests: list[list[int]], c: int, max_tokens: int) -> dict:
-    """The target service's own engine in this process (a specdec.llamacpp backend, its threads): the
+    """The target service's own engine in this process (a specdec.runtime.llamacpp backend, its threads): the
     requests in waves of c, each wave's prompts prefilled one after another in its chunks, then decoded
     greedily as one batched forward a step, max_tokens each: what c sessions cost the engine alone, the
     bound of speculation off at c clients. Every c runs the same prompts (a cell's clients cycle through
@@ -196,7 +196,7 @@ def run(config: ConcurrencyConfig) -> dict:
         }
     if deploy_configs.target_runtime(config.target, config.target_backend) == "llamacpp":
         # the engine alone, batched: what bounds speculation off under load (the prompts' prefills included)
-        from specdec.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend
 
         backend = LlamaCppBackend(config.target, default_file=models.f32_gguf_path)  # loaded once
         rows["llama.cpp in process, batch of c"] = {

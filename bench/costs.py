@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict
 
 from deploy.configs import ModelServiceConfig
-from specdec import models, placement
-from specdec.engine import scratch_caches, warm_up
+from specdec.runtime import placement
+from specdec.runtime.engine import scratch_caches, warm_up
+from specdec.weights import models
 
 REPS = 15  # timed forwards per width (median), after two dropped
 

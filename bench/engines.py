@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specdec import models
+from specdec.weights import models
 
 N_CTX = 4096  # positions of the llama.cpp contexts: the longest prompt plus max tokens fit
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.security import SecurityError, host_of, is_loopback
+from specdec.serving.security import SecurityError, host_of, is_loopback
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, load_prom
 from deploy import hosting
 from deploy.configs import OrchestratorConfig
 from deploy.local import LocalPipeline, PipelineConfig, Placement
-from specdec import models, placement
-from specdec.security import ClientSecurity
+from specdec.runtime import placement
+from specdec.serving.security import ClientSecurity
+from specdec.weights import models
 
 
 @dataclass(frozen=True)

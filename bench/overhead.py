@@ -143,7 +143,8 @@ def serve(role: str, model: str, dtype: str, device: str, k: int, graphs: bool |
     from deploy import hosting
     from deploy.configs import ModelServiceConfig
     from draft_service import drafters
-    from specdec import models, placement
+    from specdec.runtime import placement
+    from specdec.weights import models
 
     if device == "cpu":  # two services and the orchestrator share the cores: one thread each, no spinning
         placement.apply(None, 1)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import costs
-from specdec import placement
+from specdec.runtime import placement
 
 
 @dataclass

@@ -50,9 +50,10 @@ from bench.report import (  # noqa: F401 - importable from bench.run
 )
 from deploy.configs import ModelServiceConfig, target_runtime
 from deploy.local import LocalPipeline, PipelineConfig, Placement
-from specdec import models, placement
 from specdec.limits import SessionLimits
-from specdec.security import ClientSecurity
+from specdec.runtime import placement
+from specdec.serving.security import ClientSecurity
+from specdec.weights import models
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 DOCUMENT = Path(__file__).with_name("long_chat.json")  # its system prompt: a store's return policy, 1,298 tokens
@@ -350,7 +351,7 @@ def run(config: BenchConfig) -> dict:
 def _forward_costs(config: BenchConfig, pipelines: dict, prompt_ids: list[list[int]]) -> dict:
     """One-process costs (bench.costs), each model alone on its service's cores, for the rows'
     bounds: the target's verify of 1 to k_max + 1 tokens, each drafter's step; seconds. Where the
-    services share the machine's cores (neither pinned, on a CPU of several: specdec.placement),
+    services share the machine's cores (neither pinned, on a CPU of several: specdec.runtime.placement),
     also at their shares of the cores ("target_share", "draft_share"): overlapped rounds run there."""
     widths = sorted({1, 2, 3, 5, 9} | {k + 1 for k in config.ks})
     context = round(statistics.mean(map(len, prompt_ids))) + config.max_tokens // 2

@@ -1,5 +1,5 @@
 """`specdec ray bench`: pairs behind one Ray Serve endpoint, measured at a scale this machine
-cannot hold, with sleeping stand-ins (specdec.standin) so that N pairs fit on a few cores.
+cannot hold, with sleeping stand-ins (specdec.runtime.standin) so that N pairs fit on a few cores.
 
 - Scaling: for each N (default 1, 2, 4, 8) one application of N pair replicas (rescaled in
   place between rows), then a load that saturates them: N x (max_concurrent + 1) clients, each
@@ -37,9 +37,9 @@ import grpc
 from deploy import ray_cluster, ray_deploy, ray_serve
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec.limits import AdmissionLimits
-from specdec.models import ModelSpec
-from specdec.security import ServerSecurity
+from specdec.serving.security import ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 
 PROMPT = [5, 12, 30, 18, 7, 25, 40, 9]  # token ids of the stand-ins' vocabulary
 NAME = "specdec-bench"

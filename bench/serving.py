@@ -1,7 +1,7 @@
 """`specdec bench --serving`: the serving path under load, with stand-in models that cost no core.
 
 The three services start as `specdec serve` starts them (deploy.local), with stand-ins
-(specdec.standin): a target whose batched forward sleeps `target_ms` and a draft whose forward
+(specdec.runtime.standin): a target whose batched forward sleeps `target_ms` and a draft whose forward
 sleeps `draft_ms`, agreeing with the target at `agreement`. A forward that sleeps is what an
 accelerator's forward is to its host: a wait, not a core. What the cells measure is therefore the
 serving path itself (the orchestrator, the wire, the services' bookkeeping) as it would run
@@ -30,8 +30,8 @@ import grpc
 
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec.limits import AdmissionLimits, SessionLimits
-from specdec.models import ModelSpec
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 METHODS = ("off", "k4", "adaptive", "default")

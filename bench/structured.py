@@ -17,7 +17,7 @@ answer without the schema cut to the schema's answer length (the target alone's 
 like for like where the answers do not depend on speculation (greedy; the invariant rule,
 StructuredConfig.rule), not for a Leviathan sample (speculation draws another one). A fourth pair,
 without the schema and under `frequency_penalty` 0.5 (PENALTY: both services penalise their rows,
-specdec.penalties), says what share of the speed-up speculation keeps under a penalty.
+specdec.decoding.penalties), says what share of the speed-up speculation keeps under a penalty.
 Prints a table and writes structured.json to --out.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.report import Row, format_rows, paired_speedup
 from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate, load_prompts
-from specdec import models
+from specdec.weights import models
 
 ASK = "\nAnswer as JSON: an object with `answer` (a string) and `points` (a list of strings)."
 SCHEMA = {

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
-from specdec.sampling import SamplingParams
-from specdec.security import ClientSecurity
+from specdec.decoding.sampling import SamplingParams
+from specdec.serving.security import ClientSecurity
 
 BUSY = {"Propose": "draft", "ProposalRow": "draft", "Score": "target"}
 

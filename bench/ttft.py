@@ -34,8 +34,8 @@ from pathlib import Path
 
 from bench.report import format_rows
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec import models
 from specdec.limits import SessionLimits
+from specdec.weights import models
 
 CHAT = Path(__file__).with_name("long_chat.json")
 CRITERIA = {"first": 1.1, "second": 0.2, "identical": 0.1}  # issue 43's bounds on the ratios
@@ -107,7 +107,7 @@ def run(config: TTFTConfig, log=print) -> dict:
 
 def _services(pipeline) -> dict:
     """Stubs of the pipeline's model services (their token: LocalPipeline's service token)."""
-    from specdec import security
+    from specdec.serving import security
     from specdec.v1 import model_pb2_grpc
 
     client = security.ClientSecurity(token=pipeline.service_token)
@@ -195,7 +195,7 @@ def _llamacpp_target(config: TTFTConfig):
 
 def _engine_prefill_seconds(backend, ids: list[int]) -> float:
     """llama.cpp's prefill of the ids, in the chunks a service feeds (its prefill_chunk,
-    specdec.engine), the last position's logits: what the target service computes for the first token."""
+    specdec.runtime.engine), the last position's logits: what the target service computes for the first token."""
     chunk = backend.prefill_chunk
     slot = backend.new_cache()
     try:

@@ -17,8 +17,9 @@ from bench.chaos import text as chaos_text
 from cli import options
 from cli.generate import local_pipeline
 from orchestrator import RULES
-from specdec import models, security
+from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights import models
 
 DEFAULT_DRAFTERS = "model,ngram,llamacpp"
 

@@ -10,7 +10,7 @@ import sys
 
 from cli import options
 from deploy.local import LocalPipeline
-from specdec import security
+from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 

@@ -1,7 +1,7 @@
 """The option groups the commands share, defined once, and the settings built from them.
 
 Models, drafters, servers, limits, telemetry and TLS / token flags; then the frozen
-configs those flags become (specdec.security, specdec.limits, deploy.local, deploy.hosting).
+configs those flags become (specdec.serving.security, specdec.limits, deploy.local, deploy.hosting).
 Tokens are read here from their files or from $SPECDEC_AUTH_TOKEN / $SPECDEC_SERVICE_AUTH_TOKEN; the
 settings the library takes from the environment ($SPECDEC_CACHE, $SPECDEC_FUSE) by apply_environment, once
 a process (cli.main), and the OTEL_* variables by the commands that serve (cli.serving).
@@ -20,24 +20,26 @@ from deploy.configs import BACKENDS, OrchestratorConfig
 from deploy.local import PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from orchestrator import CALIBRATION_TOKENS, RULES
-from specdec import embedded, models, security, validation
+from specdec import validation
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
-from specdec.placement import parse_cpus
+from specdec.runtime.placement import parse_cpus
+from specdec.serving import security
+from specdec.weights import embedded, models
 
-FUSE_ENV = "SPECDEC_FUSE"  # specdec.graphs.FUSE_ENV, not imported here: specdec.graphs imports torch
+FUSE_ENV = "SPECDEC_FUSE"  # specdec.runtime.graphs.FUSE_ENV, not imported here: specdec.runtime.graphs imports torch
 
 
 def apply_environment(environ: Mapping[str, str] | None = None) -> None:
     """Set the library's settings from the environment (os.environ where None), once a process, before a
-    command runs: the cache ($SPECDEC_CACHE; specdec.embedded.set_cache_dir) and the fusion of CUDA models
-    ($SPECDEC_FUSE; specdec.graphs.set_fuse, imported only where the variable is set or torch is loaded
+    command runs: the cache ($SPECDEC_CACHE; specdec.weights.embedded.set_cache_dir) and the fusion of CUDA models
+    ($SPECDEC_FUSE; specdec.runtime.graphs.set_fuse, imported only where the variable is set or torch is loaded
     already, so that a client's command imports no torch). The children a command starts (deploy.local)
     inherit the environment and read it again as they start."""
     environ = os.environ if environ is None else environ
     embedded.set_cache_dir(environ.get(embedded.CACHE_ENV))
     fuse = environ.get(FUSE_ENV)
-    if fuse or "specdec.graphs" in sys.modules:
-        from specdec import graphs
+    if fuse or "specdec.runtime.graphs" in sys.modules:
+        from specdec.runtime import graphs
 
         graphs.set_fuse(fuse)
 
@@ -93,7 +95,7 @@ def add_compile_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
         help=f"run {who} transformers model's decode and verify forwards as CUDA graphs, captured at start "
         "(seconds) for every batch, width and KV-length bucket, over a KV cache allocated once: --max-sessions "
         "slots of --max-kv-tokens / --max-sessions positions each, the service's context. CUDA only; default: "
-        "on for a CUDA device (a CPU serves eager; specdec/graphs.py says why)",
+        "on for a CUDA device (a CPU serves eager; specdec/runtime/graphs.py says why)",
     )
 
 

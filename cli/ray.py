@@ -26,7 +26,7 @@ from pathlib import Path
 from cli import options
 from deploy import ray_cluster, ray_deploy
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from specdec import models
+from specdec.weights import models
 
 DESCRIPTION = """\
 Run the draft and target services and the orchestrator as Ray actors. The two services get a

@@ -17,8 +17,9 @@ from pathlib import Path
 from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline
-from specdec import models, placement
-from specdec.placement import parse_cpus
+from specdec.runtime import placement
+from specdec.runtime.placement import parse_cpus
+from specdec.weights import models
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -140,7 +141,7 @@ def serve(args) -> int:
     stop = stop_on_signal()
     with LocalPipeline(config, log=_log) as pipeline:
         write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses})
-        # SIGHUP: every child re-reads its TLS files (specdec.security.Rotation).
+        # SIGHUP: every child re-reads its TLS files (specdec.serving.security.Rotation).
         signal.signal(signal.SIGHUP, lambda *_: pipeline.signal_all(signal.SIGHUP))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
         _log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
@@ -159,7 +160,7 @@ def _log(msg: str) -> None:
 
 
 def _telemetry(args, role: str):
-    from specdec import telemetry  # the OpenTelemetry SDK: only for the commands that serve
+    from specdec.serving import telemetry  # the OpenTelemetry SDK: only for the commands that serve
 
     return telemetry.setup(role, args.metrics_port, args.host, environ=os.environ)
 
@@ -195,7 +196,7 @@ def serve_until_signal(
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
     in-flight work finished within drain_timeout) and stop; exit code 0. `http`: the HTTP
     front door (orchestrator.openai_api), stopped after the drain. SIGHUP calls `reload()`
-    (re-read the TLS files and the token: specdec.security.Rotation)."""
+    (re-read the TLS files and the token: specdec.serving.security.Rotation)."""
     stop = stop_on_signal()
     if reload is not None:
         signal.signal(signal.SIGHUP, lambda *_: reload())

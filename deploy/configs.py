@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from draft_service import METHODS as DRAFTERS
 from orchestrator import CALIBRATION_TOKENS, RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
-from specdec.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec, llamacpp_installed
 from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
+from specdec.weights.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec, llamacpp_installed
 
 ROLES = ("draft", "target")
 BACKENDS = ("auto", "torch", "llamacpp")  # what runs a target model (target_runtime, deploy.hosting.target_backend)
@@ -47,7 +47,7 @@ class ModelServiceConfig:
     # CPU, transformers otherwise). A target model that is a .gguf file implies llamacpp.
     backend: str = "auto"
     # A transformers model's decode and verify forwards as CUDA graphs, captured at start over a KV
-    # cache allocated once from limits (specdec.graphs); None: on for CUDA. CUDA only.
+    # cache allocated once from limits (specdec.runtime.graphs); None: on for CUDA. CUDA only.
     compile: bool | None = None
 
     def __post_init__(self):

@@ -25,11 +25,12 @@ from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec import models, placement, standin
-from specdec.graphs import hf_backend
-from specdec.lifecycle import Served
-from specdec.security import ClientSecurity, ServerSecurity
-from specdec.telemetry import Telemetry
+from specdec.runtime import placement, standin
+from specdec.runtime.graphs import hf_backend
+from specdec.serving.lifecycle import Served
+from specdec.serving.security import ClientSecurity, ServerSecurity
+from specdec.serving.telemetry import Telemetry
+from specdec.weights import models
 from target_service.server import serve as serve_target
 
 
@@ -42,8 +43,8 @@ def start_model_service(
 ) -> tuple[Served, int]:
     """Pin the process to the config's cores and threads, load its model (or drafter) and serve
     it; returns (server, bound port). Unpinned on a CPU of several cores, its steps share the
-    machine's cores with another service's as the requests ask (specdec.placement.Cores). A
-    stand-in model (specdec.standin) takes no core: it serves without the core lock."""
+    machine's cores with another service's as the requests ask (specdec.runtime.placement.Cores). A
+    stand-in model (specdec.runtime.standin) takes no core: it serves without the core lock."""
     if standin.is_standin(config.spec.model):
         return serve_model(config, standin.StandinBackend(config.spec.model), host, port, None, security, telemetry)
     usable, threads = placement.apply(config.cpus, config.threads)
@@ -62,7 +63,7 @@ def target_backend(config: ModelServiceConfig):
     resolved where the service runs (deploy.configs.target_runtime)."""
     if config.runtime == "torch":
         return hf_backend(config.spec, config.compile)
-    from specdec.llamacpp import LlamaCppBackend  # llama-cpp-python: only when asked for
+    from specdec.runtime.llamacpp import LlamaCppBackend  # llama-cpp-python: only when asked for
 
     return LlamaCppBackend(config.spec, models.f32_gguf_path)
 

@@ -5,13 +5,13 @@ Each child is `python -m cli <service> --port 0 --ready-file F`; it binds a free
 port and writes {"address": ...} to F once it serves. Children log to files in a temporary
 folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
 telemetry, SPECDEC_FUSE their fusion: each child's command line reads it again), but for the cache:
-SPECDEC_CACHE is set to this process's (specdec.embedded.cache_dir), where start() built the models.
+SPECDEC_CACHE is set to this process's (specdec.weights.embedded.cache_dir), where start() built the models.
 
 The draft and target bind loopback only; the orchestrator binds `host` and alone faces
 clients, with TLS / mTLS when `tls` names files. On the CPU, the draft and the target may both
 use every core unless told otherwise (--draft-cpus, --target-cpus pin them): the orchestrator
 chooses, round by round, whether they compute at once on their shares of the cores or in turn
-on all of them (specdec.placement). Tokens reach the children through their environment (never
+on all of them (specdec.runtime.placement). Tokens reach the children through their environment (never
 argv, which other users can read). Least privilege: the clients' token (`auth_token`) opens the
 orchestrator only; the model services require a token of their own, made here for this pipeline
 (`service_token`), which only the orchestrator is given: a client's token opens no session on them.
@@ -44,8 +44,9 @@ from pathlib import Path
 
 from deploy.configs import ModelServiceConfig
 from orchestrator import CALIBRATION_TOKENS
-from specdec import embedded, models, security
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
+from specdec.serving import security
+from specdec.weights import embedded, models
 
 LOOPBACK = "127.0.0.1"
 MODEL_SERVICES = ("draft", "target")

@@ -4,8 +4,8 @@ A ModelServiceHost builds one model service (deploy.hosting, the composition the
 the tests use too) on its node's address and a free port; an OrchestratorHost connects to
 the two through their actor handles (so it finds a restarted service on its new port) and
 serves the client API. Neither adds behaviour of its own: what the services do, how they
-are secured (specdec.security: TLS, mTLS, a token, plaintext only where allowed) and
-observed (specdec.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
+are secured (specdec.serving.security: TLS, mTLS, a token, plaintext only where allowed) and
+observed (specdec.serving.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
 runtime_env) is the same inside and outside Ray. A Ray worker runs no command line, so its actors'
 entry (worker_environment) reads that environment, as cli.options.apply_environment does elsewhere:
 the OTEL_* variables, SPECDEC_CACHE and, where a model is hosted, SPECDEC_FUSE.
@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from specdec.security import ClientSecurity, ServerSecurity
+from specdec.serving.security import ClientSecurity, ServerSecurity
 
 LOOPBACK = "127.0.0.1"
 
@@ -57,7 +57,7 @@ class ModelServiceHost(_Host):
 
     def __init__(self, config: ModelServiceConfig, security: ServerSecurity, loopback: bool):
         from deploy import hosting
-        from specdec import telemetry
+        from specdec.serving import telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
@@ -78,7 +78,7 @@ class OrchestratorHost(_Host):
         loopback: bool,
     ):
         from deploy import hosting
-        from specdec import telemetry
+        from specdec.serving import telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup("orchestrator", environ=worker_environment())
@@ -111,15 +111,15 @@ class OrchestratorHost(_Host):
 def worker_environment(hosts_model: bool = False) -> dict[str, str]:
     """A Ray worker's settings from its own environment (a runtime_env's variables, else those of the
     raylet that started it), read at an actor's entry as it has no command line: the cache
-    (specdec.embedded.set_cache_dir) and, for an actor that hosts a model, the fusion setting
-    (specdec.graphs.set_fuse, which imports torch) are set; the environment is returned for
-    specdec.telemetry.setup."""
-    from specdec import embedded
+    (specdec.weights.embedded.set_cache_dir) and, for an actor that hosts a model, the fusion setting
+    (specdec.runtime.graphs.set_fuse, which imports torch) are set; the environment is returned for
+    specdec.serving.telemetry.setup."""
+    from specdec.weights import embedded
 
     environ = dict(os.environ)
     embedded.set_cache_dir(environ.get(embedded.CACHE_ENV))
     if hosts_model:
-        from specdec import graphs
+        from specdec.runtime import graphs
 
         graphs.set_fuse(environ.get(graphs.FUSE_ENV))
     return environ

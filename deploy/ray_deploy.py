@@ -16,7 +16,7 @@ and `down` and `status` find them again:
 The actors bind their node's address, so their links cross the cluster's network: they need
 TLS (`server_security` with a certificate; the orchestrator checks the services with
 `service_security`) or plaintext explicitly allowed (`allow_insecure` on both), as anywhere
-else (specdec.security). A cluster that is this one machine may bind loopback instead. The model
+else (specdec.serving.security). A cluster that is this one machine may bind loopback instead. The model
 services require the token the orchestrator sends them (`service_security.token`), not the
 clients' (`server_security.token`): `specdec ray up` makes one for them, so a client's token opens
 no session on a model service.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.ray_actors import ModelServiceHost, OrchestratorHost
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity
+from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity
 
 NAMESPACE = "specdec"
 PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}

@@ -35,7 +35,7 @@ from pathlib import Path
 from deploy import serve_status
 from deploy.ray_deploy import PLACEMENTS, RayDeployConfig
 from specdec.limits import AdmissionLimits, ResumePolicy
-from specdec.security import SecurityError
+from specdec.serving.security import SecurityError
 
 LOOPBACK = "127.0.0.1"
 SERVICER = "specdec.v1.orchestrator_pb2_grpc.add_OrchestratorServicer_to_server"  # what the gRPC proxy serves

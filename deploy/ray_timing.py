@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from deploy import ray_cluster, ray_deploy
-    from specdec import embedded, models
+    from specdec.weights import embedded, models
 
     # A command line of its own: like the `specdec` it runs, it takes the cache (where `ray up` keeps its state) from
     # $SPECDEC_CACHE.

@@ -40,10 +40,10 @@ from orchestrator import continuation, openai_api
 from orchestrator.calibration import calibrate
 from orchestrator.generation import request_defaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
-from specdec import lifecycle, security, telemetry
 from specdec.errors import Unavailable
 from specdec.limits import AdmissionLimits, ResumePolicy
-from specdec.security import ClientSecurity, ServerSecurity
+from specdec.serving import lifecycle, security, telemetry
+from specdec.serving.security import ClientSecurity, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 # Errors of a call to a pair that mean its replica went away (not the request's own error).

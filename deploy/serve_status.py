@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deploy.ray_deploy import NAMESPACE, ActorStatus, describe
-from specdec import security
-from specdec.security import ClientSecurity
+from specdec.serving import security
+from specdec.serving.security import ClientSecurity
 
 REPLICA_PREFIX = "SERVE_REPLICA::"  # Serve names a replica's actor SERVE_REPLICA::APP#DEPLOYMENT#ID
 SERVE_NAMESPACE = "serve"

@@ -3,7 +3,7 @@
 - model: a transformers causal LM, k autoregressive steps (draft_service.proposer);
 - ngram: model-free prompt lookup over the session's tokens (draft_service.ngram);
 - llamacpp: a GGUF run natively by llama.cpp, same proposer, KV rollback by truncation
-  (specdec.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
+  (specdec.runtime.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - suffix: model-free lookup of the longest suffix in the session's tokens and in a store of the
   service's recent sessions' (draft_service.suffix);
 - hybrid: the suffix index where its match is strong, else the model auto picks (llamacpp or model);
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from draft_service import METHODS, ngram, proposer, suffix
-from specdec import models
+from specdec.weights import models
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ def suffix_drafter(store: suffix.Store | None = None, hybrid: bool = False) -> D
 
 def make(method: str, spec, compile: bool | None = None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
-    the model drafter's forwards as CUDA graphs (specdec.graphs.hf_backend; None: by device)."""
+    the model drafter's forwards as CUDA graphs (specdec.runtime.graphs.hf_backend; None: by device)."""
     if method == "auto":
         method = auto(spec)
     if method == "model":
-        from specdec.graphs import hf_backend
+        from specdec.runtime.graphs import hf_backend
 
         return hf_backend(spec, compile), MODEL
     if method == "ngram":
@@ -59,7 +59,7 @@ def make(method: str, spec, compile: bool | None = None):
     if method == "hybrid":
         return make(auto(spec), spec, compile)[0], suffix_drafter(hybrid=True)
     if method == "llamacpp":
-        from specdec.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(spec), MODEL
     raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from draft_service.proposer import TreeProposal
-from specdec.engine import Session, SessionEngine
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import Session, SessionEngine
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -89,7 +89,7 @@ class TokenizerBackend:
     def __init__(self, spec):
         from transformers import AutoConfig, AutoTokenizer
 
-        from specdec import models
+        from specdec.weights import models
 
         path = models.resolve(spec.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -110,12 +110,12 @@ class TokenizerBackend:
         pass
 
     def tokenizer_files(self):
-        from specdec.backend import tokenizer_files
+        from specdec.runtime.backend import tokenizer_files
 
         return tokenizer_files(self.tokenizer)
 
     def tokenizer_digest(self):
-        from specdec.backend import vocab_digest
+        from specdec.runtime.backend import vocab_digest
 
         return vocab_digest(self.tokenizer)
 

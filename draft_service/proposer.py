@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import penalties, rule
-from specdec.engine import Forward, Session, SessionEngine
+from specdec.decoding import penalties, rule
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import FailedPrecondition, OutOfRange
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.runtime.engine import Forward, Session, SessionEngine
 from specdec.validation import TREE_BRANCHES, TREE_BUCKETS, TREE_EXPAND
 
 
@@ -33,7 +33,7 @@ def propose(
     """Propose k tokens after the committed sequence and `assumed` (tokens taken as given, not
     committed: an overlapped round's continuation): (token ids, draft probs of them).
     `noise_seed` (sampling): the invariant rule, each token the Gumbel-max sample of its row
-    with the noise of its position (specdec.rule.coupled_tokens); no probs, no rows kept.
+    with the noise of its position (specdec.decoding.rule.coupled_tokens); no probs, no rows kept.
     `alternatives` (greedy or the invariant rule): a list that gets, for each token, (the runner-up
     at its position, the token's probability, the runner-up's): the orchestrator's speculation cache.
 

@@ -6,15 +6,16 @@ import inspect
 import time
 
 from draft_service.drafters import MODEL, Drafter
-from specdec import validation, wire
-from specdec.engine import SessionCall, SessionEngine
-from specdec.lifecycle import serve_model
+from specdec import validation
+from specdec.decoding.sampling import SamplingParams
 from specdec.limits import SessionLimits
-from specdec.sampling import SamplingParams
-from specdec.security import ServerSecurity
-from specdec.service import SessionServicer
-from specdec.steps import StepMethod
-from specdec.telemetry import Telemetry
+from specdec.runtime.engine import SessionCall, SessionEngine
+from specdec.serving import wire
+from specdec.serving.lifecycle import serve_model
+from specdec.serving.security import ServerSecurity
+from specdec.serving.service import SessionServicer
+from specdec.serving.steps import StepMethod
+from specdec.serving.telemetry import Telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specdec.v1.DraftService"
@@ -139,10 +140,10 @@ def serve(
 ):
     """Start a draft service on host:port; returns (server, bound port).
 
-    `security` adds TLS / token auth; `telemetry` (specdec.telemetry.setup("draft")) adds spans
+    `security` adds TLS / token auth; `telemetry` (specdec.serving.telemetry.setup("draft")) adds spans
     and metrics, and the caller shuts it down; `limits` caps sessions and KV tokens; `cores`
-    (specdec.placement.Cores) sets each step's threads. The server drains with server.drain()
-    (specdec.lifecycle).
+    (specdec.runtime.placement.Cores) sets each step's threads. The server drains with server.drain()
+    (specdec.serving.lifecycle).
     """
 
     def add_servicer(engine, server, telemetry):

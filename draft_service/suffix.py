@@ -74,9 +74,9 @@ import torch
 
 from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
-from specdec.engine import Session, SessionEngine
-from specdec.prefix import common_prefix
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import Session, SessionEngine
+from specdec.runtime.prefix import common_prefix
 
 MAX_MATCH = 32  # the longest suffix looked for
 MIN_STORE_MATCH = 2  # a store match shorter than this is ignored

@@ -3,7 +3,7 @@
 Owns: starting the n generations so that they share one prefill, cancelling them together, and
 gathering their answers (whole, or as one stream of (choice, chunk) in arrival order). Choice 0
 starts alone; the others start once its first chunk is in (its prompt prefilled), so the services'
-prefix caches (specdec.prefix) give them the prompt's keys and values instead of n prefills. Each
+prefix caches (specdec.runtime.prefix) give them the prompt's keys and values instead of n prefills. Each
 choice is a generation of its own (its seed: openai_json.choice_requests), under the orchestrator's
 admission like any other. Knows nothing of HTTP or of OpenAI's JSON.
 """

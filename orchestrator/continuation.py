@@ -33,7 +33,7 @@ from orchestrator.generation import DEFAULT_MAX_NEW_TOKENS, ModelPair, RequestDe
 from orchestrator.server import OrchestratorServicer
 from specdec.errors import Cancelled, Unavailable
 from specdec.limits import ResumePolicy
-from specdec.service import deadline_seconds
+from specdec.serving.service import deadline_seconds
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger("specdec.continuation")

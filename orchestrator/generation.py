@@ -24,9 +24,10 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import PairCosts
 from orchestrator.speculation_cache import CacheRates
 from orchestrator.trees import PairTrees
-from specdec import grammar, validation
+from specdec import validation
+from specdec.decoding import grammar
+from specdec.decoding.sampling import SamplingParams
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOfRange
-from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128

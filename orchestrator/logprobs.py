@@ -3,7 +3,7 @@
 The target service scores every row of a verify anyway; asked (ScoreRequest.logprobs), it returns
 each draft token's log probability in the row that scores it, each row's own token (its argmax, or
 under the invariant rule its sample) with its log probability, and the row's most likely tokens,
-all under the law the output is drawn from (specdec.sampling.logprobs_from_logits: the row masked
+all under the law the output is drawn from (specdec.decoding.sampling.logprobs_from_logits: the row masked
 by the constraint, then temperature, top-k and top-p). Here they are matched to what the rule
 committed. The loop calls these; they know nothing of RPC.
 """

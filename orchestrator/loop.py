@@ -1,11 +1,11 @@
 """The speculative decoding loop across the draft and target services, token ids only.
 
 One round: DraftService.Propose (k tokens) then TargetService.Score (k + 1 positions in one
-forward), then the pure rule (specdec.rule) decides what is committed. The commit rides on
+forward), then the pure rule (specdec.decoding.rule) decides what is committed. The commit rides on
 each service's next request (`append_tokens`), so a round is two RPCs; a third, ProposalRow,
 happens only in sampling mode on a rejection, to fetch the one draft row the residual needs.
 
-Two sampling rules (specdec.rule), both exact. Leviathan: all randomness is drawn here from one
+Two sampling rules (specdec.decoding.rule), both exact. Leviathan: all randomness is drawn here from one
 seeded generator, a fixed number of draws per round, so a seed reproduces a generation for a
 fixed lookahead and overlap setting, whatever the load or faults (no draw depends on timing).
 Invariant: nothing is drawn here; the services compute each position's noise from the seed,
@@ -19,7 +19,7 @@ draft tree), orchestrator.cache_branches (the speculation cache); this module ch
 kind and runs a chain's.
 
 Threads. Where the two services share one machine's cores (PairCosts.sharing,
-specdec.placement), every request names the threads its forwards may use: the services' shares
+specdec.runtime.placement), every request names the threads its forwards may use: the services' shares
 while both compute for this generation at once (an overlapped round's continuation beside its
 verify, both prefills) or, under load, in any round that drafts (one generation's draft steps
 fall between another's verify steps); every core otherwise (the core lock makes the services
@@ -58,8 +58,9 @@ from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, S
 from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, wait_quietly
 from orchestrator.tree_round import TreeRound
 from orchestrator.trees import PairTrees, TreeAcceptance
-from specdec import rule, wire
+from specdec.decoding import rule
 from specdec.errors import SpecdecError, Unavailable
+from specdec.serving import wire
 from specdec.v1 import model_pb2
 from specdec.validation import MAX_LOOKAHEAD
 

@@ -42,8 +42,8 @@ from starlette.routing import Route
 from orchestrator.choices import Choices
 from orchestrator.openai_json import APIError, Completion, choice_requests, generate_request
 from orchestrator.server import MAX_REQUEST_BYTES
-from specdec import security
-from specdec.telemetry import Telemetry, disabled
+from specdec.serving import security
+from specdec.serving.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 STATIC = Path(__file__).parent / "static"

@@ -13,8 +13,8 @@ import numpy as np
 
 from orchestrator import RULES
 from orchestrator import logprobs as token_logprobs
+from specdec.decoding.sampling import SamplingParams
 from specdec.errors import Unavailable
-from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2
 from specdec.validation import DEFAULT_LOOKAHEAD, TREE_DRAWS
 

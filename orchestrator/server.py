@@ -15,13 +15,13 @@ from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
 from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub
-from specdec import lifecycle
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits, RecoveryConfig
-from specdec.security import ClientSecurity, ServerSecurity
-from specdec.security import channel as secure_channel
-from specdec.service import CHANNEL_OPTIONS, deadline_seconds
-from specdec.telemetry import Telemetry, disabled
+from specdec.serving import lifecycle
+from specdec.serving.security import ClientSecurity, ServerSecurity
+from specdec.serving.security import channel as secure_channel
+from specdec.serving.service import CHANNEL_OPTIONS, deadline_seconds
+from specdec.serving.telemetry import Telemetry, disabled
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.validation import MEASURED_LOOKAHEAD
 
@@ -124,7 +124,7 @@ def _reason(err: Exception) -> str:
 
 
 def shared_cores(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> Sharing | None:
-    """How the two services share one machine's cores (specdec.placement), if they do: both on
+    """How the two services share one machine's cores (specdec.runtime.placement), if they do: both on
     the CPU of one machine (its boot id), their cores overlapping, each having timed its forwards
     at two thread counts (its share and every core). None otherwise (two hosts, a GPU, a service
     pinned to its own cores): each runs on its own threads, whatever the round."""
@@ -332,9 +332,9 @@ def serve(
     """Start the orchestrator on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; pass the same `telemetry`
-    (specdec.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
+    (specdec.serving.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
     generations running and queued; `defaults` is what requests that leave speculation.overlap
-    or speculation.rule unset get. The server drains with server.drain() (specdec.lifecycle).
+    or speculation.rule unset get. The server drains with server.drain() (specdec.serving.lifecycle).
     """
     telemetry = telemetry or disabled()
     limits = admission or AdmissionLimits()

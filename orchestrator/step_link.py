@@ -1,5 +1,5 @@
 """The step stream, orchestrator side: every generation's Propose, ProposalRow and Score calls to a
-model service on one long-lived stream (`Steps`, served by specdec.steps).
+model service on one long-lived stream (`Steps`, served by specdec.serving.steps).
 
 A generation still makes its calls one at a time and waits for each (orchestrator.loop), but none
 of its Propose, ProposalRow, Score, OpenSession (but one with a grammar, compiled off the stream)
@@ -13,7 +13,7 @@ every session's, and the service needs no thread a call.
 Each call keeps what its unary RPC had: a deadline (sent with it, and kept here: past it the call
 raises DEADLINE_EXCEEDED and is cancelled on the service), cancellation (a StepFuture's cancel), its
 own status (StepError, a grpc.RpcError with code() and details(), as a failed unary call raises), a
-client span and the time on the wire (specdec.telemetry). A stream that breaks (the service died,
+client span and the time on the wire (specdec.serving.telemetry). A stream that breaks (the service died,
 the connection dropped) fails its calls in flight with the stream's status (UNAVAILABLE), as the
 unary calls would have failed; the next call opens a new stream.
 

@@ -3,7 +3,7 @@
 TreeRound is a base of orchestrator.loop.SpeculativeLoop (its `self`): with tree_nodes > 0 the
 draft proposes a tree of `depth` levels (ProposeRequest.tree_nodes), the target verifies it in
 one forward, and the round commits the accepted path plus one token of the target's. Greedy and
-the invariant rule walk the tree here (specdec.rule.tree_greedy_path), the Leviathan rule on the
+the invariant rule walk the tree here (specdec.decoding.rule.tree_greedy_path), the Leviathan rule on the
 target (rule.tree_walk), which returns the path and its final token; a path that is not one of
 the draft's tree is an error. A lost draft or an empty tree makes the round a plain one. A tree
 round is sequential (no continuation). Trees and their shapes: orchestrator.trees, and
@@ -18,7 +18,7 @@ import grpc
 
 from orchestrator import logprobs as token_logprobs
 from orchestrator.rounds import Draws, Round, SessionLost
-from specdec import rule
+from specdec.decoding import rule
 from specdec.errors import SpecdecError
 from specdec.v1 import model_pb2
 from specdec.validation import TREE_DRAWS

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec import rule
+from specdec.decoding import rule
 from specdec.validation import TREE_BRANCHES, TREE_BUCKETS
 
 PRIOR_TRIES = 2.0  # pseudo-tries at the bucket's middle probability

@@ -24,18 +24,18 @@ CONTEXT = [100 + i for i in range(80)]
 
 
 def backend(role: str):
-    from specdec import models
+    from specdec.weights import models
 
     if role == "target":
-        from specdec.backend import HFBackend
+        from specdec.runtime.backend import HFBackend
 
         return HFBackend(models.ModelSpec(dtype="float32"))
     try:
-        from specdec.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(models.ModelSpec())
     except RuntimeError:
-        from specdec.backend import HFBackend
+        from specdec.runtime.backend import HFBackend
 
         return HFBackend(models.ModelSpec(dtype="bfloat16"))
 
@@ -53,7 +53,7 @@ def one_token_times(model, reps: int) -> list[float]:
 
 
 def pin(cpu: int) -> None:
-    from specdec import placement
+    from specdec.runtime import placement
 
     placement.apply((cpu,), 1)
 

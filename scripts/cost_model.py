@@ -22,8 +22,9 @@ import time
 
 import torch
 
-from specdec import models, placement
-from specdec.backend import HFBackend
+from specdec.runtime import placement
+from specdec.runtime.backend import HFBackend
+from specdec.weights import models
 
 SIZES = (1, 3, 5, 9)
 
@@ -39,7 +40,7 @@ def main() -> None:
     backends = {"target fp32": HFBackend(models.ModelSpec(dtype="float32"))}
     backends["draft bf16"] = HFBackend(models.ModelSpec(dtype="bfloat16"))
     try:
-        from specdec.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend
 
         backends["target llama.cpp F32"] = LlamaCppBackend(models.ModelSpec(), models.f32_gguf_path)
         backends["draft llama.cpp Q8_0"] = LlamaCppBackend(models.ModelSpec())

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.relay import DelayRelay  # noqa: E402
 from deploy.local import LocalPipeline, PipelineConfig  # noqa: E402
-from specdec.models import ModelSpec  # noqa: E402
 from specdec.v1 import model_pb2, orchestrator_pb2_grpc  # noqa: E402
 from specdec.v1 import orchestrator_pb2 as pb  # noqa: E402
+from specdec.weights.models import ModelSpec  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper."
 

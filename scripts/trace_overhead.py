@@ -27,8 +27,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy.local import LocalPipeline, PipelineConfig  # noqa: E402
-from specdec import models  # noqa: E402
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
+from specdec.weights import models  # noqa: E402
 from tests.otlp import OtlpReceiver  # noqa: E402
 
 MODES = {

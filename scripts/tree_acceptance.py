@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec import models
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights import models
 
 PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.json"
 

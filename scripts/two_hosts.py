@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec import models  # noqa: E402
+from specdec.weights import models  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.certs import make_pki  # noqa: E402
 

@@ -8,7 +8,7 @@ kept by reservation: a session reserves the length its cache is about to reach b
 grows, and settles back to what the cache holds when the request ends.
 
 This module owns the configuration, the KV accounting and the idle-session reaper; the
-engine calls it where a cache grows or a session ends, specdec.lifecycle admits requests.
+engine calls it where a cache grows or a session ends, specdec.serving.lifecycle admits requests.
 It imports nothing heavy: the CLI reads its defaults.
 """
 
@@ -30,7 +30,7 @@ class SessionLimits:
     # that gave up on its OpenSession after the service answered never uses nor closes it
     # (reaping a session that was wanted costs its caller a re-open, orchestrator.recovery).
     unclaimed_ttl: float = 30.0
-    # Keep what sessions computed for later sessions opening with the same tokens (specdec.prefix):
+    # Keep what sessions computed for later sessions opening with the same tokens (specdec.runtime.prefix):
     # closed sessions' caches stay in the KV budget and the slots until a session needs the room.
     prefix_cache: bool = True
 
@@ -110,7 +110,7 @@ class KVBudget:
     """Tokens of keys/values reserved across sessions, against a cap (0: none).
 
     Each session object carries its own reservation in `kv_tokens`. `reclaim()`, where given,
-    frees what it can of what nobody needs (a prefix cache's kept caches, specdec.prefix), one
+    frees what it can of what nobody needs (a prefix cache's kept caches, specdec.runtime.prefix), one
     entry a call, True while it freed any: a reservation past the cap calls it before it refuses.
     """
 

@@ -31,7 +31,7 @@ def sampling(msg, field: str = "sampling") -> None:
     """SamplingParams, the fields that are set: temperature finite and >= 0; top_p in (0, 1];
     top_k >= 1; min_p in [0, 1]; frequency and presence penalties in [-2, 2]; repetition_penalty > 0;
     logit_bias's biases in [-100, 100] (its token ids against a vocabulary: token_ids). Unset fields
-    take their defaults (specdec.sampling.SamplingParams.from_proto)."""
+    take their defaults (specdec.decoding.sampling.SamplingParams.from_proto)."""
     if msg.HasField("temperature") and not (math.isfinite(msg.temperature) and msg.temperature >= 0):
         raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature}")
     if msg.HasField("top_p") and not (math.isfinite(msg.top_p) and 0.0 < msg.top_p <= 1.0):

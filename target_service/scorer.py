@@ -7,7 +7,7 @@ Greedy: the argmax at each position, nothing vocabulary-sized. Sampling: the tar
 probability of each draft token, and the one row the rule needs: with the caller's
 acceptance uniforms the service evaluates the same pure rule the orchestrator runs and
 returns the row at the first rejected position (or the bonus row). Structured output: the rows
-are masked by the session's grammar first (specdec.grammar), so the rule sees masked rows.
+are masked by the session's grammar first (specdec.decoding.grammar), so the rule sees masked rows.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import penalties, rule
-from specdec.engine import Forward, Session, SessionEngine
+from specdec.decoding import penalties, rule
+from specdec.decoding.grammar import apply
+from specdec.decoding.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
 from specdec.errors import InvalidArgument
-from specdec.grammar import apply
-from specdec.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
+from specdec.runtime.engine import Forward, Session, SessionEngine
 
 
 @dataclass

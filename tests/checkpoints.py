@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the architectures the torch backend serves (specdec.architectures),
+"""Tiny random checkpoints of the architectures the torch backend serves (specdec.runtime.architectures),
 each with its family's features switched on, saved with the tests' character tokenizer.
 
 Two layers, hidden 32-64, built from transformers' own config classes: no download. Windows are

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cli import options
-from specdec.backend import HFBackend
-from specdec.models import ModelSpec
+from specdec.runtime.backend import HFBackend
+from specdec.weights.models import ModelSpec
 
 # The suite is a process of its own, as a command is: $SPECDEC_CACHE (CI sets it) and $SPECDEC_FUSE
 # applied as the CLI applies them (the library reads no environment).

@@ -24,9 +24,9 @@ import pytest
 
 from deploy import hosting
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from specdec import security
 from specdec.limits import AdmissionLimits, SessionLimits
-from specdec.service import CHANNEL_OPTIONS
+from specdec.serving import security
+from specdec.serving.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """In-process stand-ins for models, with fixed distributions: token t is followed by a
 distribution that depends only on t (a Markov chain), so the exact output law is known.
 
-They implement the backend interface of specdec.backend and are hosted by the real
+They implement the backend interface of specdec.runtime.backend and are hosted by the real
 SessionEngine and servicers; only the neural network is replaced.
 """
 
@@ -33,7 +33,7 @@ class MarkovBackend:
     def crop(self, cache, keep):
         del cache[keep:]
 
-    def copy_prefix(self, src, dst, n):  # the prefix cache (specdec.prefix)
+    def copy_prefix(self, src, dst, n):  # the prefix cache (specdec.runtime.prefix)
         dst[:] = src[:n]
 
     # A draft tree: a node's logits are its token's row, whatever its ancestors.

@@ -1,5 +1,5 @@
 """Every architecture the torch backend serves computes what the model computes, on every path that
-serves it; any other is refused when it loads (specdec.architectures).
+serves it; any other is refused when it loads (specdec.runtime.architectures).
 
 Tiny random checkpoints of each family, its features switched on (tests/checkpoints.py: sliding
 windows shorter than the prompts, Gemma 2/3's alternating sliding and full layers, q/k/v biases,
@@ -7,7 +7,7 @@ soft-capping, q/k norms, partial rotary, MoE routers, parallel attention and MLP
 logit scales, learned absolute positions):
 - the backend, every family: the logits of a chain (a prefill chunk, verify blocks, a rollback and
   a different continuation), of a ragged batch packed and padded, of a draft tree (each node its
-  path's), and of the static backend's forwards (specdec.graphs, eager on a CPU) equal the model's
+  path's), and of the static backend's forwards (specdec.runtime.graphs, eager on a CPU) equal the model's
   own forward of each whole sequence, and greedy decoding equals its `generate`;
 - the three services on loopback (the draft a noisy copy of the target), the issue's matrix:
   greedy text equal to the target's own `generate`, token for token, with chains, with draft
@@ -25,14 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specdec import architectures
-from specdec.backend import HFBackend
-from specdec.engine import SessionEngine
 from specdec.errors import FailedPrecondition
-from specdec.graphs import Buckets, GraphBackend
 from specdec.limits import SessionLimits
-from specdec.models import ModelSpec
+from specdec.runtime import architectures
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.graphs import Buckets, GraphBackend
 from specdec.v1 import orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from tests.checkpoints import CONFIGS, WINDOW, tiny_checkpoint
 from tests.harness import pipeline
 

@@ -1,4 +1,4 @@
-"""Batched forwards across sessions (specdec.worker, specdec.kvcache): what a session gets does
+"""Batched forwards across sessions (specdec.runtime.worker, specdec.runtime.kvcache): what a session gets does
 not depend on which other sessions share its forwards.
 
 - the slot cache's ragged batched forward gives each row the logits a plain transformers
@@ -21,11 +21,11 @@ import torch
 
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec.backend import HFBackend
-from specdec.engine import PREFILL_BUDGET, Session, SessionEngine
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import PREFILL_BUDGET, Session, SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, status_of, wait_until
 from tests.standins import Direct, MarkovBackend, random_markov

@@ -212,7 +212,7 @@ def test_llamacpp_target_greedy_equals_transformers():
     target's weights. EOS is masked: always max_tokens tokens."""
     import torch
 
-    from specdec import models
+    from specdec.weights import models
 
     model, tokenizer = models.load(models.ModelSpec())
     ids = _chat_ids(tokenizer, "List three colours.")
@@ -229,8 +229,8 @@ def test_llamacpp_target_greedy_equals_transformers():
 def test_the_engine_row_runs_every_prompt_at_every_concurrency():
     """The engine alone's row (the bound of speculation off) runs all of a cell's prompts at every c,
     in waves of c: its "x c=1" weighs the same prefills as the clients' (who cycle through them all)."""
-    from specdec import models
-    from specdec.llamacpp import LlamaCppBackend
+    from specdec.runtime.llamacpp import LlamaCppBackend
+    from specdec.weights import models
 
     backend = LlamaCppBackend(models.ModelSpec(models.DEFAULT_ALIAS))
     free = backend.free_caches()
@@ -250,7 +250,7 @@ def test_the_engine_row_runs_every_prompt_at_every_concurrency():
 @pytest.mark.slow
 def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, tmp_path):
     """--concurrency with --trees: adaptive rows with draft trees beside the chains-only one."""
-    from specdec.models import ModelSpec
+    from specdec.weights.models import ModelSpec
 
     config = concurrency.ConcurrencyConfig(
         concurrency=(1, 2),
@@ -295,7 +295,7 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
     LocalPipelines instead): every case timed from the stream, the next turn and the same request again
     reuse the conversation on both services, and the table holds each ratio beside issue 43's bound."""
     from bench import ttft
-    from specdec import models
+    from specdec.weights import models
     from tests.harness import pipeline
 
     config = ttft.TTFTConfig(max_tokens=4, repeats=1, turns=3, out=tmp_path)

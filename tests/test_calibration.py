@@ -12,10 +12,10 @@ import pytest
 
 from orchestrator.calibration import calibrate
 from orchestrator.generation import ModelPair
-from specdec.graphs import hf_backend
-from specdec.models import ModelSpec
+from specdec.runtime.graphs import hf_backend
 from specdec.v1 import model_pb2, orchestrator_pb2
 from specdec.validation import DEFAULT_LOOKAHEAD, MEASURED_LOOKAHEAD
+from specdec.weights.models import ModelSpec
 from tests.harness import SlowBackend, pipeline
 
 

@@ -27,8 +27,8 @@ from deploy import hosting
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec.limits import RecoveryConfig, SessionLimits
-from specdec.models import ModelSpec
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.harness import ROOT, SlowBackend, long_request, model_stubs, open_sessions, wait_until
 from tests.test_openai_api import http_json
 

@@ -438,7 +438,7 @@ specdec loadtest --requests 4 [--json] ...
     specdec     model  0.0  2  10.56
 ```
 
-Prose: `specdec generate --address` and `specdec.models` and `specdec serve --nope`.
+Prose: `specdec generate --address` and `specdec.weights.models` and `specdec serve --nope`.
 """
     found = commands_in(md, "x.md")
     assert [c.argv for c in found if not c.inline] == [

@@ -20,8 +20,8 @@ from orchestrator.lookahead import (
 )
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import MEASURED, MISPRICED, REVISIT, DraftCost, PairCosts, load_class, profiled
-from specdec.engine import SessionEngine
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare

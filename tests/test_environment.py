@@ -18,7 +18,9 @@ import torch
 
 from cli import options, serving
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec import embedded, graphs, models, telemetry
+from specdec.runtime import graphs
+from specdec.serving import telemetry
+from specdec.weights import embedded, models
 
 ROOT = Path(__file__).resolve().parent.parent
 

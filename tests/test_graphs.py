@@ -1,4 +1,4 @@
-"""The static-forward backend (specdec.graphs) computes what the eager one does, builds everything
+"""The static-forward backend (specdec.runtime.graphs) computes what the eager one does, builds everything
 before it serves, on the thread that serves.
 
 - ragged batched forwards (batches, widths and KV lengths padded to buckets, a block past the
@@ -35,16 +35,17 @@ from deploy.configs import ModelServiceConfig
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import fusion, graphs, models
-from specdec.backend import HFBackend
-from specdec.engine import SessionEngine, warm_up
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import OutOfRange, ResourceExhausted
-from specdec.graphs import Buckets, GraphBackend, bucket, fuse_backend, kv_shape
-from specdec.kvcache import Slot
 from specdec.limits import SessionLimits
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.runtime import fusion, graphs
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import SessionEngine, warm_up
+from specdec.runtime.graphs import Buckets, GraphBackend, bucket, fuse_backend, kv_shape
+from specdec.runtime.kvcache import Slot
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2
+from specdec.weights import models
+from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from tests.conftest import make_tiny_model
 from tests.harness import NO_EOS_PROMPT, SlowBackend, pipeline, run_clients

@@ -1,4 +1,4 @@
-"""The grown target (specdec.grow): the construction keeps every logit, the check that says so
+"""The grown target (specdec.weights.grow): the construction keeps every logit, the check that says so
 fails on a wrong construction, the alias cache builds once, and the grown aliases stay off
 llama.cpp while the default alias keeps its llama.cpp drafter."""
 
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from deploy.configs import ModelServiceConfig
 from draft_service import drafters
-from specdec import grow, models
+from specdec.weights import grow, models
 from tests.conftest import make_tiny_model
 
 TOLERANCE = 1e-4  # fp32; the extra zero terms only reorder a sum
@@ -167,9 +167,9 @@ def test_grown_alias_is_built_once_under_concurrent_starts(tiny, tmp_path):
     shutil.copytree(path, tmp_path / "SmolLM2-135M-Instruct")
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path)}
     # a process of its own: $SPECDEC_CACHE applied as the CLI applies it
-    code = "from cli import options; options.apply_environment(); from specdec import models; "
+    code = "from cli import options; options.apply_environment(); from specdec.weights import models; "
     code += "print(models.resolve('smollm2-135m-x4'))"
-    ready = "import safetensors.torch, specdec.grow; print('ready', flush=True); " + code
+    ready = "import safetensors.torch, specdec.weights.grow; print('ready', flush=True); " + code
     # The cache's lock held here until both have imported what building needs: they reach it together,
     # and without it both would build (two notices, or a failed rename)
     with open(tmp_path / ".convert.lock", "w") as lock:

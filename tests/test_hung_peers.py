@@ -1,7 +1,7 @@
 """A peer that hangs costs no more than one that dies: a model service stopped (SIGSTOP), its
 packets dropped, its link slowed.
 
-The stand-in models (specdec.standin: a sleep a step, no core) in processes, so that a service can
+The stand-in models (specdec.runtime.standin: a sleep a step, no core) in processes, so that a service can
 be stopped as a frozen host is: alive, its connections open, nothing answering.
 - The draft stopped mid-generation: the request in flight finishes with the target's text (its
   rounds go without the draft once keepalive or the draft's call budget gives up on it), a new
@@ -32,10 +32,10 @@ from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.local import LocalPipeline, PipelineConfig
 from orchestrator.availability import CallBudget
 from specdec.limits import RecoveryConfig
-from specdec.models import ModelSpec
-from specdec.standin import StandinBackend
+from specdec.runtime.standin import StandinBackend
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests import netns
 from tests.harness import ROOT, wait_until
 

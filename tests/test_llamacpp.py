@@ -21,12 +21,12 @@ import torch
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import models
-from specdec.backend import HFBackend
-from specdec.engine import SessionEngine
-from specdec.llamacpp import LlamaCppBackend
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.llamacpp import LlamaCppBackend
 from specdec.v1 import model_pb2
+from specdec.weights import models
 from target_service.server import TargetServicer
 from tests.standins import Direct, SupportMarkovBackend
 from tests.stats import markov_chisquare
@@ -147,7 +147,7 @@ def test_a_sessions_logits_do_not_depend_on_the_sessions_beside_it(llama_draft):
     alone = session_logits(0, False, 1)
     for neighbours, churn, blocks in [(7, False, 1), (7, True, 1), (3, True, 4), (0, False, 5)]:
         assert torch.equal(session_logits(neighbours, churn, blocks), alone), (neighbours, churn, blocks)
-    # nor on the threads of its steps: the orchestrator chooses them by the load (specdec.placement)
+    # nor on the threads of its steps: the orchestrator chooses them by the load (specdec.runtime.placement)
     threads = torch.get_num_threads()
     try:
         for n in {1, 2, threads}:

@@ -22,11 +22,11 @@ import torch
 from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import models
-from specdec.backend import HFBackend
-from specdec.engine import SessionEngine
-from specdec.llamacpp import LlamaCppBackend
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.llamacpp import LlamaCppBackend
+from specdec.weights import models
 from target_service.server import TargetServicer
 from tests.checkpoints import tiny_checkpoint
 from tests.standins import Direct

@@ -1,4 +1,4 @@
-"""The llama.cpp target (specdec.llamacpp on the embedded GGUF requantised to F32) keeps the
+"""The llama.cpp target (specdec.runtime.llamacpp on the embedded GGUF requantised to F32) keeps the
 output exact, through the three services on loopback with the llama.cpp draft (Q8_0).
 
 - The F32 GGUF holds the fp32 transformers target's weights, bit for bit.
@@ -39,12 +39,13 @@ from cli.main import build_parser
 from deploy.configs import ModelServiceConfig
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
-from specdec import models, wire
-from specdec.engine import PROFILE_SESSIONS
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.limits import SessionLimits
-from specdec.llamacpp import LlamaCppBackend
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.runtime.engine import PROFILE_SESSIONS
+from specdec.runtime.llamacpp import LlamaCppBackend
+from specdec.serving import wire
 from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.weights import models
 from tests.harness import ServiceProcess, open_sessions, pipeline, run_clients, run_sequentially
 
 real_model = pytest.mark.real_model  # every test but the selection ones loads the GGUF

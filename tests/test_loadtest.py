@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import loadtest
-from specdec.security import SecurityError
+from specdec.serving.security import SecurityError
 
 
 def test_percentile_is_nearest_rank():

@@ -13,8 +13,8 @@ import torch
 from draft_service.server import DraftServicer
 from orchestrator import loop as speculative_loop
 from orchestrator.loop import MAX_PLAIN_STEPS, PLAIN_STEPS, LoopConfig, SpeculativeLoop, decode_steps
-from specdec.engine import SessionEngine
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
+from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
 from tests.standins import Direct, MarkovBackend, random_markov
 from tests.stats import markov_chisquare

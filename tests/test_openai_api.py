@@ -26,9 +26,9 @@ from orchestrator.openai_api import MAX_BODY_BYTES, serve_http
 from orchestrator.openai_json import APIError
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
-from specdec.models import ModelSpec
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
+from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
 from specdec.v1 import orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from tests.certs import make_pki
 from tests.harness import NO_EOS_PROMPT, pipeline, slow_pipeline, wait_until
 from tests.otlp import OtlpReceiver

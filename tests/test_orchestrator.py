@@ -14,10 +14,10 @@ from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
 from orchestrator.server import check_pair, connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec.backend import HFBackend
 from specdec.errors import FailedPrecondition
-from specdec.models import ModelSpec
+from specdec.runtime.backend import HFBackend
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from target_service.server import serve as serve_target
 from tests.conftest import make_tokenizer
 
@@ -180,7 +180,7 @@ def test_a_connection_that_never_comes_up_leaves_no_thread_behind():
     import threading
 
     from orchestrator.server import _channel
-    from specdec.security import ClientSecurity
+    from specdec.serving.security import ClientSecurity
     from tests.harness import wait_until
 
     with socket.socket() as s:  # a port nothing listens on

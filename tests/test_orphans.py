@@ -16,9 +16,9 @@ import time
 import grpc
 import pytest
 
-from specdec.engine import SessionEngine
 from specdec.errors import Cancelled, NotFound
 from specdec.limits import AdmissionLimits, SessionLimits
+from specdec.runtime.engine import SessionEngine
 from specdec.v1 import model_pb2
 from target_service.server import TargetServicer
 from tests.harness import long_request, slow_pipeline, wait_until

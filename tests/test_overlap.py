@@ -16,8 +16,8 @@ from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
 from orchestrator.loop import PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import DraftCost, PairCosts, Sharing, profiled
-from specdec.engine import SessionEngine
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
 from tests.harness import wait_until
 from tests.standins import Direct, MarkovBackend, random_markov

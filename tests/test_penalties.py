@@ -1,4 +1,4 @@
-"""Penalties, biases and min_p under speculation (specdec.penalties, specdec.sampling): the output
+"""Penalties, biases and min_p under speculation (specdec.decoding.penalties, specdec.decoding.sampling): the output
 follows the target's law under the request's transform exactly, the draft held to the same one.
 
 - the transform of a chain's and a tree's rows equals a naive one row at a time, and keeps -inf;
@@ -22,8 +22,8 @@ import torch
 
 from draft_service import drafters, proposer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import penalties
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.decoding import penalties
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.v1 import orchestrator_pb2
 from target_service import scorer
 from tests.harness import pipeline
@@ -37,7 +37,7 @@ PROMPT = [SUPPORT[0], SUPPORT[0], SUPPORT[3]]  # a repeated token: the repetitio
 
 
 def naive(row: np.ndarray, params: SamplingParams, prompt: list[int], history: list[int]) -> np.ndarray:
-    """One row's penalised logits, token by token (the reference for specdec.penalties)."""
+    """One row's penalised logits, token by token (the reference for specdec.decoding.penalties)."""
     out = row.astype(np.float64).copy()
     for t in range(len(out)):
         n = history.count(t)

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from orchestrator.openai_api import serve_http
-from specdec.security import ClientSecurity, ServerSecurity
+from specdec.serving.security import ClientSecurity, ServerSecurity
 from specdec.v1 import orchestrator_pb2
 from tests.harness import ROOT, pipeline
 

@@ -1,4 +1,4 @@
-"""The prefix cache (specdec.prefix): a session opens from the keys and values another session's
+"""The prefix cache (specdec.runtime.prefix): a session opens from the keys and values another session's
 cache holds, and nothing it outputs changes.
 
 - Greedy output is the target's own (transformers' generate), the cache on and off, for the
@@ -30,14 +30,14 @@ import torch
 
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import prefix
-from specdec.engine import SessionEngine
-from specdec.graphs import Buckets, GraphBackend
+from specdec.decoding.sampling import SamplingParams
 from specdec.limits import SessionLimits
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
-from specdec.service import prefix_cache
+from specdec.runtime import prefix
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.graphs import Buckets, GraphBackend
+from specdec.serving.service import prefix_cache
 from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from tests.harness import SlowBackend, greedy, pipeline, wait_until
 from tests.standins import Direct, MarkovBackend, random_markov
@@ -303,8 +303,8 @@ def test_llamacpp_copies_a_prefix_bit_for_bit():
     """A session opening from a live session's stream (the state copy, then a cut) and from a kept
     one (taken over) computes exactly what a fresh prefill does (the embedded Q8_0 draft GGUF)."""
     pytest.importorskip("llama_cpp")
-    from specdec import models
-    from specdec.llamacpp import LlamaCppBackend
+    from specdec.runtime.llamacpp import LlamaCppBackend
+    from specdec.weights import models
 
     if not models.draft_gguf_path().exists():
         pytest.skip("the embedded GGUF is not converted (make setup)")

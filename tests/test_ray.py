@@ -31,11 +31,11 @@ from deploy.configs import ModelServiceConfig
 from deploy.ray_actors import actor_endpoint
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
-from specdec import security
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity
+from specdec.decoding.sampling import SamplingParams
+from specdec.serving import security
+from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.certs import make_pki
 from tests.harness import greedy, wait_until
 

@@ -18,8 +18,9 @@ import grpc
 import pytest
 
 from deploy import ray_cluster
-from specdec import models, security
+from specdec.serving import security
 from specdec.v1 import model_pb2, model_pb2_grpc
+from specdec.weights import models
 
 pytestmark = pytest.mark.real_model
 

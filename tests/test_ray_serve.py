@@ -42,8 +42,8 @@ from ray.serve.schema import ServeDeploySchema
 from cli import ray as ray_cli
 from cli.main import build_parser, main
 from deploy import ray_cluster, ray_deploy, ray_serve
-from specdec import security
-from specdec.security import ClientSecurity
+from specdec.serving import security
+from specdec.serving.security import ClientSecurity
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.certs import make_pki
 from tests.harness import NO_EOS_PROMPT, greedy, wait_until

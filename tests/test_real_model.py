@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec import models
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights import models
 from tests.harness import model_stubs, open_sessions, run_clients, run_sequentially
 
 pytestmark = pytest.mark.real_model

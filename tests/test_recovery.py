@@ -18,9 +18,9 @@ from draft_service.server import serve as serve_draft
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
+from specdec.decoding.sampling import SamplingParams
 from specdec.errors import Unavailable
 from specdec.limits import RecoveryConfig
-from specdec.sampling import SamplingParams
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 from tests.harness import ServiceProcess, open_sessions

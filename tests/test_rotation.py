@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from draft_service.server import serve as serve_draft
-from specdec.security import ClientSecurity, channel
+from specdec.serving.security import ClientSecurity, channel
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 from tests.certs import make_pki

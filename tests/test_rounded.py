@@ -1,4 +1,4 @@
-"""The rounded drafts (specdec.rounded): every decoder weight on its group's grid, the rest as it
+"""The rounded drafts (specdec.weights.rounded): every decoder weight on its group's grid, the rest as it
 was, the alias built once in the cache and loadable by transformers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from specdec import embedded, models, rounded
+from specdec.weights import embedded, models, rounded
 from tests.conftest import make_tiny_model
 
 

@@ -23,11 +23,11 @@ from deploy.local import LocalPipeline, PipelineConfig
 from draft_service.server import serve as serve_draft
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec import security
-from specdec.models import ModelSpec
-from specdec.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
-from specdec.service import CHANNEL_OPTIONS, make_server
+from specdec.serving import security
+from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
+from specdec.serving.service import CHANNEL_OPTIONS, make_server
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from target_service.server import serve as serve_target
 from tests.certs import make_pki
 

@@ -31,9 +31,9 @@ import torch
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import rule
-from specdec.engine import SessionEngine
-from specdec.sampling import SamplingParams
+from specdec.decoding import rule
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import TargetServicer
 from tests.conftest import make_tokenizer
@@ -174,7 +174,7 @@ class TokenizedMarkov(SupportMarkovBackend):
         super().__init__(len(self.tokenizer), SUPPORT, kernel)
 
     def tokenizer_files(self):
-        from specdec.backend import tokenizer_files
+        from specdec.runtime.backend import tokenizer_files
 
         return tokenizer_files(self.tokenizer)
 

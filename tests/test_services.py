@@ -8,8 +8,8 @@ import torch
 
 from draft_service.server import serve as serve_draft
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec.sampling import SamplingParams
-from specdec.service import CHANNEL_OPTIONS
+from specdec.decoding.sampling import SamplingParams
+from specdec.serving.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc
 from target_service.server import serve as serve_target
 
@@ -191,7 +191,7 @@ def test_the_draft_reports_its_batched_step_and_the_orchestrator_prices_by_it(st
     in Describe (step_costs); a target does not. The scratch caches it used are gone, and the
     orchestrator's pair starts its adaptive lookahead's draft prices from the profile."""
     from orchestrator.server import connect
-    from specdec.engine import PROFILE_SESSIONS
+    from specdec.runtime.engine import PROFILE_SESSIONS
 
     draft, target = stubs
     info = draft.Describe(model_pb2.DescribeRequest())
@@ -206,7 +206,7 @@ def test_the_draft_reports_its_batched_step_and_the_orchestrator_prices_by_it(st
 def test_a_port_in_use_is_refused():
     """A second server on a port in use fails to start: under gRPC's default SO_REUSEPORT it bound
     too, and clients reached either at random."""
-    from specdec.service import make_server
+    from specdec.serving.service import make_server
 
     first, port = make_server("127.0.0.1", 0)
     first.start()

@@ -13,7 +13,7 @@ from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
 from orchestrator.server import connect, shared_accelerator
 from orchestrator.server import serve as serve_orchestrator
-from specdec import placement
+from specdec.runtime import placement
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 

@@ -12,8 +12,8 @@ import pytest
 from bench import loadtest
 from bench.chaos import open_sessions, service_rss
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec.models import ModelSpec
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.speculation_cache import REFEED_STEPS, CacheRates, Spare, branches
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2
 from tests.harness import long_request, slow_pipeline
 from tests.standins import MarkovBackend, random_markov

@@ -1,4 +1,4 @@
-"""Stand-in models (specdec.standin): the name `standin:MS[:AGREE]` and its errors; two stand-ins
+"""Stand-in models (specdec.runtime.standin): the name `standin:MS[:AGREE]` and its errors; two stand-ins
 started as services by deploy.hosting (as `specdec ray up` and `serve` start any model) form a
 pair whose greedy output follows the target's law token by token, every draft accepted when the
 draft is the target's law, some refused (and the output unchanged) when it agrees less."""
@@ -12,9 +12,9 @@ import pytest
 
 from deploy import hosting
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from specdec.models import ModelSpec
-from specdec.standin import StandinBackend, StandinSpec
+from specdec.runtime.standin import StandinBackend, StandinSpec
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 
 PROMPT = [5, 12, 30, 18]
 

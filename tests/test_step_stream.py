@@ -1,4 +1,4 @@
-"""The step stream (specdec.steps, orchestrator.step_link): one message carries a step's calls of
+"""The step stream (specdec.serving.steps, orchestrator.step_link): one message carries a step's calls of
 every session, and every session keeps its own outcome.
 
 On a service: the calls of one message run in one batched step; each call keeps its own status,
@@ -22,7 +22,7 @@ from deploy import hosting
 from deploy.configs import ModelServiceConfig
 from orchestrator.step_link import StepError, StepLink
 from specdec.limits import AdmissionLimits, SessionLimits
-from specdec.standin import StandinBackend
+from specdec.runtime.standin import StandinBackend
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import SlowBackend, pipeline, wait_until
 from tests.stats import counts_chisquare, transition_counts

@@ -1,4 +1,4 @@
-"""Structured output under speculation (specdec.grammar): the output is the target's law masked to
+"""Structured output under speculation (specdec.decoding.grammar): the output is the target's law masked to
 what the grammar allows at each position, exactly, with the draft held to the same grammar.
 
 - a constraint that is not valid is refused naming its field, at the orchestrator and over HTTP;
@@ -32,12 +32,12 @@ import torch
 from draft_service import drafters, proposer
 from draft_service.drafters import MODEL, NGRAM
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from specdec import grammar
-from specdec.backend import HFBackend
+from specdec.decoding import grammar
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import InvalidArgument
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.runtime.backend import HFBackend
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.conftest import JSON_CHARS, make_tiny_model
 from tests.harness import pipeline
 from tests.standins import Direct, random_markov
@@ -102,7 +102,7 @@ PROMPT = [SUPPORT[0]]
 
 def pair(target_kernel, draft_kernel, drafter=MODEL):
     from draft_service.server import DraftServicer
-    from specdec.engine import SessionEngine
+    from specdec.runtime.engine import SessionEngine
     from target_service.server import TargetServicer
 
     target = TargetServicer(SessionEngine(TokenizedMarkov(target_kernel), "target"))

@@ -22,10 +22,10 @@ from orchestrator.generation import RequestDefaults
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
-from specdec.engine import Session, SessionEngine
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
+from specdec.runtime.engine import Session, SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from target_service.server import serve as serve_target
 from tests.conftest import make_tokenizer

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
-from specdec.models import ModelSpec
 from specdec.v1 import model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.harness import cli_process, open_sessions, service_channel, wait_until
 
 pytestmark = pytest.mark.slow  # processes started, killed and signalled

@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local import LocalPipeline, PipelineConfig
-from specdec import telemetry
-from specdec.models import ModelSpec
+from specdec.serving import telemetry
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from tests.harness import service_channel
 from tests.otlp import OtlpReceiver
 
@@ -349,7 +349,7 @@ def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_pat
         def __init__(self, role: str, model: str):
             from deploy import hosting
             from deploy.configs import ModelServiceConfig
-            from specdec import telemetry
+            from specdec.serving import telemetry
 
             self.telemetry = telemetry.setup(role, environ=os.environ)  # the actor's: OTEL_* from the runtime_env
             config = ModelServiceConfig(role, ModelSpec(model, "cpu", "float32"))

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 
 from orchestrator import generation, openai_tools
-from specdec.backend import HFBackend
-from specdec.models import ModelSpec
+from specdec.runtime.backend import HFBackend
+from specdec.weights.models import ModelSpec
 from tests.conftest import JSON_CHARS, make_tiny_model, make_tokenizer
 from tests.test_openai_api import MODEL, client_for, http_json, http_pipeline
 

@@ -24,14 +24,14 @@ import torch
 from draft_service.drafters import MODEL, NGRAM
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.trees import EXPLORE_ROUNDS, REVISIT, PairTrees, TreeChoice
-from specdec import rule
-from specdec.backend import HFBackend
-from specdec.engine import SessionEngine
-from specdec.graphs import Buckets, GraphBackend
+from specdec.decoding import rule
+from specdec.decoding.sampling import SamplingParams
 from specdec.limits import SessionLimits
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.graphs import Buckets, GraphBackend
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.weights.models import ModelSpec
 from target_service import scorer
 from tests.harness import pipeline
 from tests.standins import ChainsOnly, random_markov
@@ -45,7 +45,7 @@ SAMPLING = SamplingParams(temperature=0.7, top_k=8, top_p=0.95)
 
 
 def eager_or_static(path: str, static: bool) -> HFBackend:
-    """The eager backend, or the static one (specdec.graphs: its forwards eager on a CPU, captured on CUDA)."""
+    """The eager backend, or the static one (specdec.runtime.graphs: its forwards eager on a CPU, captured on CUDA)."""
     if not static:
         return HFBackend(ModelSpec(path, "cpu", "float32"))
     backend = GraphBackend(ModelSpec(path, "cpu", "float32"), Buckets(batches=(1, 2), widths=(4, 8), lengths=(32,)))

@@ -65,7 +65,7 @@ def test_the_split_across_two_hosts(tiny_models, tmp_path):
         # Least privilege: the clients' token (and a certificate from the services' CA) opens nothing there.
         probe = (
             "import sys, grpc\n"
-            "from specdec import security\n"
+            "from specdec.serving import security\n"
             "from specdec.v1 import model_pb2, model_pb2_grpc\n"
             "c = security.ClientSecurity(root_ca=open(sys.argv[2],'rb').read(), cert_chain=open(sys.argv[3],'rb')"
             ".read(), private_key=open(sys.argv[4],'rb').read(), token=sys.argv[5])\n"

@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from orchestrator.server import check_pair
-from specdec.backend import HFBackend
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import FailedPrecondition
 from specdec.limits import SessionLimits
-from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.runtime.backend import HFBackend
 from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.weights.models import ModelSpec
 from tests.checkpoints import tiny_checkpoint
 from tests.conftest import make_tokenizer
 from tests.harness import pipeline, status_of
@@ -188,7 +188,7 @@ def test_a_backend_is_freed_once_unused(tiny_models):
     import gc
     import weakref
 
-    from specdec.models import ModelSpec
+    from specdec.weights.models import ModelSpec
 
     backend = HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32"))
     assert backend.tokenizer_digest() == backend.tokenizer_digest()

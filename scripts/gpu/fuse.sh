@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fused pieces on a CUDA machine (docs/gpu.md, specdec/fusion.py): the width-grown target (smollm2-135m-w4,
+# Fused pieces on a CUDA machine (docs/gpu.md, specdec/runtime/fusion.py): the width-grown target (smollm2-135m-w4,
 # TARGET= to change) in bf16 with the embedded model as its bf16 draft, both services on one GPU with CUDA
 # graphs, served twice: the eager forward's kernels captured as they are (SPECDEC_FUSE=0), then fused
 # (norms, gated MLPs and the rotary embedding compiled by inductor before the capture; the default on

@@ -1,5 +1,5 @@
 """A random SmolLM2-135M-shaped Llama (the tests' character tokenizer padded to 49152 tokens) and its
-x8 growth (specdec.grow), at the two paths given. Part of scripts/gpu/run.sh: timings need the
+x8 growth (specdec.weights.grow), at the two paths given. Part of scripts/gpu/run.sh: timings need the
 shapes, not the weights, and the grown model computes the base's function, so the base as draft
 is accepted everywhere (the real pair's upper bound)."""
 
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.getcwd())
-from specdec import grow  # noqa: E402
+from specdec.weights import grow  # noqa: E402
 from tests.conftest import make_tokenizer  # noqa: E402
 
 base, x8 = sys.argv[1], sys.argv[2]

@@ -1,6 +1,6 @@
 """The one-token decode step of each shape, bf16, random weights: transformers' forward over its static
 cache (256 positions, 100 filled), captured as one CUDA graph and replayed (on a CPU: eager, a check
-that the script runs). The embedded base and its growths (specdec.grow's configs) against the shapes
+that the script runs). The embedded base and its growths (specdec.weights.grow's configs) against the shapes
 of Llama-3.2-1B and Llama-3.1-8B. Part of scripts/gpu/wide.sh; `--tiny` shrinks every shape."""
 
 import json
@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 sys.path.insert(0, os.getcwd())
-from specdec import grow, models  # noqa: E402
+from specdec.weights import grow, models  # noqa: E402
 
 LLAMA = {  # the published configs' shapes
     "Llama-3.2-1B": dict(

@@ -2,7 +2,7 @@
 
 Backend interface (duck-typed; tests supply in-process stand-ins with fixed distributions):
 - vocab_size, max_context, eos_token_ids, name, dtype, device; optionally kind (what runs the
-  model, for Describe: "torch" here, "llamacpp" in specdec.llamacpp)
+  model, for Describe: "torch" here, "llamacpp" in specdec.runtime.llamacpp)
 - new_cache() -> cache
 - forward(cache, token_ids, n_logits) -> [n_logits, vocab] float32 logits of the last
   n_logits fed positions; the cache grows by len(token_ids)
@@ -12,12 +12,12 @@ Optional, for a backend that batches across sessions (the model worker uses them
 - forward_batch([(cache, token_ids, n_logits), ...]) -> [logits, ...]: one forward for all
 - release(cache): the session ended; its cache may be reused
 - set_threads(n): the threads of the next forwards (called on the thread that runs them;
-  specdec.placement.Cores)
-Optional, for the prefix cache (specdec.prefix; a backend without copy_prefix caches no prefix):
+  specdec.runtime.placement.Cores)
+Optional, for the prefix cache (specdec.runtime.prefix; a backend without copy_prefix caches no prefix):
 - copy_prefix(src, dst, n): cache dst holds src's first n positions and nothing past them
 - free_caches() -> int: caches new_cache gives without growing or refusing
 Optional, for a backend that verifies draft trees (`trees = True`; the engine sends them no other):
-- forward_batch(items, trees=[Tree | None per item]) (specdec.kvcache.Tree: the item's block
+- forward_batch(items, trees=[Tree | None per item]) (specdec.runtime.kvcache.Tree: the item's block
   extends a tree of nodes, each attending to the chain and its ancestors)
 - compact(cache, keep, sources): keep `keep` positions, then positions `sources` after them
 The logits a forward returns are valid until the backend's next forward: a caller reads or
@@ -39,17 +39,18 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec import architectures, models
 from specdec.errors import FailedPrecondition
-from specdec.kvcache import PackedView, Slot, SlotCache, causal_visible, compact, copy_prefix
+from specdec.runtime import architectures
+from specdec.runtime.kvcache import PackedView, Slot, SlotCache, causal_visible, compact, copy_prefix
+from specdec.weights import models
 
 PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed forward runs (see HFBackend)
 
 
 class HFBackend:
-    """A transformers causal LM over a slot KV cache (specdec.kvcache): a slot per session,
+    """A transformers causal LM over a slot KV cache (specdec.runtime.kvcache): a slot per session,
     the forwards of several sessions batched into one, the logits computed only at the
-    positions asked for. What it computes is the model's own: specdec.architectures says which
+    positions asked for. What it computes is the model's own: specdec.runtime.architectures says which
     architectures, and what the masks and the output layer reproduce of each; any other is
     refused when it loads.
 
@@ -66,7 +67,7 @@ class HFBackend:
     """
 
     kind = "torch"  # Describe's `backend`
-    # Prompt tokens a prefill step feeds (specdec.engine): one forward of 512 where chunks of 128 took
+    # Prompt tokens a prefill step feeds (specdec.runtime.engine): one forward of 512 where chunks of 128 took
     # 1.4-1.5x as long on a CPU (1,343 tokens, the fp32 default target, in process: 3.1-3.5 s against
     # 4.7-4.8; transformers' generate 3.05), and a GPU's eager prefill is launch-bound per chunk.
     prefill_chunk = 512

@@ -33,7 +33,7 @@ loads with from_pretrained. Its config.json says what it is ("specdec_grown_from
 "specdec_grown_factor", "specdec_identity_layers").
 
 This module owns the construction (pure functions over a state dict and a config dict), the
-aliases (specdec.models names them too) and their cache, built from specdec.embedded's conversion;
+aliases (specdec.weights.models names them too) and their cache, built from specdec.weights.embedded's conversion;
 models.resolve calls ensure_grown. It knows nothing of sessions, RPC or llama.cpp
 (no GGUF of a grown model exists: the grown aliases are transformers-only).
 Why and what was measured: docs/models.md#a-target-that-outweighs-its-draft-smollm2-135m-x4-smollm2-135m-x8.
@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec import embedded
+from specdec.weights import embedded
 
 SHARD_BYTES = 1 << 30  # a written shard's size at most (one tensor aside): the builder holds one shard at a time
 INDEX = "model.safetensors.index.json"

@@ -18,14 +18,14 @@ step), else copied, so that it stays for the conversation it came from.
   chain wherever it cuts the cache (a rollback, a rejected tail below an indexed block).
 - Kept caches count in the KV budget (specdec.limits.KVBudget) and hold their slots: the least
   recently used goes when a reservation would pass the budget or a new session finds no free
-  slot (`free_caches`). A growing cache (specdec.kvcache) therefore grows for open sessions only.
+  slot (`free_caches`). A growing cache (specdec.runtime.kvcache) therefore grows for open sessions only.
 
 One cache per engine, and an engine serves one model in one process: keys and values are never
 served across models or weights.
 
-Backend interface it needs (specdec.backend): copy_prefix(src, dst, n) (dst holds src's first n
+Backend interface it needs (specdec.runtime.backend): copy_prefix(src, dst, n) (dst holds src's first n
 positions and nothing else); optionally free_caches() (caches new_cache gives without growing
-or refusing; absent: unbounded). The session fields it reads are specdec.engine.Session's.
+or refusing; absent: unbounded). The session fields it reads are specdec.runtime.engine.Session's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A caller with many sessions on a model service (the orchestrator) keeps one `Steps` stream to it.
 Each message it sends carries every call its sessions made since its last one (StepCalls); each
-call is validated here as its unary RPC is, then queued on the model worker (specdec.worker),
+call is validated here as its unary RPC is, then queued on the model worker (specdec.runtime.worker),
 which batches its forwards with every other session's, as it would the unary call's. Each result
 goes back as soon as its call is done, those done together in one message (StepResults): a step of
 the worker ends many calls at once, and they leave in one message.
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.engine import SessionEngine
 from specdec.errors import SpecdecError
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.worker import Item
 from specdec.v1 import model_pb2
-from specdec.worker import Item
 
 log = logging.getLogger("specdec")
 
@@ -190,7 +190,7 @@ class StepStream:
 
     def _cancel_items(self, items) -> None:
         """Cancel calls whose caller is gone; not a close, which still frees its session (as
-        specdec.service's CloseSession, whose caller may have stopped waiting)."""
+        specdec.serving.service's CloseSession, whose caller may have stopped waiting)."""
         for item in items:
             if not item.final:
                 self.engine.worker.cancel(item)
@@ -201,7 +201,7 @@ class _Unimplemented(SpecdecError):
 
 
 def _status(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """A call's error as the status its unary RPC would end with (specdec.service's interceptor)."""
+    """A call's error as the status its unary RPC would end with (specdec.serving.service's interceptor)."""
     if isinstance(error, SpecdecError):
         return error.code, error.message
     log.error("a step stream's call failed", exc_info=error)

@@ -14,21 +14,21 @@ A session holds its committed tokens and a cache of keys/values for a prefix of
 Rollback and discarding a rejected speculative tail are truncations (O(1)): no copies, no
 re-prefill.
 
-Every change to a session runs on the engine's model worker (specdec.worker), the one thread
+Every change to a session runs on the engine's model worker (specdec.runtime.worker), the one thread
 that touches the model: a request is a generator over the session that yields `Forward`s (feed
 these tokens, return these logits) and returns its result; the worker runs the forwards of
 different sessions' requests as one batched forward when the backend has `forward_batch`
-(specdec.backend, over a slot cache: specdec.kvcache), one by one otherwise. A prompt is
+(specdec.runtime.backend, over a slot cache: specdec.runtime.kvcache), one by one otherwise. A prompt is
 prefilled in chunks of the backend's prefill_chunk tokens (PREFILL_CHUNK unless it says), and a
 step takes prompts' chunks up to PREFILL_BUDGET tokens (at least one chunk) beside every decode
 and verify. `call` submits a request and waits for it. Threads: a request may name the threads
-its forwards use (specdec.placement); a step runs with the fewest any of its forwards allows,
+its forwards use (specdec.runtime.placement); a step runs with the fewest any of its forwards allows,
 under the machine's core lock (`placement.Cores`; none given: the process's threads, no lock).
 
 Limits (specdec.limits) are checked where they bind: the session count at open, the KV
 budget before a cache grows; sessions idle past the TTL are closed by `close_idle`.
 
-Prefix cache (specdec.prefix; SessionLimits.prefix_cache, on a backend with `copy_prefix`): a
+Prefix cache (specdec.runtime.prefix; SessionLimits.prefix_cache, on a backend with `copy_prefix`): a
 session opens from the longest prefix of its prompt that another cache holds (an open session's
 committed positions, or a closed session's cache kept for it) and prefills only the rest, in the
 chunks a whole prefill would feed it in (ending at multiples of the chunk). What it indexes is
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from specdec import placement, validation
+from specdec import validation
 from specdec.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -61,10 +61,11 @@ from specdec.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from specdec.kvcache import Tree
 from specdec.limits import KVBudget, SessionLimits
-from specdec.prefix import PrefixCache, common_prefix
-from specdec.worker import Item, Worker
+from specdec.runtime import placement
+from specdec.runtime.kvcache import Tree
+from specdec.runtime.prefix import PrefixCache, common_prefix
+from specdec.runtime.worker import Item, Worker
 
 # Prompt tokens a session feeds per worker step, where its backend does not say (`prefill_chunk`: the
 # torch backend feeds PREFILL_BUDGET, one forward costing less than the same tokens in four; a llama.cpp
@@ -98,11 +99,11 @@ class Session:
     # The cache's positions from tree.floor on hold a draft tree (a target's verify), `cached`
     # its nodes flattened; the next commit keeps the accepted path (kvcache.Tree, compact).
     tree: Tree | None = None
-    # Structured output: the grammar's matcher (specdec.grammar.Matcher), kept at the committed tokens.
+    # Structured output: the grammar's matcher (specdec.decoding.grammar.Matcher), kept at the committed tokens.
     constraint: Any = None
     # The rows its logits have: the vocabulary the pair shares (OpenSessionRequest.vocab_size); 0: all.
     vocab_size: int = 0
-    # How many of `tokens` are the prompt (specdec.penalties counts the generated ones past it).
+    # How many of `tokens` are the prompt (specdec.decoding.penalties counts the generated ones past it).
     prompt_length: int = 0
 
 
@@ -250,7 +251,7 @@ class SessionEngine:
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
-        `prompt` (specdec.grammar.Matcher); `prompt_length`: how many of its tokens the request's
+        `prompt` (specdec.decoding.grammar.Matcher); `prompt_length`: how many of its tokens the request's
         prompt is (None: all; a session re-opened mid-generation holds generated ones too)."""
         item = self.open_item(session_id, prompt, threads, constraint, vocab_size, prompt_length=prompt_length)
         return self.worker.wait(item, context)
@@ -531,7 +532,7 @@ WARM_UP_WIDTHS = (16, 1, 5, 9)  # a short prefill, a draft step, verifies at k =
 
 def warm_up(backend, limits: SessionLimits | None = None) -> None:
     """Build what the backend builds before serving (`prepare(limits)`, optional: a GraphBackend's
-    KV cache and CUDA graphs, specdec.graphs), then run a few forwards of the widths serving uses on
+    KV cache and CUDA graphs, specdec.runtime.graphs), then run a few forwards of the widths serving uses on
     a scratch cache and free it: the first forward of a process pays for lazy initialisation
     (allocator pools, kernel selection, a growing cache's first allocation), which would otherwise
     land on the first client's request. Call it on the thread that will run the forwards."""

@@ -10,7 +10,7 @@ owns one slot and a length. Why this layout (and not a DynamicCache per session)
 - rows of different lengths share one tensor: each row writes its new keys at its own
   positions and a 4D mask hides the keys past its length, so verify blocks of different
   widths and caches of different lengths run as one ragged forward;
-- it is the static cache CUDA graphs need (specdec.graphs): the storage never moves.
+- it is the static cache CUDA graphs need (specdec.runtime.graphs): the storage never moves.
 Two ways to size it. Growing (the eager backend's): the block grows by doubling (slots as
 sessions open, capacity as a session needs it), so memory follows use; it never shrinks, and
 the KV budget (specdec.limits) bounds tokens held, not the block: one long session makes every
@@ -23,11 +23,11 @@ attention calls `update(keys, values, layer)` with the new tokens' keys and valu
 attends over what it returns. `PackedView` is the same for a packed forward: the rows' new
 tokens one after another in a single sequence (no padding: a prompt's 128-token prefill chunk
 beside 15 one-token decode rows is 143 positions, not 16 x 128), and `attend` runs attention
-for each group of rows of one width over their slots (specdec.backend registers it with
+for each group of rows of one width over their slots (specdec.runtime.backend registers it with
 transformers).
 
 A shared prompt prefix is a copy of the source slot's first positions into the new session's slot
-(`copy_prefix`; specdec.prefix decides which): one copy per layer's keys and values, ~60 MB at
+(`copy_prefix`; specdec.runtime.prefix decides which): one copy per layer's keys and values, ~60 MB at
 1,300 tokens of the fp32 SmolLM2-135M, where prefilling them is a forward through every weight.
 Blocks shared by reference (vLLM's paged blocks: refcounts, copy-on-write) would save that copy but
 not the slot: attention here reads a slot's positions as one contiguous run, which is what lets a
@@ -189,7 +189,7 @@ def compact(cache: SlotCache, slot: Slot, keep: int, sources: list[int]) -> None
 
 def copy_prefix(cache: SlotCache, src: Slot, dst: Slot, n: int) -> None:
     """Slot dst holds src's first n positions (and nothing past them): one copy a layer's keys and
-    values, within the block (a shared prefix, specdec.prefix)."""
+    values, within the block (a shared prefix, specdec.runtime.prefix)."""
     for store in (*cache.keys, *cache.values):
         store[dst.index, :, :n] = store[src.index, :, :n]
     dst.length = n

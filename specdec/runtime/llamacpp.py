@@ -1,8 +1,8 @@
 """A llama.cpp backend: a GGUF run natively (llama-cpp-python), sessions batched.
 
 Both services use it: the draft service runs the embedded SmolLM2 GGUF requantised to Q8_0
-(the default alias, `--drafter llamacpp`; specdec.models.draft_gguf_path), the target service its
-F32 requantisation (specdec.models.f32_gguf_path: the same weights as the fp32 transformers
+(the default alias, `--drafter llamacpp`; specdec.weights.models.draft_gguf_path), the target service its
+F32 requantisation (specdec.weights.models.f32_gguf_path: the same weights as the fp32 transformers
 target, `--backend llamacpp`). One llama.cpp context holds every session: a session is a
 sequence id with a KV stream of its own (SEQUENCE_CELLS cells, allocated at start), and
 `forward_batch` puts the new tokens of several sessions into one llama_batch, each at its own
@@ -21,16 +21,16 @@ any load (the Leviathan rule reads the draft's probabilities). Three choices kee
   one ubatch): a new session takes the lowest free id and a step is sorted.
 A step whose streams skip an id would be two ubatches, so a short gap is filled (MAX_FILL): each
 missing stream gets one token without logits at its next position, removed after the decode; the
-filled stream is as it was. A shared prompt prefix (specdec.prefix) is copied with llama.cpp's
+filled stream is as it was. A shared prompt prefix (specdec.runtime.prefix) is copied with llama.cpp's
 per-sequence state (llama_state_seq_get_data / set_data), then cut to the prefix: the logits after
 it are bit for bit a fresh prefill's (not llama_memory_seq_cp: across streams it copies whole ones).
 
-Implements the backend interface of specdec.backend. Logits are computed only at the
+Implements the backend interface of specdec.runtime.backend. Logits are computed only at the
 positions asked for (the last n_logits of each item: 1 for a draft step, k + 1 for a verify),
 and returned as views of llama.cpp's output buffer, valid until the next forward (the
 interface's contract): no row is copied. An F32 model runs in float32 throughout (F32 KV cache,
 no flash attention); a quantised one with an F16 KV cache and flash attention.
-Threads: the service's (specdec.placement, its --threads), and per step what its requests
+Threads: the service's (specdec.runtime.placement, its --threads), and per step what its requests
 allow (set_threads: llama_set_n_threads, no new threads: the OpenMP team of the next decode).
 
 Why and what was measured: docs/models.md#the-llamacpp-backend-and-seeds.
@@ -47,10 +47,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec import models, placement
-from specdec.backend import tokenizer_files, vocab_digest
 from specdec.errors import ResourceExhausted
-from specdec.kvcache import Slot
+from specdec.runtime import placement
+from specdec.runtime.backend import tokenizer_files, vocab_digest
+from specdec.runtime.kvcache import Slot
+from specdec.weights import models
 
 SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 MAX_SEQUENCES = 16  # sessions one context holds; more: RESOURCE_EXHAUSTED (the KV of all, allocated at start)
@@ -125,12 +126,14 @@ class LlamaCppBackend:
         else:
             params.n_ubatch = UBATCH_TOKENS
             self.max_fill = MAX_FILL
-        # Prompt tokens a prefill step feeds (specdec.engine): one ubatch. A quantised draft's
+        # Prompt tokens a prefill step feeds (specdec.runtime.engine): one ubatch. A quantised draft's
         # prefill costs the same in chunks of 32 as of 128 (700 tokens on one core: 5.8 s against
         # 5.5-5.9), and a generation that ends cancels its draft's prefill between two chunks: the
         # chunk under way, which takes the next request's cores, lasts 0.35 s rather than ~1.5 s.
         self.prefill_chunk = int(params.n_ubatch)
-        params.n_threads = params.n_threads_batch = placement.threads()  # the service's threads (specdec.placement)
+        params.n_threads = params.n_threads_batch = (
+            placement.threads()
+        )  # the service's threads (specdec.runtime.placement)
         self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._llama = llama_cpp
         self._batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
@@ -204,7 +207,9 @@ class LlamaCppBackend:
         batch = self._batch.batch
         batch.n_tokens = 0
         for _, tokens, n_logits in items:
-            assert len(tokens) <= BATCH_TOKENS, "a prompt is fed in chunks of prefill_chunk tokens (specdec.engine)"
+            assert len(tokens) <= BATCH_TOKENS, (
+                "a prompt is fed in chunks of prefill_chunk tokens (specdec.runtime.engine)"
+            )
             assert 1 <= n_logits <= len(tokens), (n_logits, len(tokens))
         fillers = self._fillers([slot.index for slot, _, _ in items])
         entries = [(slot.index, slot.length, tokens, n_logits) for slot, tokens, n_logits in items]

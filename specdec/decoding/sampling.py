@@ -19,7 +19,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
-    # functions of the sequence so far (specdec.penalties), applied to the logits first
+    # functions of the sequence so far (specdec.decoding.penalties), applied to the logits first
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: off
@@ -68,7 +68,7 @@ class SamplingParams:
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, min-p, top-p
-    (the penalties and biases come before, on the logits: specdec.penalties)."""
+    (the penalties and biases come before, on the logits: specdec.decoding.penalties)."""
     assert not params.greedy, "greedy decoding has no distribution"
     logits = logits.float() / params.temperature
     vocab = logits.shape[-1]

@@ -4,9 +4,9 @@ Owns the request's frequency, presence and repetition penalties and its logit bi
 (SamplingParams), applied to the logits of a row given the tokens before its position: the
 session's committed tokens and, for a drafted position, the drafts before it as if they were
 committed (a chain's prefix, a tree's path). The draft's rows and the target's take the same
-transform, so the rule (specdec.rule, unchanged) compares transformed rows and its output follows
+transform, so the rule (specdec.decoding.rule, unchanged) compares transformed rows and its output follows
 the transformed law exactly; greedy is the transformed argmax. Temperature, top-k, min-p and top-p
-come after (specdec.sampling), the grammar's mask before (specdec.grammar); a token at -inf stays
+come after (specdec.decoding.sampling), the grammar's mask before (specdec.decoding.grammar); a token at -inf stays
 there.
 
 - frequency_penalty, presence_penalty (OpenAI's, as vLLM applies them): minus f x the times the
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams
 
 
 def penalize(

@@ -3,7 +3,7 @@ interceptors that time calls (ServerTimer on a model service, WireTimer on its c
 a call spent on the wire), the proxy that makes a backend's forwards spans (ObservedBackend), a
 step stream call's span (StepCallSpan), and the attributes spans carry.
 
-specdec.telemetry owns the setup (exporters, providers, from_env) and the Telemetry object that
+specdec.serving.telemetry owns the setup (exporters, providers, from_env) and the Telemetry object that
 installs these; nothing here reads the environment or starts an exporter. OpenTelemetry is
 imported lazily, inside the functions that need it (the module imports without the SDK).
 """
@@ -226,7 +226,7 @@ class ObservedBackend:
         return logits
 
     def forward_batch(self, items, **trees):
-        """One span for a batched forward of several sessions (specdec.backend), in the trace of
+        """One span for a batched forward of several sessions (specdec.runtime.backend), in the trace of
         the first session's request (the model worker runs it in that request's context)."""
         tokens = sum(len(ids) for _, ids, _ in items)
         attributes = {"specdec.tokens": tokens, "specdec.logits": sum(n for *_, n in items), "specdec.rows": len(items)}

@@ -58,7 +58,7 @@ CORE_LOCK = Path(tempfile.gettempdir()) / f"specdec-cores-{os.getuid()}.lock"
 # service seconds, not every request until it is woken.
 LOCK_PATIENCE = 3.0
 
-log = logging.getLogger("specdec.placement")
+log = logging.getLogger("specdec.runtime.placement")
 
 
 def usable_cores() -> list[int]:

@@ -16,8 +16,8 @@ within the draft's top 1 / 2 / 4):
 They cost what the embedded model costs (rounding, not a smaller format): they change the
 acceptance, not the draft's speed. Each is built once from the fp32 conversion into
 $SPECDEC_CACHE/SmolLM2-135M-Instruct-int{bits} (a transformers checkpoint; its config.json says
-"specdec_rounded_bits"). This module owns the aliases (ROUNDED_ALIASES; specdec.models names them
-too) and builds on specdec.embedded; models.resolve calls ensure_rounded.
+"specdec_rounded_bits"). This module owns the aliases (ROUNDED_ALIASES; specdec.weights.models names them
+too) and builds on specdec.weights.embedded; models.resolve calls ensure_rounded.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specdec import embedded
+from specdec.weights import embedded
 
 GROUP = 32  # weights sharing a scale
 WEIGHTS = "model.safetensors"

@@ -18,11 +18,13 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec import grammar, placement, validation
-from specdec.engine import SessionEngine
+from specdec import validation
+from specdec.decoding import grammar
 from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
-from specdec.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
-from specdec.steps import StepMethod, StepStream
+from specdec.runtime import placement
+from specdec.runtime.engine import SessionEngine
+from specdec.serving.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
+from specdec.serving.steps import StepMethod, StepStream
 from specdec.v1 import model_pb2
 
 log = logging.getLogger("specdec")
@@ -142,7 +144,7 @@ def session_state(session) -> model_pb2.SessionState:
 
 
 def static_forwards(built) -> model_pb2.StaticForwards | None:
-    """Describe's report of what a backend built at start (specdec.graphs.Built), if it built any."""
+    """Describe's report of what a backend built at start (specdec.runtime.graphs.Built), if it built any."""
     if built is None:
         return None
     return model_pb2.StaticForwards(
@@ -159,7 +161,7 @@ def static_forwards(built) -> model_pb2.StaticForwards | None:
 
 
 def prefix_cache(cache) -> model_pb2.PrefixCache | None:
-    """Describe's report of an engine's prefix cache (specdec.prefix.PrefixCache), if it has one."""
+    """Describe's report of an engine's prefix cache (specdec.runtime.prefix.PrefixCache), if it has one."""
     if cache is None:
         return None
     stats = cache.stats
@@ -207,7 +209,7 @@ class SessionServicer:
 
     def __init__(self, engine: SessionEngine, telemetry=None):
         self.engine = engine
-        self.telemetry = telemetry  # specdec.telemetry.Telemetry: the step stream's calls' spans and metrics
+        self.telemetry = telemetry  # specdec.serving.telemetry.Telemetry: the step stream's calls' spans and metrics
         self.unknown_closes = UnknownCloses()
 
     def step_calls(self) -> dict[str, StepMethod]:
@@ -237,7 +239,7 @@ class SessionServicer:
         return vocab
 
     def Steps(self, request_iterator, context):
-        """Many sessions' calls on one stream (specdec.steps)."""
+        """Many sessions' calls on one stream (specdec.serving.steps)."""
         stream = StepStream(self.engine, self.step_calls(), self.service_name, self.telemetry)
         yield from stream.serve(request_iterator, context)
 

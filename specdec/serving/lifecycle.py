@@ -27,12 +27,12 @@ from contextlib import ExitStack, contextmanager
 
 import grpc
 
-from specdec.engine import PROFILE_SESSIONS, PROFILE_TOKENS, SessionEngine, profile_steps, warm_up
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
-from specdec.security import ServerSecurity
-from specdec.service import add_health, make_server, wrap_handler
-from specdec.telemetry import Telemetry, disabled
+from specdec.runtime.engine import PROFILE_SESSIONS, PROFILE_TOKENS, SessionEngine, profile_steps, warm_up
+from specdec.serving.security import ServerSecurity
+from specdec.serving.service import add_health, make_server, wrap_handler
+from specdec.serving.telemetry import Telemetry, disabled
 
 SPARE_THREADS = 16  # a model service's gRPC threads beyond one per session (its streams, Describe, probes)
 
@@ -199,12 +199,12 @@ def serve_model(
     adds its servicer): OpenSession is its entry, open sessions keep a drain waiting, idle
     sessions are reaped. `telemetry` observes the engine and the calls; `security` adds TLS
     and the token; `limits` caps sessions and KV tokens (and size a GraphBackend's cache);
-    `cores` (specdec.placement.Cores) runs each step with the threads its requests ask for.
+    `cores` (specdec.runtime.placement.Cores) runs each step with the threads its requests ask for.
     The backend's start-up runs on the engine's model worker before the server starts, so the
     thread that captures its CUDA graphs is the one that replays them (_get_ready)."""
     telemetry = telemetry or disabled(role)
     engine = SessionEngine(telemetry.backend(backend), role, limits, cores=cores)
-    try:  # on the model worker, the thread that will run every forward (specdec.worker)
+    try:  # on the model worker, the thread that will run every forward (specdec.runtime.worker)
         engine.worker.run(lambda: _get_ready(engine, backend))
     except BaseException:
         engine.stop()

@@ -5,9 +5,9 @@ wheel (gguf_path). transformers dequantises it to a real fp32 model; that takes 
 done once and cached as safetensors under the cache (cache_dir, default ~/.cache/specdec; the command
 line sets it once from $SPECDEC_CACHE with set_cache_dir):
 ensure_default_converted. Everything else built into the cache (the requantised and Gemma 3 GGUFs
-and the converted tokenizers of specdec.models, the grown targets of specdec.grow, the rounded
-drafts of specdec.rounded) is built once the same way (built_once); the grown and rounded ones from
-this conversion. specdec.models, which resolves every alias, imports those two; they import this.
+and the converted tokenizers of specdec.weights.models, the grown targets of specdec.weights.grow, the rounded
+drafts of specdec.weights.rounded) is built once the same way (built_once); the grown and rounded ones from
+this conversion. specdec.weights.models, which resolves every alias, imports those two; they import this.
 
 This module knows nothing of aliases beyond the embedded one, sessions or RPC.
 """

@@ -17,7 +17,7 @@ here, a few kilobytes), so any two stand-ins form a pair; no token is EOS, so a 
 runs to max_new_tokens.
 
 Stand-ins verify chains, not draft trees. They implement the backend interface of
-specdec.backend; the services host them unchanged (deploy.hosting).
+specdec.runtime.backend; the services host them unchanged (deploy.hosting).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class StandinBackend:
         del cache[keep:]
 
     def copy_prefix(self, src: list[int], dst: list[int], n: int) -> None:
-        dst[:] = src[:n]  # a shared prefix (specdec.prefix): its "keys and values" are its tokens
+        dst[:] = src[:n]  # a shared prefix (specdec.runtime.prefix): its "keys and values" are its tokens
 
     def forward(self, cache, token_ids, n_logits):
         return self.forward_batch([(cache, token_ids, n_logits)])[0]

@@ -11,8 +11,8 @@ engine, proposer, scorer) know nothing of it and are observed from outside:
 - a wrapper around the orchestrator's chunks: request metrics from the very stats the response
   carries, so the two agree;
 - observable gauges over a SessionEngine (open sessions, KV tokens held), counters of its prefix
-  cache (prompt tokens, those reused; specdec.prefix) and of the graphs its backend built after it
-  said ready (specdec.graphs).
+  cache (prompt tokens, those reused; specdec.runtime.prefix) and of the graphs its backend built after it
+  said ready (specdec.runtime.graphs).
 
 One request is one trace:
   Orchestrator/Generate (server) -> specdec.round (one per round; the first also opens the two
@@ -27,7 +27,7 @@ module reads none), OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER and OTEL_METRICS_EXP
 read the rest themselves (OTEL_EXPORTER_OTLP_ENDPOINT, headers, OTEL_BSP_*,
 OTEL_METRIC_EXPORT_INTERVAL, OTEL_TRACES_SAMPLER). With everything off (the default) it returns
 a Telemetry that adds nothing: no interceptor, no proxy, no wrapper. The instruments, the
-interceptors and the backend proxy themselves are specdec.instruments'.
+interceptors and the backend proxy themselves are specdec.serving.instruments'.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.instruments import (
+from specdec.serving.instruments import (
     Instruments,
     ObservedBackend,
     ServerTimer,
@@ -262,7 +262,7 @@ class Telemetry:
         propagate.inject(carrier)
         return list(carrier.items())
 
-    # -- the step stream (specdec.steps, orchestrator.step_link): a unary call's telemetry, per call
+    # -- the step stream (specdec.serving.steps, orchestrator.step_link): a unary call's telemetry, per call
     def step_server(self, method: str, carrier: Mapping[str, str], request) -> StepCallSpan:
         """A step stream's call on its service (`method`: its unary RPC's full name): a server span,
         the child of the caller's span in `carrier`, and the server duration, as a unary call has."""
@@ -326,7 +326,7 @@ class Telemetry:
         )
 
     def _watch_prefix(self, cache, attrs: dict) -> None:
-        """The prefix cache's counters (specdec.prefix.PrefixStats) and what it keeps now."""
+        """The prefix cache's counters (specdec.runtime.prefix.PrefixStats) and what it keeps now."""
         from opentelemetry.metrics import Observation
 
         stats = cache.stats
@@ -372,7 +372,7 @@ class Telemetry:
         )
 
     def watch_admission(self, admission) -> None:
-        """Gauges of the orchestrator's admission (specdec.lifecycle.Admission): requests queued for a
+        """Gauges of the orchestrator's admission (specdec.serving.lifecycle.Admission): requests queued for a
         slot, the slots, and a counter of those refused (both full)."""
         if not self.enabled:
             return

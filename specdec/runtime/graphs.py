@@ -1,17 +1,17 @@
 """Static forwards over a fixed slot KV cache, captured as CUDA graphs at start (on a CPU, run eagerly).
 
-GraphBackend is specdec.backend.HFBackend whose short forwards (decode steps and verify blocks:
+GraphBackend is specdec.runtime.backend.HFBackend whose short forwards (decode steps and verify blocks:
 widths up to MAX_LOOKAHEAD + 1) run a forward of static shapes, as SGLang's CudaGraphRunner,
 vLLM and gpt-fast do:
 - the KV cache is allocated once, in `prepare` (before the service says ready): max_sessions
   slots of max_kv_tokens / max_sessions positions each (no cap: the model's context), on CUDA
   within KV_MEMORY_FRACTION of the free memory; it never grows, so captured graphs keep their
   addresses. The slot's capacity is the service's max_context (Describe): a longer sequence is
-  refused with OUT_OF_RANGE before anything changes (specdec.engine), a session past the slots
+  refused with OUT_OF_RANGE before anything changes (specdec.runtime.engine), a session past the slots
   with RESOURCE_EXHAUSTED (the engine's max_sessions, the same number);
 - a step's shape is bucketed three ways (Buckets): rows up to a batch size, columns up to a
   width, the KV positions attended up to a length. One graph a (batch, width, length), all
-  captured in `prepare` on the thread that will replay them (specdec.lifecycle runs it on the
+  captured in `prepare` on the thread that will replay them (specdec.serving.lifecycle runs it on the
   model worker; torch's graph state is per thread, pytorch issue #123177);
 - a graph reads one static input tensor (ids, positions, and the slot each column writes to)
   that a step fills with one host-to-device copy, and writes the last hidden states of every
@@ -26,11 +26,11 @@ vLLM and gpt-fast do:
   padding never touches a session's keys; their outputs are never read. Rollback stays a length.
 Anything outside the buckets (a prompt's prefill chunk wider than the widest, more rows than
 the largest batch, a length past the largest) runs HFBackend's eager forward on the same cache.
-The static forwards take the architecture's masks (specdec.architectures: a layer's sliding window
+The static forwards take the architecture's masks (specdec.runtime.architectures: a layer's sliding window
 is measured in the keys' places in the sequence, a tree's nodes at their depths'). An architecture
 whose forward cannot be captured (MoE routers: the experts a token goes to are read back to the
 host) is served eager on CUDA, all its forwards HFBackend's, with one log line saying so. Pieces
-compiled before the capture: specdec.fusion. On a CPU this backend runs only for the tests (a CPU
+compiled before the capture: specdec.runtime.fusion. On a CPU this backend runs only for the tests (a CPU
 serves HFBackend), its static forwards eager, which exercises the buffers, buckets and padding.
 
 `builds` counts graphs built, `builds_after_ready` those built after `prepare` finished: a
@@ -54,23 +54,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import fusion, models
-from specdec.backend import HFBackend
-from specdec.kvcache import Slot, SlotCache
 from specdec.limits import SessionLimits
+from specdec.runtime import fusion
+from specdec.runtime.backend import HFBackend
+from specdec.runtime.kvcache import Slot, SlotCache
 from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
+from specdec.weights import models
 
 # On CUDA, of the device's free memory at start, at most for the KV cache: a draft and a target starting
 # together on one GPU each see it all free.
 KV_MEMORY_FRACTION = 0.4
-# A CUDA model's norms, gated MLPs and rotary embedding are compiled by inductor before the capture (specdec.fusion)
-# where triton is installed; SPECDEC_FUSE=0 captures the eager forward's kernels as they are, =1 fuses, another
-# value names torch.compile's backend. The command line (cli.options.apply_environment) reads it: set_fuse.
+# A CUDA model's norms, gated MLPs and rotary embedding are compiled by inductor before the capture
+# (specdec.runtime.fusion) where triton is installed; SPECDEC_FUSE=0 captures the eager forward's kernels
+# as they are, =1 fuses, another value names torch.compile's backend. The command line
+# (cli.options.apply_environment) reads it: set_fuse.
 FUSE_ENV = "SPECDEC_FUSE"
 _fuse: str | None = None  # set_fuse's; None: by device (fuse_backend)
 MIN_LENGTH = 256  # the shortest KV-length bucket by default; the next ones double up to the capacity
 # Tree nodes cached before a block that its columns may see (a draft's tree grown a depth at a time); a
-# step's mask covers this many keys more than its width (specdec.graphs.window_visible).
+# step's mask covers this many keys more than its width (specdec.runtime.graphs.window_visible).
 TREE_WINDOW = MAX_TREE_NODES
 
 
@@ -128,7 +130,7 @@ class GraphBackend(HFBackend):
     """HFBackend with static short forwards over a fixed cache, built by prepare(limits)."""
 
     def __init__(self, spec: models.ModelSpec, buckets: Buckets = Buckets(), fuse: str | None = None):
-        """fuse: torch.compile's backend for specdec.fusion ("inductor"), "" for none; None: set_fuse's."""
+        """fuse: torch.compile's backend for specdec.runtime.fusion ("inductor"), "" for none; None: set_fuse's."""
         super().__init__(spec)
         self.buckets = buckets
         self.fuse = fuse_backend(self.device) if fuse is None else fuse
@@ -412,7 +414,7 @@ def set_fuse(value: str | None) -> None:
 
 
 def fuse_backend(device: torch.device) -> str:
-    """torch.compile's backend for specdec.fusion: set_fuse's ("" for 0, inductor for 1); where unset,
+    """torch.compile's backend for specdec.runtime.fusion: set_fuse's ("" for 0, inductor for 1); where unset,
     inductor on CUDA with triton installed, else "" (none)."""
     value = (_fuse or "").strip()
     if value:

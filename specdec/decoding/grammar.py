@@ -3,8 +3,8 @@ the masks it puts on the model's rows.
 
 The law of constrained output: at each position, the model's row masked to the tokens the grammar
 allows there (the others' logits -inf), then the sampling transform (temperature, top-k, top-p,
-specdec.sampling); greedy is the masked argmax. The draft masks its rows the same way, so the rule
-(specdec.rule, unchanged) compares masked rows, and a token the grammar forbids has no mass in the
+specdec.decoding.sampling); greedy is the masked argmax. The draft masks its rows the same way, so the rule
+(specdec.decoding.rule, unchanged) compares masked rows, and a token the grammar forbids has no mass in the
 target's row: the rule never outputs one.
 
 Owns: the Constraint message -> an llguidance grammar (refused with InvalidArgument naming the
@@ -12,7 +12,7 @@ field), a vocabulary's token table (built once per tokenizer: ~0.5 s for SmolLM2
 a session's Matcher kept at its committed tokens (commit, rollback) with a speculative stack on
 top (a draft's tokens while it proposes), the masks of the k + 1 positions after a block of draft
 tokens in one pass, and applying a mask to logits, never in place (llama.cpp's logits are views
-of its buffers). Not: the rule, the sampling transform, the session's cache (specdec.engine holds
+of its buffers). Not: the rule, the sampling transform, the session's cache (specdec.runtime.engine holds
 the Matcher with the session and keeps it at the committed tokens).
 
 Where the masks are computed: beside each model, on its service. The draft must (each drafted

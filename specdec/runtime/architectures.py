@@ -1,7 +1,7 @@
 """Which transformers architectures the torch backend serves exactly, and what it must know of each.
 
-The backend (specdec.backend) runs a model's own embedding and decoder layers over its slot KV cache
-(specdec.kvcache), with attention masks it builds itself (a row's own positions, a draft tree's
+The backend (specdec.runtime.backend) runs a model's own embedding and decoder layers over its slot KV cache
+(specdec.runtime.kvcache), with attention masks it builds itself (a row's own positions, a draft tree's
 ancestors), and applies the output layer itself at the positions asked for. That computes what the
 model computes where the model
 - attends causally, each layer over every earlier key or within a sliding window of its own
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import FailedPrecondition
-from specdec.kvcache import additive, within
+from specdec.runtime.kvcache import additive, within
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types the masks reproduce
 
@@ -43,7 +43,7 @@ class Family:
     windows: str = "none"  # "none": every layer full; "all": config.sliding_window on every layer;
     #                        "types": by config.layer_types, the model taking one mask per type (a dict)
     packed: bool = False  # its attention reaches the backend's packed one (kvcache.PackedView) and is plain SDPA
-    moe: bool = False  # routed experts: the router's host sync rules out CUDA graph capture (specdec.graphs)
+    moe: bool = False  # routed experts: the router's host sync rules out CUDA graph capture (specdec.runtime.graphs)
     head: tuple[str, ...] = ()  # transforms after the output layer, in order: "scale", "divide", "softcap"
     check: Callable | None = None  # config -> why a feature it switches on is refused, or None
 

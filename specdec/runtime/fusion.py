@@ -1,5 +1,5 @@
 """Fewer kernels a static step: the model's elementwise pieces compiled by torch.compile before the
-CUDA graphs are captured (specdec.graphs).
+CUDA graphs are captured (specdec.runtime.graphs).
 
 A graph captured from the eager forward replays every op of it as its own kernel: a Llama layer
 launches ~40 (two RMSNorms of ~7 each, the rotary embedding's ~10 on queries and keys, the gated
