@@ -1,1 +1,1 @@
-"""specdec bench: the benchmark behind `specdec bench` (bench.run) and its prompt set."""
+"""specdec bench: the benchmark behind `specdec bench compare` (bench.run) and its prompt set."""

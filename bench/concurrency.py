@@ -1,4 +1,4 @@
-"""`specdec bench --concurrency 1,2,4,8`: throughput and latency as concurrent clients grow.
+"""`specdec bench concurrency --clients 1,2,4,8`: throughput and latency as concurrent clients grow.
 
 For each concurrency c, c clients at once send greedy `Generate` calls over gRPC (the first
 --prompts prompts of bench/prompts.json, cycled; max(c, prompts) requests in all, c in

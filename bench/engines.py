@@ -1,4 +1,4 @@
-"""The engines a CPU user would run instead of specdec, as `specdec bench` rows.
+"""The engines a CPU user would run instead of specdec, as `specdec bench compare` rows.
 
 - `llamacpp-target`: llama.cpp target-only through llama-cpp-python (`llama_cpp.Llama`) on the
   F32 GGUF, which holds the same weights as the fp32 transformers target. In process, on the

@@ -1,4 +1,4 @@
-"""`specdec bench --rtt-ms 0,1,5,20`: what a network's round trip does to a round, and how much of
+"""`specdec bench network --rtt-ms 0,1,5,20`: what a network's round trip does to a round, and how much of
 it the overlapped rounds hide.
 
 Two one-core hosts on this machine: the draft service pinned to one core and the target service

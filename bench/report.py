@@ -1,4 +1,4 @@
-"""The report of `specdec bench` (bench.run runs the rows): each row's figures, the tables, the plot.
+"""The report of `specdec bench compare` (bench.run runs the rows): each row's figures, the tables, the plot.
 
 Reported per row: tokens/s (median over prompts x repeats, client wall time, prefill
 included), speedup over the baseline (median of per-prompt ratios to it on the same pass; the

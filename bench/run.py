@@ -1,4 +1,4 @@
-"""`specdec bench`: specdec side by side with what a user would otherwise run, in one run.
+"""`specdec bench compare`: specdec side by side with what a user would otherwise run, in one run.
 
 On a fixed prompt set (bench/prompts.json: chat, code, summarisation of a given passage,
 lists), for each temperature:
@@ -57,7 +57,7 @@ from specdec.weights import models
 
 PROMPTS = Path(__file__).with_name("prompts.json")
 DOCUMENT = Path(__file__).with_name("long_chat.json")  # its system prompt: a store's return policy, 1,298 tokens
-# The services' limits in every bench but --ttft: every method runs the same prompts one after another,
+# The services' limits in every bench but ttft: every method runs the same prompts one after another,
 # and with the prefix cache on all but the first would start from the first's keys and values.
 COLD = SessionLimits(prefix_cache=False)
 IN_PROCESS = ("hf", "llamacpp-target", "llama-speculative")  # rows that need no pipeline

@@ -1,4 +1,4 @@
-"""`specdec bench --serving`: the serving path under load, with stand-in models that cost no core.
+"""`specdec bench serving`: the serving path under load, with stand-in models that cost no core.
 
 The three services start as `specdec serve` starts them (deploy.local), with stand-ins
 (specdec.runtime.standin): a target whose batched forward sleeps `target_ms` and a draft whose forward
@@ -51,7 +51,7 @@ class ServingConfig:
 
     def __post_init__(self):
         if not self.clients or min(self.clients) < 1:
-            raise ValueError(f"--serving needs client counts >= 1, got {self.clients}")
+            raise ValueError(f"--clients needs client counts >= 1, got {self.clients}")
         for method in self.methods:
             request(method, 1)  # raises on an unknown one
         if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1:

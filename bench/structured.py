@@ -1,4 +1,4 @@
-"""`specdec bench --structured`: speculation under a JSON schema (structured output), on one pair.
+"""`specdec bench structured`: speculation under a JSON schema (structured output), on one pair.
 
 On bench/prompts.json (each prompt asking for its answer as JSON), for each temperature, four
 methods alternate prompt by prompt: the target alone through the services (speculation off) and

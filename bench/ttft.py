@@ -1,4 +1,4 @@
-"""`specdec bench --ttft`: time to first token from a client, a long system prompt, turn by turn.
+"""`specdec bench ttft`: time to first token from a client, a long system prompt, turn by turn.
 
 bench/long_chat.json is a chat: a store's return policy as the system prompt (1,298 tokens of the
 default pair's tokenizer; 1,336 with the first question in the chat template) and four questions.

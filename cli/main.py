@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from cli import bench, generate, options, ray, serving
+from cli import bench, generate, load, options, ray, serving
 from specdec.errors import SpecdecError
 
 EPILOG = """\
@@ -34,7 +34,14 @@ TLS, mutual TLS and bearer tokens: every server takes --tls-cert/--tls-key (TLS)
 --allow-insecure.
 """
 
-COMMANDS = {"generate": generate.run, "status": generate.status, **serving.COMMANDS, **bench.COMMANDS, "ray": ray.run}
+COMMANDS = {
+    "generate": generate.run,
+    "status": generate.status,
+    **serving.COMMANDS,
+    **bench.COMMANDS,
+    **load.COMMANDS,
+    "ray": ray.run,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_service_parsers(sub)
     bench.add_bench_parser(sub)
     serving.add_orchestrator_parser(sub)
-    bench.add_loadtest_parser(sub)
-    bench.add_chaos_parser(sub)
+    load.add_loadtest_parser(sub)
+    load.add_chaos_parser(sub)
     ray.add_parser(sub)
     return parser
 

@@ -1,4 +1,4 @@
-"""`specdec bench --quick` runs end to end on tiny models: JSON, table and plot. The engine
+"""`specdec bench compare --quick` runs end to end on tiny models: JSON, table and plot. The engine
 rows: llama-speculative's output parsed (a recorded sample), llamacpp-target on the real GGUF."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ DATA = Path(__file__).with_name("data")
 
 @pytest.mark.slow
 def test_bench_quick_on_tiny_models(tiny_models, tmp_path):
-    cmd = [sys.executable, "-m", "cli", "bench", "--quick", "--drafters", "model,ngram", "--kinds", "chat,list"]
+    cmd = [sys.executable, "-m", "cli", "bench", "compare", "--quick"]
+    cmd += ["--drafters", "model,ngram", "--kinds", "chat,list"]
     cmd += ["--hf-static"]  # on by default for a CUDA target only
     cmd += ["--trees", "6"]  # a draft tree of 6 nodes beside each fixed k
     cmd += ["--out", str(tmp_path)]  # the summarisation passages exceed the tiny models' context
@@ -155,16 +156,17 @@ def test_one_client_runs_on_the_calling_thread(duration):
     assert threads == {threading.get_ident()} and cell["requests"] >= 2
 
 
-@pytest.mark.parametrize("flags", [["--concurrency", "2", "--duration", "0"], ["--duration", "5"]])
-def test_a_duration_needs_clients_and_seconds(flags):
-    out = subprocess.run([sys.executable, "-m", "cli", "bench", *flags], capture_output=True, text=True)
-    assert out.returncode == 1 and "--duration needs --concurrency and a number of seconds > 0" in out.stderr
+@pytest.mark.parametrize("seconds", ["0", "inf"])
+def test_a_duration_needs_seconds(seconds):
+    cmd = [sys.executable, "-m", "cli", "bench", "concurrency", "--clients", "2", "--duration", seconds]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 1 and "--duration needs a number of seconds > 0" in out.stderr
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("ks", ["", "0,4"])
-def test_ks_needs_a_lookahead(ks):
-    out = subprocess.run([sys.executable, "-m", "cli", "bench", "--ks", ks], capture_output=True, text=True)
+@pytest.mark.parametrize(("bench", "ks"), [("compare", ""), ("compare", "0,4"), ("network", "0"), ("concurrency", "")])
+def test_ks_needs_a_lookahead(bench, ks):
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", bench, "--ks", ks], capture_output=True, text=True)
     assert out.returncode == 1 and "--ks needs one or more lookaheads >= 1" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -249,7 +251,7 @@ def test_the_engine_row_runs_every_prompt_at_every_concurrency():
 
 @pytest.mark.slow
 def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, tmp_path):
-    """--concurrency with --trees: adaptive rows with draft trees beside the chains-only one."""
+    """`specdec bench concurrency` with --trees: adaptive rows with draft trees beside the chains-only one."""
     from specdec.weights.models import ModelSpec
 
     config = concurrency.ConcurrencyConfig(
@@ -274,9 +276,10 @@ def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, t
 
 @pytest.mark.slow
 def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
-    """`--rtt-ms`: the services on a core each, a delaying relay before the target, each row at each RTT."""
-    cmd = [sys.executable, "-m", "cli", "bench", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "12", "--kinds"]
-    cmd += ["chat", "--drafters", "model", "--out", str(tmp_path), "--target-model", tiny_models["target"]]
+    """`specdec bench network`: the services on a core each, a delaying relay before the target, each
+    row at each RTT."""
+    cmd = [sys.executable, "-m", "cli", "bench", "network", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "12"]
+    cmd += ["--kinds", "chat", "--drafter", "model", "--out", str(tmp_path), "--target-model", tiny_models["target"]]
     cmd += ["--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -291,7 +294,7 @@ def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
 
 @pytest.mark.slow
 def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends, tmp_path):
-    """bench/ttft.py's client on in-process services with the prefix cache on (the CLI's `--ttft` starts
+    """bench/ttft.py's client on in-process services with the prefix cache on (`specdec bench ttft` starts
     LocalPipelines instead): every case timed from the stream, the next turn and the same request again
     reuse the conversation on both services, and the table holds each ratio beside issue 43's bound."""
     from bench import ttft
@@ -327,9 +330,9 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
 
 @pytest.mark.slow
 def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
-    """`specdec bench --serving`: stand-ins, a cell a (method, clients), each with its rate and every
+    """`specdec bench serving`: stand-ins, a cell a (method, clients), each with its rate and every
     process's CPU per token; the table and the JSON."""
-    cmd = [sys.executable, "-m", "cli", "bench", "--serving", "1,3", "--serving-methods", "off,k2"]
+    cmd = [sys.executable, "-m", "cli", "bench", "serving", "--clients", "1,3", "--methods", "off,k2"]
     cmd += ["--standins", "2,1,0.8", "--max-tokens", "16", "--duration", "1.5", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     cells = json.loads((tmp_path / "serving.json").read_text())["cells"]
@@ -340,7 +343,8 @@ def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
     assert "| off | " in out and "| k2 | " in out
 
 
-@pytest.mark.parametrize("flags", [["--serving", "0"], ["--serving", "2", "--serving-methods", "k0"]])
+@pytest.mark.parametrize("flags", [["--clients", "0"], ["--clients", "2", "--methods", "k0"]])
 def test_the_serving_bench_refuses_bad_flags(flags):
-    run = subprocess.run([sys.executable, "-m", "cli", "bench", *flags], capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0 and "specdec bench --serving" in run.stderr
+    cmd = [sys.executable, "-m", "cli", "bench", "serving", *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "specdec bench serving" in run.stderr

@@ -1,4 +1,4 @@
-"""The bench's prompt-length axis (bench.run.at_lengths, `specdec bench --prompt-tokens`): each
+"""The bench's prompt-length axis (bench.run.at_lengths, `specdec bench compare --prompt-tokens`): each
 prompt at each length, a document before its question, the chat-templated prompt about N tokens; and
 what its speedups are over without the transformers rows (llama.cpp's target alone)."""
 

@@ -428,7 +428,7 @@ def test_extraction_reads_shell_like_bash():
     md = """```bash
 $ specdec generate "Hi there" --json | jq .text    # a comment --not-a-flag
 SPECDEC_AUTH_TOKEN=$(cat token) OTEL_TRACES_EXPORTER=otlp specdec serve --host 0.0.0.0 && specdec ray status
-python -m cli bench --quick > out.txt 2> err.txt
+python -m cli bench compare --quick > out.txt 2> err.txt
 curl -sN http://x/v1 -d '{
   "a": "specdec serve --nope"}'
 specdec loadtest --requests 4 [--json] ...
@@ -445,7 +445,7 @@ Prose: `specdec generate --address` and `specdec.weights.models` and `specdec se
         ("generate", "Hi there", "--json"),
         ("serve", "--host", "0.0.0.0"),
         ("ray", "status"),
-        ("bench", "--quick"),
+        ("bench", "compare", "--quick"),
         ("loadtest", "--requests", "4", "[--json]", "..."),
     ]
     assert [c.argv for c in found if c.inline] == [("generate", "--address"), ("serve", "--nope")]

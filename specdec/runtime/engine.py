@@ -74,7 +74,7 @@ PREFILL_CHUNK = 128
 # Prompt tokens a worker step takes, all sessions' (vLLM's chunked-prefill token budget). Not
 # smaller: a wave of c 67-token prompts prefilled one prompt a step (a budget of 128) started its
 # sessions' decodes one step apart, and they no longer shared their steps to the end: speculation
-# off at 8 clients 44.6 tok/s against 57.3 with every prompt in one step (bench --concurrency).
+# off at 8 clients 44.6 tok/s against 57.3 with every prompt in one step (specdec bench concurrency).
 # 512 takes a wave of 7 such prompts in one step, bounds a step's prefill at ~1.3 s for the fp32
 # target on one core (~1.6 s for the default Q8_0 draft, ~2.6 s for the Q4_1 file), and is a
 # llama_batch's size (llamacpp.BATCH_TOKENS).
