@@ -46,7 +46,7 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from orchestrator.pair_costs import DECAY, EXPLORE_EVERY, DraftCost, PairCosts
+from orchestrator.pair_costs import DECAY, EXPLORE_EVERY, PairCosts, RoundReport
 
 MARGIN = 0.1  # under load, the gain speculation must promise to be taken: the model's error there
 EXPLORE_MAX = 128  # the longest wait, after explorations that found speculation does not pay
@@ -273,48 +273,22 @@ class AdaptiveLookahead:
         self.priced = (round_time(alpha, k, rounds[self.overlapping], self.overlapping) if k else None, t0, n)
         return k
 
-    def update(
-        self,
-        proposed: int,
-        accepted: int,
-        draft: DraftCost | float,
-        target_seconds: float,
-        step_tokens: int | None = None,
-        target_compute: float | None = None,
-        step_sessions: int | None = None,
-        round_seconds: float | None = None,
-        quiet: bool = True,
-        target_threads: int = 0,
-        committed: int | None = None,
-        at: float | None = None,
-    ) -> None:
-        """One round: drafts verified and accepted, what it waited for the draft (seconds alone:
-        for the proposed tokens, the service's steps unknown), the seconds waited on the target,
-        of which `target_compute` its step's (as the target reports; default: all), and the
-        tokens of the target's batched forward that scored them (default: this round's alone,
-        proposed + 1, as when no other session shares the target), the sessions it ran, the seconds
-        since its generation's last commit (None: not timed), and whether no prefill ran on the
-        pair meanwhile (one that did waited behind it: neither its wait nor its time is counted;
-        see Calibration), the threads the target's step ran with (0: not reported), and the tokens
-        it committed and when, on the loop's clock (None: not counted; see Measured)."""
-        self.accepted = DECAY * self.accepted + accepted
-        self.rejections = DECAY * self.rejections + (1 if accepted < proposed else 0)
-        if not isinstance(draft, DraftCost):
-            draft = DraftCost(draft, proposed)
-        step = proposed + 1 if step_tokens is None else step_tokens
+    def update(self, report: RoundReport) -> None:
+        """One round (RoundReport): its acceptance to this generation's estimate, its costs to the
+        pair's, its time against the price that chose it (see Calibration), and its committed
+        tokens to the regime's rate (see Measured)."""
+        self.accepted = DECAY * self.accepted + report.accepted
+        self.rejections = DECAY * self.rejections + (1 if report.accepted < report.proposed else 0)
         with self.costs.lock:
-            compute = target_seconds if target_compute is None else target_compute
-            counted = step_sessions if proposed > 0 and not self.exploring else None
-            self.costs.update(
-                proposed, accepted, draft, target_seconds, step, compute, self.load(), counted, quiet, target_threads
-            )
-            if quiet and round_seconds and self.priced is not None and not self.exploring:
+            self.costs.update(report, self.load(), counted=not self.exploring)
+            if report.quiet and report.round_seconds and self.priced is not None and not self.exploring:
                 spec_price, plain_price, load = self.priced
-                price = plain_price if proposed == 0 else spec_price  # None: drafts it did not choose (carried)
+                price = plain_price if report.proposed == 0 else spec_price  # None: drafts it did not choose (carried)
                 if price:
-                    self.costs.calibrate(load, proposed > 0, round_seconds / price)
-            if committed is not None and at is not None and self.may_stop:  # a fixed k's are not a regime's
-                self.costs.measure(self.load(), committed, at)
+                    self.costs.calibrate(load, report.proposed > 0, report.round_seconds / price)
+            # a fixed k's rounds are not a regime's
+            if report.committed is not None and report.at is not None and self.may_stop:
+                self.costs.measure(self.load(), report.committed, report.at)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from orchestrator import speculation_cache
 from orchestrator.availability import Availability
 from orchestrator.cache_branches import CacheBranches
 from orchestrator.lookahead import AdaptiveLookahead
-from orchestrator.pair_costs import DraftCost, PairCosts
+from orchestrator.pair_costs import DraftCost, PairCosts, RoundReport
 from orchestrator.plain_rounds import PlainRounds
 from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, SessionLost
 from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, wait_quietly
@@ -504,26 +504,29 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             drafted += k_next + 1 if continuation is not None else 0
             spent = fresh + continued if self.overlap else draft_time  # overlapped: the draft's own time
             reports = [p.report for p in (drafts, after) if p is not None and p.report is not None]
+            now = time.perf_counter()
             self.policy.update(
-                k,
-                min(accepted, k),
-                DraftCost(
-                    spent,
-                    drafted,
-                    sum(r.compute_seconds for r in reports),
-                    sum(r.steps for r in reports),
-                    sum(r.step_tokens for r in reports),
-                    min((r.threads for r in reports), default=0),
-                ),
-                target_time,
-                scores.step_tokens or None,
-                scores.compute_seconds or None,  # a service that does not report it: all the wait
-                scores.step_sessions or None,
-                (now := time.perf_counter()) - self._committed[0],
-                self.policy.costs.quiet(self._committed[1]),
-                scores.threads,
-                len(committed),
-                now,
+                RoundReport(
+                    k,
+                    min(accepted, k),
+                    DraftCost(
+                        spent,
+                        drafted,
+                        sum(r.compute_seconds for r in reports),
+                        sum(r.steps for r in reports),
+                        sum(r.step_tokens for r in reports),
+                        min((r.threads for r in reports), default=0),
+                    ),
+                    target_time,
+                    step_tokens=scores.step_tokens or None,
+                    target_compute=scores.compute_seconds or None,  # a service that does not report it: all the wait
+                    step_sessions=scores.step_sessions or None,
+                    round_seconds=now - self._committed[0],
+                    quiet=self.policy.costs.quiet(self._committed[1]),
+                    target_threads=scores.threads,
+                    committed=len(committed),
+                    at=now,
+                )
             )
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())
         self.stats.round_seconds += time.perf_counter() - start

@@ -113,6 +113,44 @@ class DraftCost:
     threads: int = 0  # the threads its steps ran with (0: not reported)
 
 
+@dataclass(frozen=True)
+class RoundReport:
+    """One round as the loop measured it, for the policy (AdaptiveLookahead.update) and the pair's
+    costs (PairCosts.update): drafts `proposed` and `accepted`; what it waited for the draft (a
+    DraftCost, or seconds alone for the proposed tokens, the service's steps unknown); the seconds
+    waited on the target, of which `target_compute` its step's (as the target reports; None: all);
+    the tokens of the target's batched forward that scored them (None: this round's alone,
+    proposed + 1, as when no other session shares the target) and the sessions it ran; the seconds
+    since its generation's last commit (None: not timed); whether no prefill ran on the pair
+    meanwhile (one that did waited behind it: neither its wait nor its time is counted; see
+    Calibration); the threads the target's step ran with (0: not reported); and the tokens it
+    committed and when, on the loop's clock (None: not counted; see Measured)."""
+
+    proposed: int
+    accepted: int
+    draft: DraftCost | float = 0.0
+    target_seconds: float = 0.0
+    step_tokens: int | None = None
+    target_compute: float | None = None
+    step_sessions: int | None = None
+    round_seconds: float | None = None
+    quiet: bool = True
+    target_threads: int = 0
+    committed: int | None = None
+    at: float | None = None
+
+    def draft_cost(self) -> DraftCost:
+        return self.draft if isinstance(self.draft, DraftCost) else DraftCost(self.draft, self.proposed)
+
+    def step(self) -> int:
+        """The tokens of the target's step that scored it."""
+        return self.proposed + 1 if self.step_tokens is None else self.step_tokens
+
+    def compute(self) -> float:
+        """The target's compute in its wait."""
+        return self.target_seconds if self.target_compute is None else self.target_compute
+
+
 @dataclass
 class Revisits:
     """At a load class where both regimes have run (see Measured): the faster, when the slower
@@ -398,33 +436,25 @@ class PairCosts:
             decided.until = clock + MEASURED
         return decided.faster != (decided.until is not None)
 
-    def update(
-        self,
-        proposed: int,
-        accepted: int,
-        draft: DraftCost,
-        target_seconds: float,
-        step: int,
-        target_compute: float,
-        sessions: int = 1,
-        step_sessions: int | None = None,
-        quiet: bool = True,
-        target_threads: int = 0,
-    ) -> None:
+    def update(self, report: RoundReport, sessions: int = 1, counted: bool = True) -> None:
         """One round of one of `sessions` generations running: each reports its rounds, so the
         windows above count rounds of them all (a round of each of 16 generations is one step,
         not 16: counted one by one, the line's window shrank to two steps under load and its
-        intercept swung from 12 to 234 ms). `step_sessions`: the sessions in its verify step,
-        for a round that speculated with the others (None: not counted). `quiet`: no prefill ran on
-        the pair during the round; one that did waited behind it, and its wait is not counted
-        (see Calibration). `target_threads`: its verify step's (0: not reported); on shared cores
-        the verify line is fitted at every core's threads (see Cores)."""
+        intercept swung from 12 to 234 ms). `counted`: the report's step_sessions, the sessions in
+        its verify step, say how many shared it (a round that speculated with the others; not an
+        exploration's). A round beside a prefill (not `quiet`) waited behind it, and its wait is not
+        counted (see Calibration). On shared cores the verify line is fitted at every core's threads
+        (see Cores), the report's target_threads."""
+        proposed, accepted, quiet = report.proposed, report.accepted, report.quiet
+        draft, target_compute, step = report.draft_cost(), report.compute(), report.step()
+        target_threads = report.target_threads
+        step_sessions = report.step_sessions if counted and proposed > 0 else None
         share = 1 / max(1, sessions)
         d = DECAY**share
         if step_sessions:
             self.shared.add(min(1.0, step_sessions / max(1, sessions)), decay=d)
         if quiet:
-            self.waits[proposed > 0].add(queued(target_seconds, target_compute), decay=d)
+            self.waits[proposed > 0].add(queued(report.target_seconds, target_compute), decay=d)
             self.waits[proposed == 0].fade(d)
         self.accepted = d * self.accepted + accepted
         self.rejections = d * self.rejections + (1 if accepted < proposed else 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.pair_costs import DraftCost
+from orchestrator.pair_costs import DraftCost, RoundReport
 from orchestrator.rounds import Draws, Round
 from specdec.v1 import model_pb2
 
@@ -56,17 +56,18 @@ class PlainRounds:
         steps = max(1, len(scores.argmax_token_ids))
         now = time.perf_counter()
         self.policy.update(
-            0,
-            0,
-            DraftCost(0.0, 0),
-            target_time / steps,
-            scores.step_tokens or None,
-            scores.compute_seconds / steps or None,
-            None,
-            (now - self._committed[0]) / steps,
-            self.policy.costs.quiet(self._committed[1]),
-            scores.threads,
-            steps,
-            now,
+            RoundReport(
+                0,
+                0,
+                DraftCost(0.0, 0),
+                target_time / steps,
+                step_tokens=scores.step_tokens or None,
+                target_compute=scores.compute_seconds / steps or None,
+                round_seconds=(now - self._committed[0]) / steps,
+                quiet=self.policy.costs.quiet(self._committed[1]),
+                target_threads=scores.threads,
+                committed=steps,
+                at=now,
+            )
         )
         self._committed = (now, self.policy.costs.quiet_since())

@@ -11,7 +11,7 @@ import pytest
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
 from orchestrator.lookahead import AdaptiveLookahead, measured_lookahead
-from orchestrator.pair_costs import MEASURED, DraftCost, PairCosts
+from orchestrator.pair_costs import MEASURED, DraftCost, PairCosts, RoundReport
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -26,7 +26,7 @@ def learned(draft_per_token: float, accepted: float, rounds: int = 40) -> PairCo
     policy = AdaptiveLookahead(16, costs=costs)
     for i in range(rounds):
         k = (4, 8)[i % 2]
-        policy.update(k, int(k * accepted), draft=draft_per_token * k, target_seconds=0.060 + 0.008 * k)
+        policy.update(RoundReport(k, int(k * accepted), draft=draft_per_token * k, target_seconds=0.060 + 0.008 * k))
     return costs
 
 
@@ -117,9 +117,9 @@ def test_under_load_the_measured_default_speculates_only_where_its_regime_measur
         k = (2, 4)[i % 2]
         draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
         target = 0.1 + 0.004 * (8 * (k + 1) - 1)
-        measured.update(k, k - (i % 4 < 2), draft, target, 8 * (k + 1), target, step_sessions=8)
+        measured.update(RoundReport(k, k - (i % 4 < 2), draft, target, 8 * (k + 1), target, step_sessions=8))
     clock, spent = 100.0, {True: 0.0, False: 0.0}
-    fixed.update(8, 8, DraftCost(0.3, 8), 0.2, 72, 0.2, 8, committed=9, at=clock)
+    fixed.update(RoundReport(8, 8, DraftCost(0.3, 8), 0.2, 72, 0.2, 8, committed=9, at=clock))
     assert costs.rates == {}  # a fixed k's rounds measure no regime
     while clock < 100 + 4 * MEASURED:  # 8 generations: speculating 10 tokens a second each, plain 12.5
         k = measured.next_k()
@@ -130,9 +130,9 @@ def test_under_load_the_measured_default_speculates_only_where_its_regime_measur
         if k:
             draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
             target = 0.1 + 0.004 * (8 * (k + 1) - 1)
-            measured.update(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock)
+            measured.update(RoundReport(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock))
         else:
-            measured.update(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock)
+            measured.update(RoundReport(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock))
     assert spent[True] >= MEASURED and spent[False] >= MEASURED  # each regime measured
     assert measured.next_k() == 0 and measured.may_stop  # plain rounds commit more: taken
     assert fixed.next_k() == 8 and not fixed.may_stop  # a request's own k stands

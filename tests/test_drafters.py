@@ -19,7 +19,16 @@ from orchestrator.lookahead import (
     speedup,
 )
 from orchestrator.loop import LoopConfig, SpeculativeLoop
-from orchestrator.pair_costs import MEASURED, MISPRICED, REVISIT, DraftCost, PairCosts, load_class, profiled
+from orchestrator.pair_costs import (
+    MEASURED,
+    MISPRICED,
+    REVISIT,
+    DraftCost,
+    PairCosts,
+    RoundReport,
+    load_class,
+    profiled,
+)
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
@@ -108,11 +117,11 @@ def test_adaptive_lookahead_moves_with_acceptance():
     assert policy.next_k() == 8  # no evidence yet
     for _ in range(20):  # every draft rejected, expensive draft
         k = policy.next_k()
-        policy.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1))
     assert policy.next_k() == 0  # no speculation
     for _ in range(60):  # every draft accepted, cheap draft: found by the exploring rounds
         k = policy.next_k()
-        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1))
     assert policy.next_k() == 8
 
 
@@ -126,13 +135,13 @@ def test_explorations_back_off_while_speculation_does_not_pay():
         k = policy.next_k()
         if k and i > 5:
             explored.append(i)
-        policy.update(proposed=k, accepted=0, draft=0.05 * k, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=0, draft=0.05 * k, target_seconds=0.1))
     gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
     assert 3 <= len(explored) <= 7 and gaps == sorted(gaps), explored
     assert gaps[-1] > 100  # capped at EXPLORE_MAX rounds off
     for _ in range(200):  # the draft starts paying: found by the next exploration, and kept
         k = policy.next_k()
-        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1))
     assert policy.next_k() > 0 and policy.costs.explore_after == 8
 
 
@@ -143,16 +152,16 @@ def test_an_exploration_without_the_drafts_session_is_made_at_the_next_round():
     policy = AdaptiveLookahead(k_max=8)
     for _ in range(20):  # every draft rejected, expensive draft: speculation off
         k = policy.next_k()
-        policy.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1))
     while not policy.next_k():  # k = 0 rounds until the exploration
-        policy.update(proposed=0, accepted=0, draft=0.0, target_seconds=0.1)
+        policy.update(RoundReport(proposed=0, accepted=0, draft=0.0, target_seconds=0.1))
     wait = policy.costs.explore_after
     policy.unexplored()  # that round had no draft session yet
-    policy.update(proposed=0, accepted=0, draft=0.0, target_seconds=0.1)
+    policy.update(RoundReport(proposed=0, accepted=0, draft=0.0, target_seconds=0.1))
     k = policy.next_k()
     assert k > 0 and policy.exploring and policy.costs.explore_after == wait
     for _ in range(40):  # the draft, open now, pays: explorations find it
-        policy.update(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1)
+        policy.update(RoundReport(proposed=k, accepted=k, draft=0.001 * k, target_seconds=0.1))
         k = policy.next_k() or policy.next_k()
     assert policy.next_k() > 0
     policy.exploring = False
@@ -168,7 +177,7 @@ def test_generations_on_a_pair_start_from_its_costs():
     first = AdaptiveLookahead(k_max=8, costs=costs)
     for _ in range(20):  # every draft rejected, expensive draft
         k = first.next_k()
-        first.update(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1)
+        first.update(RoundReport(proposed=k, accepted=0, draft=0.4 * k / 8, target_seconds=0.1))
     assert first.next_k() == 0
     assert AdaptiveLookahead(k_max=8).next_k() == 8  # alone: no evidence yet
     second = AdaptiveLookahead(k_max=8, costs=costs)
@@ -178,8 +187,8 @@ def test_generations_on_a_pair_start_from_its_costs():
     assert first.next_k() == 0 and costs.off_rounds == off + 1  # one count of rounds off for both
     third = AdaptiveLookahead(k_max=8, costs=costs)
     for _ in range(5):  # the second's text is one its draft predicts, the third's one it does not
-        second.update(proposed=2, accepted=2, draft=0.002, target_seconds=0.1)
-        third.update(proposed=2, accepted=0, draft=0.002, target_seconds=0.1)
+        second.update(RoundReport(proposed=2, accepted=2, draft=0.002, target_seconds=0.1))
+        third.update(RoundReport(proposed=2, accepted=0, draft=0.002, target_seconds=0.1))
     assert second.alpha() > 0.8 > 0.3 > third.alpha()
 
 
@@ -227,7 +236,7 @@ def loaded(load: int, draft_ms: float, costs: PairCosts) -> AdaptiveLookahead:
         step = draft_ms / 1000 * load
         draft = DraftCost(step * k, k, step * k, steps=k, step_tokens=load * k)
         target = 0.100 + 0.004 * (load * (k + 1) - 1)
-        policy.update(k, k - (i % 4 < 2), draft, target, load * (k + 1), target, step_sessions=load)
+        policy.update(RoundReport(k, k - (i % 4 < 2), draft, target, load * (k + 1), target, step_sessions=load))
     return policy
 
 
@@ -256,9 +265,9 @@ def test_under_load_the_regime_that_commits_more_a_second_is_taken():
             if k:
                 draft = DraftCost(0.032 * k, k, 0.032 * k, steps=k, step_tokens=8 * k)
                 target = 0.1 + 0.004 * (8 * (k + 1) - 1)
-                eight.update(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock[0])
+                eight.update(RoundReport(k, k, draft, target, 8 * (k + 1), target, 8, committed=k, at=clock[0]))
             else:
-                eight.update(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock[0])
+                eight.update(RoundReport(0, 0, 0.0, 0.13, 8, 0.13, committed=1, at=clock[0]))
         return spent
 
     # the price's choice first, speculation: a step to settle, then MEASURED seconds; then plain
@@ -300,7 +309,8 @@ def test_a_fixed_k_under_load_calibrates_the_price_at_its_load():
     fixed = AdaptiveLookahead(k_max=4, overlap=True, fixed=True, load=lambda: 8, costs=costs)
     for _ in range(16):  # two steps of 8 generations' rounds, each 2.5 times its price
         assert fixed._best_k() == 4
-        fixed.update(4, 2, DraftCost(0.2, 4, 0.2, 4, 32), 0.15, 40, 0.15, 8, round_seconds=2.5 * fixed.priced[0])
+        draft = DraftCost(0.2, 4, 0.2, 4, 32)
+        fixed.update(RoundReport(4, 2, draft, 0.15, 40, 0.15, 8, round_seconds=2.5 * fixed.priced[0]))
     assert costs.calibration(8) == pytest.approx(0.4, rel=0.01)
     assert eight.promised * 0.4 < 1 and eight._best_k() == 0 and costs.rates == {}  # nothing to measure
 
@@ -320,11 +330,11 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     spec_price, plain_price, load = eight.priced
     assert load == 8 and 0 < plain_price < spec_price
     for _ in range(16):  # two steps: a round of each of 8 generations is one
-        eight.update(1, 1, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 16, 0.15, 8, round_seconds=2 * spec_price)
+        eight.update(RoundReport(1, 1, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 16, 0.15, 8, round_seconds=2 * spec_price))
         eight.priced = (spec_price, plain_price, 8)
     assert costs.calibration(8) == pytest.approx(0.5, rel=0.01)  # plain rounds not measured there: 1
     for _ in range(16):
-        eight.update(0, 0, 0.0, 0.15, 8, 0.15, round_seconds=plain_price / 2)
+        eight.update(RoundReport(0, 0, 0.0, 0.15, 8, 0.15, round_seconds=plain_price / 2))
         eight.priced = (spec_price, plain_price, 8)
     assert costs.calibration(8) == pytest.approx(0.25, rel=0.01)
     assert eight.promised * 0.25 < 1 - MARGIN and eight._best_k() == 0
@@ -345,12 +355,12 @@ def test_under_load_speculation_is_priced_by_what_its_rounds_measured_at_that_lo
     # policy did not choose (an exploration's continuation, carried) were not priced: none counts
     before = [(v.total, v.weight) for v in costs.priced[load_class(8)].values()]
     assert eight._best_k() == 0 and eight.priced[0] is None
-    eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0)
+    eight.update(RoundReport(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0))
     eight.priced = (spec_price, plain_price, 8)
     eight.exploring = True
-    eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0)
+    eight.update(RoundReport(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0))
     eight.exploring = False
-    eight.update(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0, quiet=False)
+    eight.update(RoundReport(2, 2, DraftCost(0.2, 2, 0.2, 2, 16), 0.15, 24, 0.15, 8, round_seconds=10.0, quiet=False))
     assert [(v.total, v.weight) for v in costs.priced[load_class(8)].values()] == before
 
 
@@ -369,7 +379,7 @@ def test_adaptive_lookahead_prices_the_verify_cost():
         policy = AdaptiveLookahead(k_max=8)
         for _ in range(30):
             k = policy.next_k()
-            policy.update(proposed=k, accepted=k, draft=0.05 * k, target_seconds=0.1 + slope * k)
+            policy.update(RoundReport(proposed=k, accepted=k, draft=0.05 * k, target_seconds=0.1 + slope * k))
         return policy
 
     flat, steep = run(0.0), run(0.07)
@@ -410,7 +420,7 @@ def test_adaptive_lookahead_speculates_less_under_load():
     for i in range(40):
         k, sessions = (2, 4, 6, 8)[i % 4], 1 + i % 3
         step = sessions * (k + 1)
-        policy.update(k, 3 * k // 4, 0.02 * k, 0.05 + 0.0075 * step, step_tokens=step)
+        policy.update(RoundReport(k, 3 * k // 4, 0.02 * k, 0.05 + 0.0075 * step, step_tokens=step))
     assert policy.costs.verify_cost(8) == pytest.approx((0.0575, 0.0075))
     ks = []
     for n in (1, 2, 4, 8, 16):
@@ -432,7 +442,7 @@ def test_adaptive_lookahead_prices_what_speculating_rounds_wait(queued):
         step = 8 * (k + 1)
         compute = 0.05 + 0.002 * (step - 1)
         waited = compute + 0.002 + (queued if k else 0.0)
-        policy.update(k, 3 * k // 4, 0.005 * k, waited, step_tokens=step, target_compute=compute)
+        policy.update(RoundReport(k, 3 * k // 4, 0.005 * k, waited, step_tokens=step, target_compute=compute))
     assert policy.costs.verify_cost(8) == pytest.approx((0.05, 0.002))
     assert policy.costs.wait(True) == pytest.approx(0.002 + queued)
     assert policy.costs.wait(False) == pytest.approx(0.002)
@@ -452,13 +462,13 @@ def test_a_plain_rounds_wait_is_its_own_not_the_speculating_rounds_queue():
     lately are priced by the others' wait, as before."""
     policy = AdaptiveLookahead(k_max=4, load=lambda: 8)
     for _ in range(16):
-        policy.update(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05)
+        policy.update(RoundReport(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05))
     for _ in range(200):  # 25 steps of all 8 generations
-        policy.update(4, 4, 0.02, 0.10 + 0.08, step_tokens=40, target_compute=0.10)
+        policy.update(RoundReport(4, 4, 0.02, 0.10 + 0.08, step_tokens=40, target_compute=0.10))
     assert policy.costs.wait(True) == pytest.approx(0.08)
     assert policy.costs.wait(False) == pytest.approx(0.003)
     for _ in range(200):
-        policy.update(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05)
+        policy.update(RoundReport(0, 0, 0.0, 0.05 + 0.003, step_tokens=8, target_compute=0.05))
     assert policy.costs.wait(True) == pytest.approx(0.003)  # not measured lately: the others'
 
 
@@ -478,7 +488,7 @@ def test_adaptive_lookahead_prices_the_drafts_step_for_everyone_drafting():
             draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
             step = 16 * (k + 1)
             target = 0.05 + 0.001 * (step - 1)
-            policy.update(k, 3 * k // 4, draft, target, step_tokens=step, target_compute=target)
+            policy.update(RoundReport(k, 3 * k // 4, draft, target, step_tokens=step, target_compute=target))
         return policy
 
     measured = policy((1, 4, 16), load=16)
@@ -513,7 +523,7 @@ def test_a_wave_of_prefills_does_not_make_speculation_look_cheap():
     session in its step) no speculation at load 16."""
     policy = AdaptiveLookahead(k_max=8, load=lambda: 16)
     for _ in range(16):  # the wave: each first round waits 3 s for the prefills
-        policy.update(0, 0, 0.0, 3.0 + 0.08, step_tokens=16, target_compute=0.08)
+        policy.update(RoundReport(0, 0, 0.0, 3.0 + 0.08, step_tokens=16, target_compute=0.08))
     assert policy.costs.wait(False) == pytest.approx(0.16)  # two steps
     for i in range(64):
         k, sessions = (2, 4)[i % 2], (1, 16)[i % 4 // 2]
@@ -521,7 +531,7 @@ def test_a_wave_of_prefills_does_not_make_speculation_look_cheap():
         step = 16 * (k + 1)
         target = 0.05 + 0.002 * (step - 1)
         draft = DraftCost(compute + 0.001, k, compute, steps=k, step_tokens=k * sessions)
-        policy.update(k, 3 * k // 4, draft, target + 0.005, step_tokens=step, target_compute=target)
+        policy.update(RoundReport(k, 3 * k // 4, draft, target + 0.005, step_tokens=step, target_compute=target))
     assert policy.costs.wait(False) > 0.05 > policy.costs.wait(True)  # the wave's, still there
     assert policy._best_k() == 0
 
@@ -567,7 +577,7 @@ def test_under_load_speculation_stops_when_the_generations_verify_apart():
             draft = DraftCost(0.096 * k, k, 0.096 * k, steps=k, step_tokens=8 * k)
             tokens = sessions * (k + 1)
             target = 0.100 + 0.004 * (tokens - 1)
-            policy.update(k, k - (i % 4 < 2), draft, target, tokens, target, step_sessions=sessions)
+            policy.update(RoundReport(k, k - (i % 4 < 2), draft, target, tokens, target, step_sessions=sessions))
         as_priced(policy.costs, 8)
         return policy
 
@@ -579,7 +589,7 @@ def test_under_load_speculation_stops_when_the_generations_verify_apart():
     assert apart._best_k() == 0
     # An exploration rides in everyone's step: its round says nothing of the sessions per step.
     apart.exploring = True
-    apart.update(2, 2, DraftCost(0.08, 2, 0.08, 2, 16), 0.1, 24, 0.1, step_sessions=8)
+    apart.update(RoundReport(2, 2, DraftCost(0.08, 2, 0.08, 2, 16), 0.1, 24, 0.1, step_sessions=8))
     assert apart.costs.sessions(8) == pytest.approx(2)
 
 
@@ -589,7 +599,7 @@ def test_a_draft_queued_behind_prefills_is_priced_by_its_step():
     its computes, as the target's does. Uncapped, a burst of 16 clients left the draft priced at
     100 ms a token when the load fell to 2 (its step: 31 ms), and speculation stayed off."""
     costs = PairCosts()
-    costs.update(2, 2, DraftCost(3.0, 2, 0.02, steps=2, step_tokens=2), 0.06, 3, 0.06)
+    costs.update(RoundReport(2, 2, DraftCost(3.0, 2, 0.02, steps=2, step_tokens=2), 0.06, 3, 0.06))
     assert costs.draft_cost(1) == pytest.approx((0.02 + 0.04) / 2)
 
 
@@ -611,7 +621,7 @@ def test_a_draft_step_is_priced_by_its_services_profile():
             sessions, k = (1, 2, 4)[i % 3], 4
             compute = scale * profiled(profile, sessions) * k
             draft = DraftCost(compute, k, compute, steps=k, step_tokens=k * sessions)
-            costs.update(k, k, draft, 0.06, 5, 0.06, quiet=quiet)
+            costs.update(RoundReport(k, k, draft, 0.06, 5, 0.06, quiet=quiet))
         return costs
 
     priced, line = measured(PairCosts(profile)), measured(PairCosts())

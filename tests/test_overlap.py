@@ -15,7 +15,7 @@ from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
 from orchestrator.loop import PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
-from orchestrator.pair_costs import DraftCost, PairCosts, Sharing, profiled
+from orchestrator.pair_costs import DraftCost, PairCosts, RoundReport, Sharing, profiled
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
@@ -179,7 +179,7 @@ def test_policy_makes_the_continuation_end_with_the_verify():
 def test_adaptive_overlapped_policy_learns_from_the_rounds():
     policy = AdaptiveLookahead(k_max=16, overlap=True)
     for k in (8, 4, 8, 4, 8, 4):  # rounds of two sizes: the verify line has two points
-        policy.update(k + 1, k + 1, draft=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k)
+        policy.update(RoundReport(k + 1, k + 1, draft=0.010 * (k + 1), target_seconds=0.060 + 0.008 * k))
     assert policy.next_k() == best_overlapped(1.0, 0.010, 0.060, 0.008, 16)
 
 
@@ -339,7 +339,7 @@ def measured(sharing: Sharing, rounds: int = 30) -> PairCosts:
         k = (4, 8)[i % 2]
         step, verify = sharing.draft[1][1], sharing.verify[1][k + 1]
         draft = DraftCost((k + 1) * step, k + 1, (k + 1) * step, steps=k + 1, step_tokens=k + 1, threads=1)
-        costs.update(k, k, draft, verify, k + 1, verify, target_threads=1)
+        costs.update(RoundReport(k, k, draft, verify, k + 1, verify, target_threads=1))
     return costs
 
 
@@ -398,7 +398,7 @@ def test_under_load_the_targets_step_is_priced_by_its_profile():
     for _ in range(40):
         step = 1.2 * profiled(verify[1], n * (k + 1))  # serving runs 1.2x its profile
         d = DraftCost((k + 1) * 0.088, k + 1, (k + 1) * 0.088, steps=k + 1, step_tokens=(k + 1) * n, threads=1)
-        costs.update(k, k, d, step, n * (k + 1), step, sessions=n, step_sessions=n, target_threads=1)
+        costs.update(RoundReport(k, k, d, step, n * (k + 1), step, step_sessions=n, target_threads=1), sessions=n)
     assert costs.verify.fit() is None  # one size of step: no slope to price a plain step by
     assert costs.target_step(16) == pytest.approx(1.2 * profiled(verify[2], 16))
     assert costs.target_step(80, threads=1) == pytest.approx(1.2 * profiled(verify[1], 80))
