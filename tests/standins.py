@@ -115,3 +115,15 @@ class ChainsOnly:
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
+
+
+def markov_pair(target_probs, draft_probs, method) -> tuple[Direct, Direct]:
+    """A draft and a target service in process over Markov chains (`method`: the draft's drafter,
+    draft_service.drafters), called as a step link calls them."""
+    from draft_service.server import DraftServicer
+    from specdec.runtime.engine import SessionEngine
+    from target_service.server import TargetServicer
+
+    target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
+    draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), method)
+    return Direct(draft), Direct(target)
