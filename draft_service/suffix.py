@@ -1,67 +1,38 @@
 """A model-free drafter over a suffix index: the session's own tokens and a store of recent sessions'.
 
-Much of what users send copies text they already have: code to edit, a document to answer from,
-an agent resending nearly the same request. The `suffix` drafter proposes what followed the
-longest suffix of the current sequence (up to MAX_MATCH tokens) where it occurred before: earlier
-in the session (prompt and committed output) or in the token sequences of the service's recent
-sessions (the store: the last STORE_SESSIONS closed sessions, at most STORE_TOKENS tokens in all,
-the oldest evicted first; one store per drafter, that is per draft service, shared by its sessions
-under a lock). SuffixDecoding (Oliaro et al. 2024) does this with a suffix tree over a global
-store; this is a simpler design with the same proposals for the cases that pay.
+`suffix` (SuffixDrafter) proposes what followed the longest suffix of the current sequence (up to
+MAX_MATCH tokens) where it occurred before: earlier in the session (prompt and committed output) or
+in the token sequences of the service's recent sessions (the store: the last STORE_SESSIONS closed
+sessions, at most STORE_TOKENS tokens in all, the oldest evicted first; one store per drafter, that
+is per draft service, shared by its sessions under a lock). `hybrid` (HybridDrafter) puts the index
+beside a model drafter and lets each round's proposal come from one of them.
 
-The index. Both sources are numpy int32 arrays: the session's tokens (a copy kept per session and
-extended by what it committed since the last round, rebuilt after a rollback), and the store's
-sequences concatenated with a separator (-1) between them, rebuilt only when a session enters
-it. A lookup scans a source for the last token (np.flatnonzero: ~65 us over a full store of 256k
-tokens on this machine's CPU, a few us over a session of a few thousand), then narrows those
-occurrences one token further back at a time while any still match, up to MAX_MATCH: what is
-left are the occurrences of the longest matching suffix. No hash of n-grams or suffix automaton
-to maintain, evict or keep consistent under rollbacks; a proposal costs well under 1 ms (the
-unit tests time one against a full store). A match of one token counts within the session (as
-the ngram drafter's does) but not in the store: one token matched somewhere in 256k tokens says
-nothing of copying (MIN_STORE_MATCH = 2).
+The index: numpy int32 arrays (the session's tokens, kept per session and extended by what it
+committed, rebuilt after a rollback; the store's sequences concatenated with -1 between them,
+rebuilt when a session enters it), scanned for the last token and narrowed one token further back
+at a time while occurrences still match. A match of one token counts in the session but not in
+the store (MIN_STORE_MATCH = 2).
 
-Scoring. The longest match wins; at equal length the occurrences of both sources are pooled.
-The continuation is built a token at a time: the most frequent next token among the occurrences
-still matching (ties: the most recent occurrence's), the others dropped; it stops where that
-token's share of the occurrences that go on falls under MIN_SHARE (they disagree: a guess, not
-a copy), where none goes on, or at its length cap min(k, max(1, 2 * match length)): a suffix of
-one or two tokens matches by chance as often as by copying (common bigrams), so it earns a short
-proposal, which costs little when rejected; a match of 4 or more is a copy in progress and earns
-the whole lookahead (k, which the orchestrator's adaptive lookahead sizes from measured
-acceptance anyway).
+Scoring: the longest match wins, occurrences of both sources pooled at equal length; the
+continuation is the most frequent next token among the occurrences still matching, a token at a
+time, until that token's share falls under MIN_SHARE, none goes on, or min(k, max(1, 2 * match
+length)) tokens. Hybrid: a round whose match is at least HYBRID_MATCH tokens, its first token agreed
+by most occurrences, proposes the index's continuation while the index's strong proposals in the
+session have lately matched at least HYBRID_RATE of their drafts to what was committed (an
+exponential average, scored whether used or not); other rounds are the model's. The model's cache
+catches up on the committed tokens in its next forward, and in one forward whenever it lags
+CATCH_UP tokens, so no forward feeds more than a llama.cpp batch holds.
 
-Exactness as the ngram drafter's: proposals are deterministic functions of the sequence, point
-masses (draft prob 1, one-hot rows for ProposalRow in sampling mode; nothing kept under greedy
-or the invariant rule), and under a constraint only the grammar-allowed prefix (ngram.allowed).
-A tree is the chain it finds: two point masses under one parent are not a draw from one row.
+Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
+(draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
+(ngram.allowed); a tree is the chain it finds. A hybrid round's law is its proposer's.
 
-The store is filled without a hook in the engine: a session proposing is remembered (the Session
-object, which the engine marks `closed` when it retires it), and at each proposal the sessions
-found closed since enter the store with their last tokens (prompt + committed output: the last
-round's accepted tokens, never sent to the draft, are not in it). Sessions still open are not
-searched by other sessions. `store_tokens()` reports the tokens the stores of this process hold
-(the draft service's Describe and telemetry are built in specdec, outside this package: the
-function is the metric).
-
-Why not arctic-inference (which ships SuffixDecoding's C++ suffix tree): on PyPI it is an sdist
-(0.3.0) that compiles C++ at install time and pulls its own build dependencies (it did not
-finish within the minute allowed to try); this drafter needs a few hundred lines of numpy that
-install anywhere specdec does and that the tests cover.
-
-`hybrid` (HybridDrafter) puts the index beside a model drafter: a round whose match is strong
-(at least HYBRID_MATCH tokens, its first token agreed by most occurrences) proposes the index's
-continuation, other rounds the model's, unless the index's strong proposals in this session have
-lately matched less than HYBRID_RATE of their drafts to what was committed (each scored whether
-used or not, an exponential average). Length alone is a weak score on text that repeats its own
-structure without copying it (nested JSON of growing indent: matches of 4+ tokens whose
-continuations matched 30% of the time, where the default draft's matched 97%); the measured
-share tells a copy from such text, and the index takes over again when the text turns to a copy.
-The model's cache is caught up on the committed tokens by the next model forward (engine.forward
-feeds what the cache lacks), and by one forward whenever it lags CATCH_UP tokens (a run of index
-rounds), so no forward ever feeds more than a llama.cpp batch holds.
+The store fills without a hook in the engine: a session that proposes is remembered, and at each
+proposal the sessions the engine has closed since enter the store with their tokens (the last
+round's accepted tokens, never sent to the draft, are not in it). Open sessions are not searched
+by others. `store_tokens()` reports what the stores of this process hold. The design, and why not
+arctic-inference's suffix tree: docs/models.md, "Suffix and hybrid drafters".
 """
-
 from __future__ import annotations
 
 import threading
