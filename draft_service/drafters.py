@@ -35,9 +35,9 @@ MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree)
 NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 
-def suffix_drafter(store: suffix.Store | None = None, hybrid: bool = False) -> Drafter:
-    """A suffix (or hybrid) drafter with a store of its own (a draft service's), or `store`."""
-    index = suffix.HybridDrafter(store) if hybrid else suffix.SuffixDrafter(store)
+def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False) -> Drafter:
+    """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`."""
+    index = suffix.HybridDrafter(stores) if hybrid else suffix.SuffixDrafter(stores)
     return Drafter(index.propose, proposer.proposal_row, index.propose_tree)
 
 

@@ -2,10 +2,12 @@
 
 `suffix` (SuffixDrafter) proposes what followed the longest suffix of the current sequence (up to
 MAX_MATCH tokens) where it occurred before: earlier in the session (prompt and committed output) or
-in the token sequences of the service's recent sessions (the store: the last STORE_SESSIONS closed
-sessions, at most STORE_TOKENS tokens in all, the oldest evicted first; one store per drafter, that
-is per draft service, shared by its sessions under a lock). `hybrid` (HybridDrafter) puts the index
-beside a model drafter and lets each round's proposal come from one of them.
+in the token sequences of the service's recent sessions of the same history scope (the store: the
+last STORE_SESSIONS closed sessions, at most STORE_TOKENS tokens in all, the oldest evicted first;
+one store per scope, OpenSessionRequest.history_scope, which the orchestrator makes a digest of the
+client's credential: Stores; a session without a scope neither searches nor enters one).
+`hybrid` (HybridDrafter) puts the index beside a model drafter and lets each round's proposal come
+from one of them.
 
 The index: numpy int32 arrays (the session's tokens, kept per session and extended by what it
 committed, rebuilt after a rollback; the store's sequences concatenated with -1 between them,
@@ -33,11 +35,12 @@ round's accepted tokens, never sent to the draft, are not in it). Open sessions 
 by others. `store_tokens()` reports what the stores of this process hold. The design, and why not
 arctic-inference's suffix tree: docs/models.md, "Suffix and hybrid drafters".
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +104,15 @@ class Store:
                 self._tokens -= self._docs.popleft().size
             self._buffer = None
 
+    def pop(self) -> bool:
+        """Drop the oldest sequence; False where there is none."""
+        with self._lock:
+            if not self._docs:
+                return False
+            self._tokens -= self._docs.popleft().size
+            self._buffer = None
+            return True
+
     def buffer(self) -> np.ndarray:
         """The sequences, oldest first, each followed by SEPARATOR (a leading one too); never
         changed in place, so a caller reads it outside the lock."""
@@ -111,6 +123,52 @@ class Store:
                     parts += [doc, parts[0]]
                 self._buffer = np.concatenate(parts)
             return self._buffer
+
+
+class Stores:
+    """A store per history scope (Session.history_scope, from OpenSessionRequest): a session drafts
+    from its own scope's store only, and one without a scope from none and enters none. All scopes'
+    sequences together are bounded as one store's are (`budget` tokens, `sessions` sequences), the
+    least recently used scope's oldest sequences evicted first; safe to share across threads."""
+
+    def __init__(self, budget: int = STORE_TOKENS, sessions: int = STORE_SESSIONS):
+        self.budget, self.sessions = budget, sessions
+        self._lock = threading.Lock()
+        self._scopes: OrderedDict[str, Store] = OrderedDict()  # least recently used first
+
+    @property
+    def tokens(self) -> int:
+        return sum(store.tokens for store in list(self._scopes.values()))
+
+    def __len__(self) -> int:
+        return sum(len(store) for store in list(self._scopes.values()))
+
+    def scopes(self) -> int:
+        return len(self._scopes)
+
+    def get(self, scope: str) -> Store | None:
+        """The scope's store (None: none yet, or no scope)."""
+        with self._lock:
+            store = self._scopes.get(scope) if scope else None
+            if store is not None:
+                self._scopes.move_to_end(scope)
+            return store
+
+    def add(self, scope: str, tokens) -> None:
+        """A closed session's tokens into its scope's store (none without a scope)."""
+        if not scope:
+            return
+        with self._lock:
+            store = self._scopes.get(scope)
+            if store is None:
+                store = self._scopes[scope] = Store(self.budget, self.sessions)
+            self._scopes.move_to_end(scope)
+        store.add(tokens)
+        with self._lock:
+            while self._scopes and (self.tokens > self.budget or len(self) > self.sessions):
+                oldest, store = next(iter(self._scopes.items()))
+                if not store.pop():
+                    del self._scopes[oldest]
 
 
 def occurrences(source: np.ndarray, end: int, context: np.ndarray, max_match: int = MAX_MATCH):
@@ -261,8 +319,8 @@ class SuffixDrafter:
     """The suffix index of one draft service: its sessions' tokens and the store (Drafter's
     propose and propose_tree as bound methods; ProposalRow is proposer.proposal_row)."""
 
-    def __init__(self, store: Store | None = None):
-        self.store = store if store is not None else Store()
+    def __init__(self, stores: Stores | None = None):
+        self.stores = stores if stores is not None else Stores()
         self._lock = threading.Lock()
         self._live: dict[int, _Tokens] = {}  # id(session) -> its tokens; holds the session, so the id stays its
 
@@ -279,7 +337,8 @@ class SuffixDrafter:
         sequence = tokens.update()
         if assumed:
             sequence = np.concatenate([sequence, np.asarray(assumed, np.int32)])
-        return suggest(sequence, self.store.buffer(), k), tokens
+        store = self.stores.get(session.history_scope)
+        return suggest(sequence, None if store is None else store.buffer(), k), tokens
 
     def _sweep(self) -> None:
         """Sessions closed since the last proposal enter the store."""
@@ -287,7 +346,7 @@ class SuffixDrafter:
             closed = [key for key, tokens in self._live.items() if tokens.session.closed]
             done = [self._live.pop(key) for key in closed]
         for tokens in done:
-            self.store.add(tokens.update())
+            self.stores.add(tokens.session.history_scope, tokens.update())
 
     def propose(
         self,
@@ -343,8 +402,8 @@ class HybridDrafter(SuffixDrafter):
     drafts is that of whichever proposed them: ProposalRow reads the rows of the round that did
     (the index's one-hot rows, or the model's)."""
 
-    def __init__(self, store: Store | None = None, match: int = HYBRID_MATCH, rate: float = HYBRID_RATE):
-        super().__init__(store)
+    def __init__(self, stores: Stores | None = None, match: int = HYBRID_MATCH, rate: float = HYBRID_RATE):
+        super().__init__(stores)
         self.match, self.rate = match, rate
 
     def choose(self, session: Session, assumed: list[int], k: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -209,8 +210,11 @@ def request_defaults(config) -> RequestDefaults:
 _RULES = {orchestrator_pb2.RULE_LEVIATHAN: "leviathan", orchestrator_pb2.RULE_INVARIANT: "invariant"}
 
 
-def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefaults = RequestDefaults()) -> LoopConfig:
-    """The loop's settings for a request; `defaults` for the fields it leaves unset."""
+def loop_config(
+    pair: ModelPair, request, prompt_len: int, defaults: RequestDefaults = RequestDefaults(), client: str = ""
+) -> LoopConfig:
+    """The loop's settings for a request; `defaults` for the fields it leaves unset; `client`: who
+    sent it (history_scope)."""
     s = request.sampling
     validation.sampling(s, "sampling")
     # Unset fields take their documented defaults; an explicit value is checked, zero included.
@@ -258,8 +262,20 @@ def loop_config(pair: ModelPair, request, prompt_len: int, defaults: RequestDefa
         cache=spec.cache if spec.HasField("cache") else defaults.cache,
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
+        history_scope=history_scope(client, spec),
     )
     return default_lookahead(pair, config) if lookahead is None else config
+
+
+def history_scope(client: str, spec) -> str:
+    """The draft's store of earlier answers a request drafts from and enters
+    (OpenSessionRequest.history_scope): a digest of its client (who the orchestrator authenticated:
+    orchestrator.server.client_identity) and its SpeculationParams.history_salt; "" where it opted
+    out (history false). Requests of two clients, or of two salts, never share one."""
+    validation.at_most_chars(spec.history_salt, validation.MAX_SCOPE_CHARS, "speculation.history_salt")
+    if spec.HasField("history") and not spec.history:
+        return ""
+    return hashlib.sha256(f"{client}\0{spec.history_salt}".encode()).hexdigest()[:32]
 
 
 def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
@@ -307,16 +323,18 @@ def generate(
     observe=None,
     active: Callable[[], bool] = lambda: True,
     defaults: RequestDefaults = RequestDefaults(),
+    client: str = "",
 ) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
     `observe(loop)`, if given, stands in for loop.rounds() (telemetry wraps the rounds with it).
     `active()` is asked after each round: once it is False (the client went away) the
     generation stops and its sessions are closed. `defaults`: what a request that does not say gets.
+    `client`: who sent it, as orchestrator.server.client_identity names them (history_scope).
     """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
-    config = loop_config(pair, request, len(ids), defaults)
+    config = loop_config(pair, request, len(ids), defaults, client)
     stop_strings = list(request.stop_strings)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(

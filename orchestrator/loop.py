@@ -186,6 +186,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self._session_fields = {"prompt_length": len(self.prompt)}
         if config.constraint is not None:
             self._session_fields["constraint"] = config.constraint
+        if config.history_scope:
+            self._session_fields["history_scope"] = config.history_scope
 
     @property
     def _overlapping(self) -> bool:

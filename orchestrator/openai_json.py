@@ -54,6 +54,7 @@ PARAMS = {
     "sampling.logit_bias": "logit_bias",
     "speculation.lookahead": "speculation.lookahead",
     "speculation.tree_nodes": "speculation.tree_nodes",
+    "speculation.history_salt": "speculation.history_salt",  # or `user`, which sets it
     "max_new_tokens": "max_tokens",
     "token_ids": "prompt",
     "prompt": "prompt",
@@ -69,7 +70,7 @@ NEUTRAL = {
 }
 # Sampling parameters that are SamplingParams fields of the same name (vLLM's extras among them).
 PENALTIES = {"min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"}
-IGNORED = {"user", "metadata", "store", "service_tier"}  # change no output
+IGNORED = {"user", "metadata", "store", "service_tier"}  # change no output (`user`: the history salt)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
 COMMON |= PENALTIES | {"n"}
 MAX_CHOICES = 16  # n at most: each choice is a generation of its own
@@ -185,6 +186,8 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.stop_strings.extend(stop)
     if "speculation" in body:
         _set_speculation(request.speculation, body["speculation"])
+    if isinstance(body.get("user"), str) and not request.speculation.history_salt:
+        request.speculation.history_salt = body["user"]  # an end user's answers draft only that user's
     constraint = _set_constraint(request.constraint, body)
     if tools is not None and tools.forced:  # the call's JSON, under the grammar of its schema
         if constraint is not None:
@@ -276,8 +279,13 @@ RULES = {name: orchestrator_pb2.Rule.Value(f"RULE_{name.upper()}") for name in o
 
 
 def _set_speculation(msg, value) -> None:
-    if not isinstance(value, dict) or set(value) - {"lookahead", "adaptive", "disabled", "rule", "tree_nodes"}:
-        raise APIError(400, "speculation takes lookahead, adaptive, disabled, rule and tree_nodes", "speculation")
+    known = {"lookahead", "adaptive", "disabled", "rule", "tree_nodes", "history", "history_salt"}
+    if not isinstance(value, dict) or set(value) - known:
+        raise APIError(
+            400,
+            "speculation takes lookahead, adaptive, disabled, rule, tree_nodes, history and history_salt",
+            "speculation",
+        )
     for name in ("lookahead", "tree_nodes"):
         if name in value:
             setattr(msg, name, _integer(value, name, 0, 2**31 - 1, "speculation."))
@@ -285,7 +293,11 @@ def _set_speculation(msg, value) -> None:
         if value["rule"] not in RULES:
             raise APIError(400, f"speculation.rule must be one of {', '.join(RULES)}", "speculation.rule")
         msg.rule = RULES[value["rule"]]
-    for name in ("adaptive", "disabled"):
+    if "history_salt" in value:
+        if not isinstance(value["history_salt"], str):
+            raise APIError(400, "speculation.history_salt must be a string", "speculation.history_salt")
+        msg.history_salt = value["history_salt"]
+    for name in ("adaptive", "disabled", "history"):
         if name in value:
             if not isinstance(value[name], bool):
                 raise APIError(400, f"speculation.{name} must be true or false", f"speculation.{name}")

@@ -64,6 +64,9 @@ class LoopConfig:
     logprobs: int | None = None  # report each token's log probability, with this many top tokens
     cache: bool = False  # the speculation cache (orchestrator.speculation_cache), where it serves
     measured: bool = False  # lookahead is the pair's measured choice: the rounds keep measuring it (a fixed policy)
+    # The draft's store of earlier answers this generation drafts from and enters (OpenSessionRequest.history_scope;
+    # "": none): a digest of its client and salt (orchestrator.generation.history_scope)
+    history_scope: str = ""
 
     def __post_init__(self):
         if self.rule not in RULES:

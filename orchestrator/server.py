@@ -220,6 +220,15 @@ def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grp
     return channel
 
 
+def client_identity(context) -> str:
+    """Who sent a call, as far as this server can tell them apart: the client certificate mutual TLS
+    verified (its PEM, a digest of it in the history scope); else "" (a bearer token is one for all
+    of this server's clients, and without one every caller is anonymous: one client)."""
+    auth = context.auth_context() if hasattr(context, "auth_context") else {}
+    cert = auth.get("x509_pem_cert") or []
+    return "cert:" + cert[0].decode(errors="replace") if cert else ""
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(
         self,
@@ -241,6 +250,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             observe=self.telemetry.rounds,
             active=context.is_active,
             defaults=self.defaults,
+            client=client_identity(context),
         )
         return self.telemetry.requests(chunks)
 

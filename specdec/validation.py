@@ -25,6 +25,7 @@ TREE_EXPAND = 4  # nodes of a draft tree expanded a depth at most
 TREE_DRAWS = TREE_BRANCHES * TREE_EXPAND  # a draft tree's uniforms a depth (sampling mode)
 TREE_BUCKETS = 5  # draft-probability buckets of ProposeRequest.tree_acceptance
 MAX_LOGPROBS = 20  # most likely tokens a position reports at most (OpenAI's top_logprobs bound)
+MAX_SCOPE_CHARS = 256  # OpenSessionRequest.history_scope and SpeculationParams.history_salt, characters
 
 
 def sampling(msg, field: str = "sampling") -> None:
@@ -63,6 +64,11 @@ def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
 def at_least_one(value: int, field: str) -> None:
     if value < 1:
         raise InvalidArgument(f"{field} must be >= 1, got {value}")
+
+
+def at_most_chars(text: str, n: int, field: str) -> None:
+    if len(text) > n:
+        raise InvalidArgument(f"{field} must be at most {n} characters, not {len(text)}")
 
 
 def lookahead(k: int, field: str) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from deploy.local import LocalPipeline, PipelineConfig
 from orchestrator.openai_api import MAX_BODY_BYTES, serve_http
-from orchestrator.openai_json import APIError
+from orchestrator.openai_json import APIError, generate_request
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
@@ -224,6 +224,9 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"speculation": {"lookahead": 99}}, 400, "speculation.lookahead"),
     ("chat", {"speculation": {"depth": 2}}, 400, "speculation"),
     ("chat", {"speculation": {"rule": "gumbel"}}, 400, "speculation.rule"),
+    ("chat", {"speculation": {"history": "no"}}, 400, "speculation.history"),
+    ("chat", {"speculation": {"history_salt": 7}}, 400, "speculation.history_salt"),
+    ("chat", {"speculation": {"history_salt": "x" * 300}}, 400, "speculation.history_salt"),
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("completions", {"prompt": [999999]}, 400, "prompt"),  # outside the vocabulary
@@ -243,6 +246,17 @@ def test_bad_parameter_gets_its_status_and_names_it(stack, endpoint, params, sta
     assert (got, reply["error"]["param"]) == (status, param), reply
     assert reply["error"]["message"] and reply["error"]["type"]
     assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_user_salts_the_history_and_speculation_turns_it_off():
+    """OpenAI's `user` (an end user's id) is the request's history salt: end users of one key never
+    draft from each other's answers; speculation.history false opts a request out."""
+    body = {"model": MODEL, "messages": MESSAGES, "user": "u-17"}
+    request, _ = generate_request(body, "chat", MODEL)
+    assert request.speculation.history_salt == "u-17" and not request.speculation.HasField("history")
+    body["speculation"] = {"history": False, "history_salt": "mine"}
+    request, _ = generate_request(body, "chat", MODEL)
+    assert request.speculation.history_salt == "mine" and request.speculation.history is False
 
 
 def test_temperature_2_is_the_http_limit_and_grpc_keeps_its_own_range(stack, client):

@@ -84,6 +84,27 @@ def test_the_store_evicts_the_oldest_past_its_budget():
     assert buffer[0] == buffer[-1] == suffix.SEPARATOR and buffer.size == 102
 
 
+def test_stores_keep_each_scope_apart_within_one_bound():
+    """A session drafts from its own scope's store only, one without a scope from none; 1,000
+    requests of 100 clients stay within the one budget, the least recently used scope's oldest
+    sequences evicted first."""
+    stores = suffix.Stores(budget=1000, sessions=50)
+    stores.add("alice", range(10))
+    stores.add("", range(100, 110))  # no scope: kept nowhere
+    assert stores.get("alice").tokens == 10 and stores.get("bob") is None and stores.get("") is None
+    assert stores.tokens == 10 and stores.scopes() == 1
+    index = suffix.SuffixDrafter(stores)
+    for scope, expected in (("alice", [5, 6, 7, 8]), ("bob", []), ("", [])):
+        session = Session(tokens=[40, 2, 3, 4], cache=None, history_scope=scope)
+        assert index.suggest(session, [], 4).tokens == expected, scope
+    rng = np.random.default_rng(0)
+    for i in range(1000):
+        stores.add(f"client-{i % 100}", rng.integers(0, 50, int(rng.integers(2, 60))))
+        assert stores.tokens <= 1000 and len(stores) <= 50
+    assert stores.get("alice") is None  # the least recently used: gone first
+    assert stores.get("client-99") is not None and stores.scopes() <= 50
+
+
 def test_a_proposal_from_the_store_and_from_the_prompt():
     store = suffix.Store()
     earlier = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
@@ -129,15 +150,15 @@ class _Engine:
 
 
 def test_closed_sessions_enter_the_store_and_rows_are_point_masses():
-    index = suffix.SuffixDrafter(suffix.Store())
-    first = Session(tokens=[1, 2, 3, 4, 5, 6, 7, 8], cache=None)
+    index = suffix.SuffixDrafter()
+    first = Session(tokens=[1, 2, 3, 4, 5, 6, 7, 8], cache=None, history_scope="a")
     greedy, sampling = SamplingParams(), SamplingParams(temperature=0.8)
     assert index.propose(_Engine, first, 4, greedy, []) == ([], [])
     first.tokens += [9, 10]
     first.closed = True  # the engine retired it
-    second = Session(tokens=[30, 31, 4, 5, 6], cache=None)
+    second = Session(tokens=[30, 31, 4, 5, 6], cache=None, history_scope="a")
     drafts, probs = index.propose(_Engine, second, 4, sampling, [0.5] * 4)
-    assert index.store.tokens == 10 and drafts == [7, 8, 9, 10] and probs == [1.0] * 4
+    assert index.stores.tokens == 10 and drafts == [7, 8, 9, 10] and probs == [1.0] * 4
     assert proposal_row(second, 0, 7).tolist() == np.eye(64)[7].tolist()
     second.tokens += [7, 8]  # committed; then rolled back to before them and on another way
     del second.tokens[5:]
@@ -166,7 +187,7 @@ def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
         yield  # a generator, as proposer.propose
 
     monkeypatch.setattr(suffix.proposer, "propose", model)
-    index = suffix.HybridDrafter(suffix.Store(), match=2)
+    index = suffix.HybridDrafter(match=2)
     session = Session(tokens=list(range(100, 300)), cache=None)  # a text each round copies a bit of
     greedy = SamplingParams()
 
@@ -196,7 +217,7 @@ def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
 def hybrid(match: int = 2, rate: float = 0.0) -> Drafter:
     """A hybrid whose index proposes on any match of `match` tokens (rate 0: whatever its share):
     rounds of both kinds, mixed."""
-    index = suffix.HybridDrafter(suffix.Store(), match=match, rate=rate)
+    index = suffix.HybridDrafter(match=match, rate=rate)
     return Drafter(index.propose, proposal_row, index.propose_tree)
 
 
@@ -207,6 +228,7 @@ def loop_pair(target_probs, draft_probs, drafter: Drafter):
 
 
 def run(draft, target, sampling, n, seed=3, **config):
+    config = {"history_scope": "markov", **config}  # one client: its sessions draft from each other's
     loop = SpeculativeLoop(draft, target, [0, 1, 2], LoopConfig(sampling, n, seed=seed, **config))
     kinds = [r.proposed for r in loop.rounds()]
     return loop.generated, loop.stats, kinds
@@ -284,14 +306,14 @@ def services(tiny_models, tiny_backends, kind: str):
     orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=4))
     try:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
-        yield stub, drafter.propose.__self__.store
+        yield stub, drafter.propose.__self__.stores
     finally:
         for server in (orch_server, draft_server, target_server):
             server.stop(None)
 
 
-def request(ids, n=60, sampling=None, seed=None, rule=orchestrator_pb2.RULE_UNSPECIFIED, disabled=False):
-    spec = orchestrator_pb2.SpeculationParams(rule=rule, disabled=disabled)
+def request(ids, n=60, sampling=None, seed=None, rule=orchestrator_pb2.RULE_UNSPECIFIED, disabled=False, **history):
+    spec = orchestrator_pb2.SpeculationParams(rule=rule, disabled=disabled, **history)
     if not disabled:
         spec.lookahead = 4
     out = orchestrator_pb2.GenerateRequest(
@@ -347,3 +369,48 @@ def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):
         fresh = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule))
     assert list(fresh.token_ids) == list(again.token_ids)
     assert again.stats.accepted_tokens > fresh.stats.accepted_tokens + 30, (again.stats, fresh.stats)
+
+
+def test_earlier_answers_draft_only_the_same_clients_requests(tiny_models, tiny_backends):
+    """The store is kept per client (credential and salt): the request resent under another salt
+    drafts nothing from the first answer, under the same salt it does, and with history false it
+    neither drafts from it nor is kept. The text is the same in all three (drafts are point masses)."""
+    prompt = ids("zebra")
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    rule = orchestrator_pb2.RULE_INVARIANT
+    with services(tiny_models, tiny_backends, "suffix") as (stub, stores):
+        first = stub.Generate(request(prompt, 120, sampling, seed=2, rule=rule, history_salt="alice"))
+        resent = prompt + list(first.token_ids)[:10]
+        other = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule, history_salt="bob"))
+        same = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule, history_salt="alice"))
+        off = stub.Generate(request(resent, 100, sampling, seed=2, rule=rule, history_salt="alice", history=False))
+        kept = stores.tokens
+        stub.Generate(request(resent, 10, sampling, seed=2, rule=rule, history=False))
+        assert stores.tokens == kept and stores.scopes() == 2  # alice and bob; nothing from the opted out
+    texts = [list(r.token_ids) for r in (other, same, off)]
+    assert texts[0] == texts[1] == texts[2] == list(first.token_ids)[10:110]
+    for without in (other, off):
+        assert same.stats.accepted_tokens > without.stats.accepted_tokens + 30, (same.stats, without.stats)
+
+
+def test_history_scope_names_the_client_and_the_salt():
+    """orchestrator.server.client_identity: a verified client certificate tells clients apart, a
+    bearer token does not (one for all); the scope a digest of it and the salt; "" when opted out."""
+    from orchestrator.generation import history_scope
+    from orchestrator.server import client_identity
+
+    class Context:
+        def __init__(self, auth):
+            self.auth = auth
+
+        def auth_context(self):
+            return self.auth
+
+    a, b = (client_identity(Context({"x509_pem_cert": [pem]})) for pem in (b"PEM A", b"PEM B"))
+    anonymous = client_identity(Context({}))
+    assert a != b and anonymous == "" and a.startswith("cert:")
+    spec = orchestrator_pb2.SpeculationParams
+    scopes = {history_scope(who, spec(history_salt=salt)) for who in (a, b, anonymous) for salt in ("", "x")}
+    assert len(scopes) == 6 and "" not in scopes
+    assert history_scope(a, spec(history=True)) == history_scope(a, spec())
+    assert history_scope(a, spec(history=False, history_salt="x")) == ""

@@ -105,6 +105,8 @@ class Session:
     vocab_size: int = 0
     # How many of `tokens` are the prompt (specdec.decoding.penalties counts the generated ones past it).
     prompt_length: int = 0
+    # Draft only: the store of earlier sessions it drafts from and enters (OpenSessionRequest.history_scope).
+    history_scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -248,12 +250,22 @@ class SessionEngine:
         constraint=None,
         vocab_size: int = 0,
         prompt_length: int | None = None,
+        history_scope: str = "",
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
         `prompt` (specdec.decoding.grammar.Matcher); `prompt_length`: how many of its tokens the request's
-        prompt is (None: all; a session re-opened mid-generation holds generated ones too)."""
-        item = self.open_item(session_id, prompt, threads, constraint, vocab_size, prompt_length=prompt_length)
+        prompt is (None: all; a session re-opened mid-generation holds generated ones too);
+        `history_scope`: OpenSessionRequest's, for a drafter that keeps earlier sessions."""
+        item = self.open_item(
+            session_id,
+            prompt,
+            threads,
+            constraint,
+            vocab_size,
+            prompt_length=prompt_length,
+            history_scope=history_scope,
+        )
         return self.worker.wait(item, context)
 
     def open_item(
@@ -265,6 +277,7 @@ class SessionEngine:
         vocab_size: int = 0,
         deadline: float | None = None,
         prompt_length: int | None = None,
+        history_scope: str = "",
     ) -> Item:
         """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
         if not session_id:
@@ -278,8 +291,9 @@ class SessionEngine:
         prompt = list(prompt)
         if prompt_length is not None and not 0 <= prompt_length <= len(prompt):
             raise InvalidArgument(f"prompt_length must be in 0..{len(prompt)}, got {prompt_length}")
+        validation.at_most_chars(history_scope, validation.MAX_SCOPE_CHARS, "history_scope")
         cut = len(prompt) if prompt_length is None else prompt_length
-        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size, cut)  # noqa: E731
+        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size, cut, history_scope)  # noqa: E731
         return Item(session_id, start, deadline=deadline)
 
     def _open(
@@ -290,6 +304,7 @@ class SessionEngine:
         constraint=None,
         vocab_size: int = 0,
         prompt_length: int = 0,
+        history_scope: str = "",
     ) -> Generator:
         if session_id in self._sessions:
             raise AlreadyExists(f"session_id {session_id!r} is already open")
@@ -302,6 +317,7 @@ class SessionEngine:
             constraint=constraint,
             vocab_size=vocab_size,
             prompt_length=prompt_length,
+            history_scope=history_scope,
         )
         if self.prefix is not None:
             self.prefix.start(session, prompt)  # reserves, and may start from another cache's positions

@@ -225,7 +225,9 @@ class SessionServicer:
         vocab = self._vocab(request)
         constraint = self._constraint(request)
         args = (request.session_id, list(request.prompt_token_ids), validation.threads(request), constraint, vocab)
-        return self.engine.open_item(*args, deadline=deadline, prompt_length=_prompt_length(request))
+        return self.engine.open_item(
+            *args, deadline=deadline, prompt_length=_prompt_length(request), history_scope=request.history_scope
+        )
 
     def _close_item(self, request, deadline: float | None):
         """CloseSession on the step stream: noted where it finds no session, as the unary call does."""
@@ -252,7 +254,9 @@ class SessionServicer:
         vocab = self._vocab(request)
         constraint = self._constraint(request)
         tokens = list(request.prompt_token_ids)
-        length = self.engine.open(sid, tokens, context, threads, constraint, vocab, _prompt_length(request))
+        length = self.engine.open(
+            sid, tokens, context, threads, constraint, vocab, _prompt_length(request), request.history_scope
+        )
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
