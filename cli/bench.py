@@ -88,6 +88,12 @@ def _ks(args) -> tuple[int, ...]:
     return ks
 
 
+def _report(bench, config) -> int:
+    """Run a bench module (bench.concurrency, network, structured, ttft) on its config; print its table."""
+    print(bench.format_table(bench.run(config)))
+    return 0
+
+
 def _add_trees(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--trees", default="", metavar="NODES", help=help)
 
@@ -250,8 +256,7 @@ def concurrency(args) -> int:
         target_backend=args.target_backend,
         target_compile=args.target_compile,
     )
-    print(concurrency.format_table(concurrency.run(config)))
-    return 0
+    return _report(concurrency, config)
 
 
 # --- network: bench.network ---
@@ -307,10 +312,9 @@ def network(args) -> int:
         target_placement=options.placement(args, "target-"),
         out=args.out,
     )
-    if args.quick:
-        config = replace(config, ks=(2, 4), max_tokens=32, max_prompts=2, repeats=1)
-    print(network.format_table(network.run(config)))
-    return 0
+    return _report(
+        network, replace(config, ks=(2, 4), max_tokens=32, max_prompts=2, repeats=1) if args.quick else config
+    )
 
 
 # --- structured: bench.structured ---
@@ -354,10 +358,7 @@ def structured(args) -> int:
         out=args.out,
         rule=args.rule,
     )
-    if args.quick:
-        config = structured.quick(config)
-    print(structured.format_table(structured.run(config)))
-    return 0
+    return _report(structured, structured.quick(config) if args.quick else config)
 
 
 # --- ttft: bench.ttft ---
@@ -396,10 +397,7 @@ def ttft(args) -> int:
         system_chars=args.system_chars,
         out=args.out,
     )
-    if args.quick:
-        config = ttft.quick(config)
-    print(ttft.format_table(ttft.run(config)))
-    return 0
+    return _report(ttft, ttft.quick(config) if args.quick else config)
 
 
 # --- serving: bench.serving ---

@@ -47,7 +47,22 @@ from specdec.weights import models
 PACKED_ATTENTION = "specdec"  # transformers' name of the attention a packed forward runs (see HFBackend)
 
 
-class HFBackend:
+class Tokenized:
+    """What Describe serves of a backend's tokenizer (`self.tokenizer`, a transformers tokenizer):
+    its files and the digest of its vocabulary, which the orchestrator compares across the pair."""
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return tokenizer_files(self.tokenizer)
+
+    def tokenizer_digest(self) -> str:
+        # Kept on the instance: functools.cache on a method would keep every backend (and its
+        # model) alive for the life of the process, as a test session makes hundreds.
+        if (digest := self.__dict__.get("_tokenizer_digest")) is None:
+            digest = self.__dict__["_tokenizer_digest"] = vocab_digest(self.tokenizer)
+        return digest
+
+
+class HFBackend(Tokenized):
     """A transformers causal LM over a slot KV cache (specdec.runtime.kvcache): a slot per session,
     the forwards of several sessions batched into one, the logits computed only at the
     positions asked for. What it computes is the model's own: specdec.runtime.architectures says which
@@ -226,16 +241,6 @@ class HFBackend:
 
     def crop(self, cache: Slot, keep: int) -> None:
         cache.length = min(cache.length, keep)
-
-    def tokenizer_files(self) -> dict[str, bytes]:
-        return tokenizer_files(self.tokenizer)
-
-    def tokenizer_digest(self) -> str:
-        # Kept on the instance: functools.cache on a method would keep every backend (and its
-        # model) alive for the life of the process, as a test session makes hundreds.
-        if (digest := self.__dict__.get("_tokenizer_digest")) is None:
-            digest = self.__dict__["_tokenizer_digest"] = vocab_digest(self.tokenizer)
-        return digest
 
 
 def picked(hidden: torch.Tensor, blocks: list[list[int]], wanted: list[int]) -> torch.Tensor:

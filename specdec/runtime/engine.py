@@ -292,33 +292,25 @@ class SessionEngine:
         if prompt_length is not None and not 0 <= prompt_length <= len(prompt):
             raise InvalidArgument(f"prompt_length must be in 0..{len(prompt)}, got {prompt_length}")
         validation.at_most_chars(history_scope, validation.MAX_SCOPE_CHARS, "history_scope")
-        cut = len(prompt) if prompt_length is None else prompt_length
-        start = lambda: self._open(session_id, prompt, threads, constraint, vocab_size, cut, history_scope)  # noqa: E731
-        return Item(session_id, start, deadline=deadline)
-
-    def _open(
-        self,
-        session_id: str,
-        prompt: list[int],
-        threads: int | None = None,
-        constraint=None,
-        vocab_size: int = 0,
-        prompt_length: int = 0,
-        history_scope: str = "",
-    ) -> Generator:
-        if session_id in self._sessions:
-            raise AlreadyExists(f"session_id {session_id!r} is already open")
-        if len(self._sessions) >= self.limits.max_sessions:
-            raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
         session = Session(
             tokens=prompt,
             cache=None,
             threads=threads,
             constraint=constraint,
             vocab_size=vocab_size,
-            prompt_length=prompt_length,
+            prompt_length=len(prompt) if prompt_length is None else prompt_length,
             history_scope=history_scope,
         )
+        return Item(session_id, lambda: self._open(session_id, session), deadline=deadline)
+
+    def _open(self, session_id: str, session: Session) -> Generator:
+        """Register the session (open_item's) and prefill its prompt."""
+        if session_id in self._sessions:
+            raise AlreadyExists(f"session_id {session_id!r} is already open")
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
+        prompt, threads = session.tokens, session.threads
+        session.last_used = time.monotonic()
         if self.prefix is not None:
             self.prefix.start(session, prompt)  # reserves, and may start from another cache's positions
         else:

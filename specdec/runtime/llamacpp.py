@@ -49,7 +49,7 @@ import torch
 
 from specdec.errors import ResourceExhausted
 from specdec.runtime import placement
-from specdec.runtime.backend import tokenizer_files, vocab_digest
+from specdec.runtime.backend import Tokenized
 from specdec.runtime.kvcache import Slot
 from specdec.weights import models
 
@@ -70,7 +70,7 @@ GGML_TYPE_F32 = 0
 FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # llama_ftype -> the torch dtype's name
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(Tokenized):
     kind = "llamacpp"  # Describe's `backend`
 
     def __init__(
@@ -257,16 +257,6 @@ class LlamaCppBackend:
         if keep < cache.length:
             self._ctx.kv_cache_seq_rm(cache.index, keep, -1)
             cache.length = keep
-
-    def tokenizer_files(self) -> dict[str, bytes]:
-        return tokenizer_files(self.tokenizer)
-
-    def tokenizer_digest(self) -> str:
-        # Kept on the instance: functools.cache on a method would keep every backend (and its
-        # model) alive for the life of the process, as a test session makes hundreds.
-        if (digest := self.__dict__.get("_tokenizer_digest")) is None:
-            digest = self.__dict__["_tokenizer_digest"] = vocab_digest(self.tokenizer)
-        return digest
 
 
 def _put(batch, stream: int, position: int, token: int, logits: bool) -> None:
