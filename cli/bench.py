@@ -7,6 +7,7 @@
     structured   speculation under a JSON schema and under a penalty (bench.structured)
     ttft         the time to the first token of a long chat (bench.ttft)
     serving      the serving path with stand-in models, clients under load (bench.serving)
+    workloads    the drafters on work that copies text, HumanEval's and an agent's (bench.workloads)
 
 The benches import torch and the models only when they run (the serving bench never: its models
 are the services' stand-ins), so `specdec --help` stays light.
@@ -36,7 +37,7 @@ def add_bench_parser(sub) -> None:
         "its JSON (and plots) to --out. Speeds are medians over prompts and repeats, client wall time.",
     )
     names = b.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for add in (_add_compare, _add_concurrency, _add_network, _add_structured, _add_ttft, _add_serving):
+    for add in (_add_compare, _add_concurrency, _add_network, _add_structured, _add_ttft, _add_serving, _add_workloads):
         add(names)
 
 
@@ -452,6 +453,51 @@ def serving(args) -> int:
     return 0
 
 
+# --- workloads: bench.workloads ---
+
+
+def _add_workloads(names) -> None:
+    from bench.workloads import DRAFTERS, WORKLOADS  # light: names
+
+    p = names.add_parser(
+        "workloads",
+        help="the drafters on work that copies text: HumanEval edits, an agent's resent request (bench/workloads.py)",
+        description="HumanEval's functions rewritten with type hints and a docstring (humaneval), copied with one "
+        "change (copy), an agent's request resent with one line changed (agent), and open-ended chat prompts (chat), "
+        "greedy: tokens/s and acceptance of the target alone and of each drafter, and the speedup over llama.cpp "
+        "alone on the same weights.",
+    )
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list (default {','.join(WORKLOADS)})")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list (default {','.join(DRAFTERS)})")
+    p.add_argument("--problems", type=int, default=6, help="HumanEval's first problems (default 6)")
+    p.add_argument("--chats", type=int, default=2, help="bench/prompts.json's chat prompts (default 2)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens a generation at most (default 256)")
+    p.add_argument("--no-llamacpp-alone", action="store_true", help="skip llama.cpp alone (the speedups' baseline)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
+    options.add_model_flags(p, models.DEFAULT_TARGET_DTYPE, "target-")
+    options.add_model_flags(p, models.DEFAULT_DRAFT_DTYPE, "draft-")
+
+
+def workloads(args) -> int:
+    from bench import workloads  # torch and the models
+
+    try:
+        config = workloads.WorkloadsConfig(
+            workloads=tuple(w for w in args.workloads.split(",") if w),
+            drafters=tuple(d for d in args.drafters.split(",") if d),
+            problems=args.problems,
+            chats=args.chats,
+            max_tokens=args.max_tokens,
+            target=options.model_spec(args, "target-"),
+            draft=options.model_spec(args, "draft-"),
+            llamacpp_alone=not args.no_llamacpp_alone,
+            out=args.out,
+        )
+    except ValueError as err:
+        raise SystemExit(f"specdec bench workloads: {err}") from None
+    return _report(workloads, config)
+
+
 RUNS = {
     "compare": compare,
     "concurrency": concurrency,
@@ -459,5 +505,6 @@ RUNS = {
     "structured": structured,
     "ttft": ttft,
     "serving": serving,
+    "workloads": workloads,
 }
 COMMANDS = {"bench": bench}
