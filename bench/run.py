@@ -222,6 +222,7 @@ def _specdec_generate(
         "acceptance_rate": s.acceptance_rate if s.draft_tokens else None,
         "tokens_per_round": s.mean_accepted_length,
         "drafts_per_round": s.draft_tokens / rounds,
+        "index_share": s.index_proposals / s.proposals if s.proposals else None,  # proposals that ran no forward
         "lookahead": s.lookahead,  # the k the rounds drafted at most (a measured row: the one chosen)
         "bytes_per_round": s.wire_bytes / rounds,
         "overhead_ms_per_round": None if overhead is None else 1000 * overhead / rounds,

@@ -17,7 +17,8 @@ measured k); beside them llama.cpp alone in this process on the same weights (th
 GGUF, as many tokens as the target alone gave), the baseline of the speedups. Each pipeline
 answers a short request first (dropped), then each request once, in order, so a suffix store
 holds the earlier requests' answers as it would serving them; per workload: tokens/s (median over
-requests, client wall time), acceptance, the median per-request speedup over llama.cpp alone, and
+requests, client wall time), acceptance, the share of proposals the index made without a forward
+(`index`: the hybrid's split), the median per-request speedup over llama.cpp alone, and
 how many answers equal the target alone's. Writes workloads.json.
 """
 
@@ -141,6 +142,7 @@ def run(config: WorkloadsConfig) -> dict:
                     run = _specdec_generate(stub, prompt_ids, bench, 0.0, k)
                     results[method][i] = {key: run[key] for key in ("tokens", "wall", "tokens_per_second")} | {
                         "acceptance_rate": run.get("acceptance_rate"),
+                        "index_share": run.get("index_share"),
                         "text": run["text"],
                     }
                     bar.update(1)
@@ -165,6 +167,7 @@ def summarise(config: WorkloadsConfig, sent: list[dict], results: dict, alone: l
             ratios = [runs[i]["tokens_per_second"] / alone[i]["tokens_per_second"] for i in timed if alone[i]]
             same = [runs[i]["text"] == results["off"][i]["text"] for i in timed]
             accept = [r["acceptance_rate"] for r in mine if r["acceptance_rate"] is not None]
+            index = [r["index_share"] for r in mine if r.get("index_share") is not None]
             rows.append(
                 {
                     "workload": workload,
@@ -173,6 +176,7 @@ def summarise(config: WorkloadsConfig, sent: list[dict], results: dict, alone: l
                     "tokens": statistics.median(r["tokens"] for r in mine) if mine else None,
                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in mine) if mine else None,
                     "acceptance_rate": statistics.median(accept) if accept else None,
+                    "index_share": statistics.median(index) if index else None,
                     "vs_llamacpp": statistics.median(ratios) if ratios else None,
                     "same_text": f"{sum(same)}/{len(same)}",
                 }
@@ -187,10 +191,10 @@ def summarise(config: WorkloadsConfig, sent: list[dict], results: dict, alone: l
     return result
 
 
-HEADERS = ["workload", "method", "requests", "tokens", "tok/s", "accept", "x llama.cpp alone", "same text"]
+HEADERS = ["workload", "method", "requests", "tokens", "tok/s", "accept", "index", "x llama.cpp alone", "same text"]
 KEYS = [("workload", "{}"), ("method", "{}"), ("requests", "{}"), ("tokens", "{:.0f}"),
-        ("tokens_per_second", "{:.1f}"), ("acceptance_rate", "{:.2f}"), ("vs_llamacpp", "{:.2f}x"),
-        ("same_text", "{}")]  # fmt: skip
+        ("tokens_per_second", "{:.1f}"), ("acceptance_rate", "{:.2f}"), ("index_share", "{:.2f}"),
+        ("vs_llamacpp", "{:.2f}x"), ("same_text", "{}")]  # fmt: skip
 
 
 def format_table(results: dict) -> str:

@@ -29,6 +29,8 @@ class Drafter:
     proposal_row: Callable
     # (engine, session, depth, nodes, params, uniforms, noise_seed) -> proposer.TreeProposal
     propose_tree: Callable
+    # propose takes `free` (ProposeRequest.free_lookahead): the index's chains, sized by its score
+    free: bool = False
 
 
 MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree)
@@ -38,7 +40,7 @@ NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False) -> Drafter:
     """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`."""
     index = suffix.HybridDrafter(stores) if hybrid else suffix.SuffixDrafter(stores)
-    return Drafter(index.propose, proposer.proposal_row, index.propose_tree)
+    return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True)
 
 
 def make(method: str, spec, compile: bool | None = None):

@@ -51,7 +51,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         def run(session):  # on the model worker
             start = time.perf_counter()
             masked = session.constraint.seconds if session.constraint is not None else 0.0
-            extra = len(request.assumed_tokens) + request.k
+            extra = len(request.assumed_tokens) + max(request.k, request.free_lookahead)
             what = "append_tokens + assumed_tokens + k" if request.assumed_tokens else "append_tokens + k"
             self.engine.open_round(session, request.append_tokens, extra, what)
             params = SamplingParams.from_proto(request.sampling)
@@ -78,6 +78,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                     list(request.assumed_tokens),
                     noise_seed,
                     alternatives,
+                    **({"free": request.free_lookahead} if self.drafter.free else {}),
                 )
             steps: list = []  # the forwards of the proposal, as they ran (batched with others')
             result = (yield from _metered(proposal, steps)) if inspect.isgenerator(proposal) else proposal

@@ -358,10 +358,12 @@ class SuffixDrafter:
         assumed: list[int] = (),
         noise_seed: int | None = None,
         alternatives: list | None = None,
+        free: int = 0,
     ) -> tuple[list[int], list[float]]:
-        """At most k tokens after the committed ones and `assumed`, as ngram.propose: point masses."""
+        """At most max(k, free) tokens after the committed ones and `assumed`, as ngram.propose:
+        point masses."""
         assumed = list(assumed)
-        found = self.suggest(session, assumed, k).tokens
+        found = self.suggest(session, assumed, max(k, free)).tokens
         return ngram.point_masses(engine, session, params, noise_seed, assumed, found)
 
     def propose_tree(
@@ -429,9 +431,11 @@ class HybridDrafter(SuffixDrafter):
         assumed: list[int] = (),
         noise_seed: int | None = None,
         alternatives: list | None = None,
+        free: int = 0,
     ):
+        """The index's chain (at most max(k, free) tokens) where it proposes, else k of the model's."""
         assumed = list(assumed)
-        drafts = self.choose(session, assumed, k)
+        drafts = self.choose(session, assumed, max(k, free))
         yield from catch_up(engine, session)
         if not drafts:
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)

@@ -28,11 +28,12 @@ class CacheBranches:
         cfg = self.config
         return cfg.cache and cfg.coupled and self.overlap and self._overlapping and not cfg.tree_nodes
 
-    def _continue(self, k: int, uniforms, drafts: Proposal):
-        """An overlapped round's continuation: k drafts past `drafts` (taken as accepted), then, with
+    def _continue(self, k: int, uniforms, drafts: Proposal, room: int = 0):
+        """An overlapped round's continuation: k drafts past `drafts` (taken as accepted; `room` at
+        most, where its drafter sizes the chain), then, with
         the speculation cache, the proposals for the likeliest rejections that the draft has time for
         while the target verifies: (continuation, its seconds, [(Branch, a call future)])."""
-        after, seconds = self._propose(k, uniforms, drafts.tokens, concurrent=True)
+        after, seconds = self._propose(k, uniforms, drafts.tokens, concurrent=True, room=room)
         return after, seconds, self._branch(drafts, after) if self._caching else []
 
     def _branch(self, drafts: Proposal, after: Proposal) -> list:

@@ -340,13 +340,14 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
 
     def _draft_behind(self) -> bool:
         """Whether the draft's next call carries a prefill: more pending commits than a round makes."""
-        return len(self.draft.pending) > self.config.lookahead + 2
+        return len(self.draft.pending) > max(self.config.lookahead, self.config.free_lookahead) + 2
 
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
-    def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False) -> tuple[Proposal, float]:
-        """Propose k drafts after the committed tokens (and `assumed`): (proposal, seconds). More
+    def _propose(self, k: int, uniforms, assumed=(), concurrent: bool = False, room: int = 0) -> tuple[Proposal, float]:
+        """Propose k drafts after the committed tokens (and `assumed`), or up to the config's
+        free_lookahead where the drafter sizes its chain, `room` at most: (proposal, seconds). More
         pending commits than a round makes (the draft's session opened or idle while rounds went
         without it) is a prefill for the pair (see lookahead's Calibration). `concurrent`: beside
         the round's verify (a continuation)."""
@@ -364,6 +365,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
                     noise_seed=self.config.noise_seed,
                     threads=self._threads(self.draft, concurrent),
                     alternatives=self._caching,
+                    free_lookahead=min(self.config.free_lookahead, room) if room > k else 0,
                 ),
                 prefill=prefill,
             )
@@ -385,7 +387,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         elif k > 0:
             asked = time.perf_counter()
             try:
-                drafts, fresh = self._propose(k, carried.uniforms if carried is not None else draws.draft)
+                room = cfg.max_new_tokens - len(self.generated) - 1
+                drafts, fresh = self._propose(k, carried.uniforms if carried is not None else draws.draft, room=room)
                 draft_time, drafted = fresh, k
             except (SessionLost, grpc.RpcError) as err:  # a lost draft: a plain round
                 if not self._draft_failed(err):
@@ -397,12 +400,15 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
 
         # 2. Overlapped: the draft continues past these drafts while the target scores them.
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
-        overlapping = self.overlap and self._overlapping and not self._draft_lost
+        # A chain proposed without a forward (an index's: the hybrid's, the suffix drafter's) has no
+        # continuation: the next one costs nothing either, and the verify takes every core.
+        indexed = drafts.report is not None and drafts.report.steps == 0 and bool(drafts.tokens)
+        overlapping = self.overlap and self._overlapping and not self._draft_lost and not indexed
         k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if overlapping else 0
         continuation = None
         if k_next > 0:
             ctx = contextvars.copy_context()  # the request's trace goes along to the other thread
-            continuation = CONTINUATIONS.submit(ctx.run, self._continue, k_next + 1, draws.continuation, drafts)
+            continuation = CONTINUATIONS.submit(ctx.run, self._continue, k_next + 1, draws.continuation, drafts, room)
         beside = continuation is not None or self._draft_opening is not None  # a continuation, the draft's prefill
         try:
             scores, target_time = self._call(

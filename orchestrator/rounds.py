@@ -63,6 +63,8 @@ class LoopConfig:
     constraint: model_pb2.Constraint | None = None
     logprobs: int | None = None  # report each token's log probability, with this many top tokens
     cache: bool = False  # the speculation cache (orchestrator.speculation_cache), where it serves
+    # the most tokens a chain its drafter sizes may hold (ProposeRequest.free_lookahead); 0: lookahead
+    free_lookahead: int = 0
     measured: bool = False  # lookahead is the pair's measured choice: the rounds keep measuring it (a fixed policy)
     # The draft's store of earlier answers this generation drafts from and enters (OpenSessionRequest.history_scope;
     # "": none): a digest of its client and salt (orchestrator.generation.history_scope)
@@ -93,6 +95,8 @@ class LoopStats:
     draft_seconds: float = 0.0  # waiting on the draft service
     target_seconds: float = 0.0  # waiting on the target service
     drafted_tokens: int = 0  # tokens the draft service proposed, continuations thrown away included
+    proposals: int = 0  # proposals with tokens, continuations thrown away included
+    index_proposals: int = 0  # ... of them those that ran no forward (an index's)
     draft_compute_seconds: float = 0.0  # of which the draft service reported computing
     target_compute_seconds: float = 0.0  # of which the target service reported computing
     draft_forward_seconds: float = 0.0  # of the draft's compute, its forwards'
@@ -112,6 +116,9 @@ class LoopStats:
     def add_proposal(self, proposal: model_pb2.ProposeResponse) -> None:
         """What a Propose reports: its tokens, its compute, its forwards and their threads."""
         self.drafted_tokens += len(proposal.token_ids)
+        if proposal.token_ids:
+            self.proposals += 1
+            self.index_proposals += proposal.steps == 0
         self.draft_compute_seconds += proposal.compute_seconds
         self.draft_forward_seconds += proposal.forward_seconds
         self.draft_core_seconds += proposal.forward_seconds * proposal.threads

@@ -123,6 +123,12 @@ def propose_request(request, vocab_size: int) -> None:
     token_ids(request.append_tokens, vocab_size, "append_tokens")
     token_ids(request.assumed_tokens, vocab_size, "assumed_tokens")
     tree_nodes(request.tree_nodes, "tree_nodes")
+    if request.free_lookahead:
+        lookahead(request.free_lookahead, "free_lookahead")
+        if request.sampling.temperature > 0 and not request.HasField("noise_seed"):
+            raise InvalidArgument(
+                "free_lookahead: only greedy and the invariant rule (a Leviathan round draws k uniforms)"
+            )
     if request.tree_nodes and request.assumed_tokens:
         raise InvalidArgument("assumed_tokens: a tree is proposed after the committed tokens only")
     if request.tree_acceptance:

@@ -25,6 +25,7 @@ from orchestrator.server import serve as serve_orchestrator
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import Session, SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.validation import MEASURED_LOOKAHEAD
 from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from target_service.server import serve as serve_target
@@ -218,7 +219,7 @@ def hybrid(match: int = 2, rate: float = 0.0) -> Drafter:
     """A hybrid whose index proposes on any match of `match` tokens (rate 0: whatever its share):
     rounds of both kinds, mixed."""
     index = suffix.HybridDrafter(match=match, rate=rate)
-    return Drafter(index.propose, proposal_row, index.propose_tree)
+    return Drafter(index.propose, proposal_row, index.propose_tree, free=True)
 
 
 def loop_pair(target_probs, draft_probs, drafter: Drafter):
@@ -234,7 +235,13 @@ def run(draft, target, sampling, n, seed=3, **config):
     return loop.generated, loop.stats, kinds
 
 
-SCHEDULES = [{"lookahead": 4}, {"lookahead": 4, "overlap": True}, {"lookahead": 6, "adaptive": True}]
+SCHEDULES = [
+    {"lookahead": 4},
+    {"lookahead": 4, "overlap": True},
+    {"lookahead": 6, "adaptive": True},
+    {"lookahead": 2, "free_lookahead": 16},  # a request that names no lookahead: the index sizes its chains
+    {"lookahead": 2, "free_lookahead": 16, "overlap": True},
+]
 
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])
@@ -245,9 +252,11 @@ def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     sampling = SamplingParams(temperature=0.8)
     alone, _, _ = run(draft, target, sampling, 200, seed=5, speculate=False, rule="invariant")
     for schedule in SCHEDULES:
-        out, stats, _ = run(draft, target, SamplingParams(), 200, **schedule)
+        out, stats, proposed = run(draft, target, SamplingParams(), 200, **schedule)
         assert out == plain, schedule
         assert "adaptive" in schedule or stats.accepted_tokens > 0, schedule
+        if "free_lookahead" in schedule:  # index chains longer than k
+            assert max(proposed) > schedule["lookahead"], (schedule, proposed)
         out, stats, _ = run(draft, target, sampling, 200, seed=5, rule="invariant", **schedule)
         assert out == alone, schedule
     assert draft.servicer.engine.open_sessions == 0
@@ -348,6 +357,49 @@ def test_through_the_services(tiny_models, tiny_backends, kind):
             if rule == orchestrator_pb2.RULE_INVARIANT:
                 alone = stub.Generate(request(ids(REPEATING), 50, sampling, seed=7, rule=rule, disabled=True))
                 assert list(out.token_ids) == list(alone.token_ids)
+
+
+def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):
+    """A greedy request that names no lookahead (nor does the server) lets the suffix drafter size its
+    chains up to MEASURED_LOOKAHEAD (ProposeRequest.free_lookahead), past the k the pair prices; a
+    Leviathan sample keeps k (its uniforms are k): the text is the target alone's either way."""
+    asked = []  # (k, free_lookahead, tokens proposed)
+    index = suffix_drafter()
+
+    def propose(engine, session, k, *args, free=0):
+        tokens, probs = index.propose(engine, session, k, *args, free=free)
+        asked.append((k, free, len(tokens)))
+        return tokens, probs
+
+    backend = TokenizerBackend(ModelSpec(tiny_models["draft"], "cpu", "float32"))
+    draft_server, draft_port = serve_draft(
+        backend, drafter=Drafter(propose, proposal_row, index.propose_tree, free=True)
+    )
+    target_server, target_port = serve_target(tiny_backends["target"])
+    pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
+    orch_server, orch_port = serve_orchestrator(pair)
+    try:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
+        greedy = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=ids(REPEATING)), max_new_tokens=80
+        )
+        on = stub.Generate(greedy)
+        off = stub.Generate(request(ids(REPEATING), 80, disabled=True))
+        assert list(on.token_ids) == list(off.token_ids) and on.stats.accepted_tokens > 0
+        assert {free for _, free, _ in asked} <= {0} | set(range(1, MEASURED_LOOKAHEAD + 1))
+        assert any(n > k for k, _, n in asked), asked  # chains past the priced k
+        asked.clear()
+        sampled = orchestrator_pb2.GenerateRequest(
+            token_ids=orchestrator_pb2.TokenIds(ids=ids(REPEATING)),
+            max_new_tokens=40,
+            sampling=model_pb2.SamplingParams(temperature=0.8),
+            seed=3,
+        )
+        stub.Generate(sampled)
+        assert asked and all(free == 0 and n <= k for k, free, n in asked), asked
+    finally:
+        for server in (orch_server, draft_server, target_server):
+            server.stop(None)
 
 
 def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):

@@ -108,7 +108,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds", "rounds_without_draft", "cache_branches", "cache_hits", "draft_mask_seconds", "target_mask_seconds", "lookahead")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds", "prompt_tokens", "generated_tokens", "draft_seconds", "target_seconds", "seed", "round_seconds", "draft_compute_seconds", "target_compute_seconds", "wire_bytes", "drafted_tokens", "draft_core_seconds", "target_core_seconds", "draft_forward_seconds", "target_forward_seconds", "rounds_without_draft", "cache_branches", "cache_hits", "draft_mask_seconds", "target_mask_seconds", "lookahead", "proposals", "index_proposals")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class GenerateStats(_message.Message):
     DRAFT_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -163,7 +165,9 @@ class GenerateStats(_message.Message):
     draft_mask_seconds: float
     target_mask_seconds: float
     lookahead: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., cache_branches: _Optional[int] = ..., cache_hits: _Optional[int] = ..., draft_mask_seconds: _Optional[float] = ..., target_mask_seconds: _Optional[float] = ..., lookahead: _Optional[int] = ...) -> None: ...
+    proposals: int
+    index_proposals: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., round_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_core_seconds: _Optional[float] = ..., target_core_seconds: _Optional[float] = ..., draft_forward_seconds: _Optional[float] = ..., target_forward_seconds: _Optional[float] = ..., rounds_without_draft: _Optional[int] = ..., cache_branches: _Optional[int] = ..., cache_hits: _Optional[int] = ..., draft_mask_seconds: _Optional[float] = ..., target_mask_seconds: _Optional[float] = ..., lookahead: _Optional[int] = ..., proposals: _Optional[int] = ..., index_proposals: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "logprobs")
