@@ -168,7 +168,6 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self._draft_open_call = None  # that OpenSession's gRPC call, cancelled if the generation ends first
         self._target_open: float | None = None  # seconds of the target's OpenSession (see Long prompts)
         self._draft_declined = False  # its draft's prefill would outlast the answer: not opened (Long prompts)
-        self._open_waited = False  # its rounds waited for the draft's open as long as it was priced (Long prompts)
         self._ended = False
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)

@@ -26,10 +26,8 @@ generation's target open (which its prefix cache shortened as it will the draft'
 remaining tokens at its first round's pace times 1 - 1 / g, g the pair's priced speed-up but at
 most OPEN_GAIN (the formula's price, ~2.2x on the default pair, is about twice what its rounds
 achieve: at 600 prompt tokens a draft opened on that price ran 0.82x the target alone). Declined,
-its rounds are the target's alone, several steps a Score. The rounds wait OPEN_PATIENCE times the
-open's price at most (a draft that hangs costs that), then go on without it until it is open; an
-open past that is not a price. Under load, on separate hosts or devices, and for a request that
-names its k, the draft opens as above.
+its rounds are the target's alone, several steps a Score. Under load, on separate hosts or
+devices, and for a request that names its k, the draft opens as above.
 
 A stub may raise SessionLost when its service lost the session (it died or restarted). The two
 sides are not alike (orchestrator.availability). The target's: the loop has it re-open the session
@@ -46,7 +44,6 @@ hangs) and the round re-run, since no other choice of the round's last token kee
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import contextvars
 import threading
@@ -74,8 +71,6 @@ DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RAN
 # The speed-up a draft's open on shared cores is priced to buy at most (see Long prompts): what the
 # default pair's rounds achieve on a CPU (1.3-1.4x the target alone at 128 tokens).
 OPEN_GAIN = 4 / 3
-# ... and how many times its price the rounds wait for it before they go on without it
-OPEN_PATIENCE = 3.0
 
 
 def wait_quietly(future, timeout: float | None) -> None:
@@ -239,14 +234,11 @@ class GenerationSessions:
 
     def _open_timed(self, side: Side, tokens: list[int], concurrent: bool) -> None:
         """The draft's first open, its seconds over the target's to the pair's ratio (Long prompts)."""
-        start, patience = time.perf_counter(), self._open_patience()
+        start = time.perf_counter()
         self._open(side, tokens, concurrent)
-        seconds = time.perf_counter() - start
-        # past its patience it hung (or the cores were taken): not a price, which would keep every
-        # later draft from opening (a declined one times nothing)
-        if self._target_open and self.costs.sharing is not None and seconds <= patience:
+        if self._target_open and self.costs.sharing is not None:
             with self.costs.lock:
-                self.costs.open_ratio.add(seconds / self._target_open, decay=DECAY)
+                self.costs.open_ratio.add((time.perf_counter() - start) / self._target_open, decay=DECAY)
 
     def _long_prompts(self) -> bool:
         """Whether this generation's draft opens by the Long prompts rule: the measured default,
@@ -284,7 +276,7 @@ class GenerationSessions:
         prefills on every core (see Long prompts)."""
         if self.config.adaptive or self._draft_was_lost:
             return False
-        return not self.config.coupled or (self._long_prompts() and not self._open_waited)
+        return not self.config.coupled or self._long_prompts()
 
     def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
         """Whether the draft's session is open; its open's error goes up here, but a lost draft's,
@@ -316,33 +308,15 @@ class GenerationSessions:
             return True
         if not wait and not opening.done():
             return False
-        patience = self._open_patience() if self.config.coupled else None  # see Long prompts
+        self._draft_opening = None
         try:
-            timeout = self._timeout()
-            opening.result(
-                timeout=timeout if patience is None or timeout is not None and timeout < patience else patience
-            )
-        except concurrent.futures.TimeoutError:
-            if patience is None:
-                raise
-            self._open_waited = True  # its rounds go on without it until it is open
-            return False
+            opening.result(timeout=self._timeout())
         except (SessionLost, grpc.RpcError) as err:
-            self._draft_opening = None
             if not self._draft_failed(err):
                 raise
             return False
-        self._draft_opening = None
         self._without_draft = False
         return True
-
-    def _open_patience(self) -> float:
-        """Seconds the rounds wait for the draft's open on every core (Long prompts): OPEN_PATIENCE
-        times its price (the target's open where the pair has no ratio yet), at least a second. A
-        draft that hangs then costs this, not the keepalive's detection."""
-        with self.costs.lock:
-            ratio = self.costs.open_ratio.mean()
-        return max(1.0, OPEN_PATIENCE * (1.0 if ratio is None else ratio) * (self._target_open or 0.0))
 
     def _draft_failed(self, err: BaseException) -> bool:
         """Whether `err`, from a draft call, is the draft's loss (then handled: rounds go without

@@ -8,8 +8,6 @@ way. The ratio is set far past any timing noise: what is tested is the rule, not
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from draft_service.drafters import MODEL
@@ -67,39 +65,3 @@ def test_the_draft_opens_where_the_rule_does_not_apply():
     assert generate(pair_costs(1e9), measured=False).stats.drafted_tokens > 0
     sampled = generate(pair_costs(1e9), SAMPLED, rule="leviathan")
     assert sampled.stats.drafted_tokens > 0
-
-
-class SlowOpen:
-    """A draft stub whose OpenSession answers after `seconds` (a draft that hangs while it opens)."""
-
-    def __init__(self, stub, seconds: float):
-        self.stub, self.seconds = stub, seconds
-
-    def __getattr__(self, name):
-        method = getattr(self.stub, name)
-        if name != "OpenSession":
-            return method
-
-        def slow(request, timeout=None):
-            time.sleep(self.seconds)
-            return method(request, timeout=timeout)
-
-        return slow
-
-
-def test_a_draft_that_hangs_while_it_opens_costs_its_patience_not_its_hang():
-    """The rounds wait for the draft's open OPEN_PATIENCE times its price (a second at least), then go
-    on without it; an open past that is no price (it would keep every later draft from opening)."""
-    draft, target = markov_pair(TARGET, DRAFT, MODEL)
-    costs = pair_costs(1e-9)
-    alone = generate(pair_costs(None), speculate=False).generated
-    loop = SpeculativeLoop(
-        SlowOpen(draft, 20.0), target, [0, 1, 2], LoopConfig(GREEDY, 60, seed=3, measured=True), costs=costs
-    )
-    started = time.monotonic()
-    for _ in loop.rounds():
-        pass
-    assert loop.generated == alone
-    assert time.monotonic() - started < 10.0  # not held for the open's 20 s
-    assert loop.stats.drafted_tokens == 0
-    assert costs.open_ratio.mean() == pytest.approx(1e-9)
