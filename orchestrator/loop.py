@@ -202,10 +202,6 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             return self.policy.overlapping
         return not (self.config.coupled and RUNNING.count() > OVERLAP_LOAD)
 
-    def _alone(self) -> bool:
-        """Whether this is the only generation running in this process."""
-        return RUNNING.count() <= 1
-
     def _timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 

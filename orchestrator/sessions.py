@@ -13,21 +13,17 @@ A generation that ends before the draft's session is open cancels its OpenSessio
 stops between two prefill chunks (what it computed stays in its prefix cache) rather than take
 the cores from the next request's prefill.
 
-Long prompts. Where the services share one machine's cores, a draft prefilling on its share beside
-the target's rounds (which then run on theirs) took ~12 ms a prompt token on the default pair: a
-250-token prompt's prefill took most of a 128-token answer, a 1,000-token one all of it (0.81x
-llama.cpp alone, the target alone through the services 0.96x). A generation that names no lookahead
-(the measured default), greedy or under the invariant rule (its text does not depend on this), and
-alone on the pair, therefore opens its draft on every core while its rounds wait, after its first
-token, or not at all: not where the draft's open is priced above what speculation would save of
-the rest of its answer. The price: the pair's measured ratio of a draft's such open to its
-target's (PairCosts.open_ratio, timed on each such open; the pair's first opens unpriced) times this
-generation's target open (which its prefix cache shortened as it will the draft's). The saving: its
-remaining tokens at its first round's pace times 1 - 1 / g, g the pair's priced speed-up but at
-most OPEN_GAIN (the formula's price, ~2.2x on the default pair, is about twice what its rounds
-achieve: at 600 prompt tokens a draft opened on that price ran 0.82x the target alone). Declined,
-its rounds are the target's alone, several steps a Score. Under load, on separate hosts or
-devices, and for a request that names its k, the draft opens as above.
+Long prompts. Where the services share one machine's cores, the draft's prefill runs on its share
+beside the target's rounds, which then run on theirs: a prompt whose draft prefill outlasts the
+answer slowed every round and sped none (the default pair, 128 tokens after 1,000 / 2,000 prompt
+tokens: 0.81x / 0.73x llama.cpp alone, the target alone through the services 0.96x / 0.94x). A
+greedy or invariant-rule generation (whose text does not depend on it) therefore does not open its
+draft where the draft's open is priced longer than the rest of its answer: the pair's measured
+ratio of a draft's OpenSession to its target's (PairCosts.open_ratio, from every generation whose
+draft opened, the calibration's included) times this generation's target open (which its prefix
+cache shortened as it will the draft's), against its remaining tokens at its first round's pace.
+Its rounds are then the target's alone, several steps a Score. Without a measured ratio, or on
+separate hosts or devices, the draft opens as above.
 
 A stub may raise SessionLost when its service lost the session (it died or restarted). The two
 sides are not alike (orchestrator.availability). The target's: the loop has it re-open the session
@@ -53,11 +49,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from orchestrator import scheduler
-from orchestrator.lookahead import price
 from orchestrator.pair_costs import DECAY
 from orchestrator.rounds import SessionLost
 from orchestrator.scheduler import Continuations
-from specdec import validation
 from specdec.errors import Unavailable
 from specdec.v1 import model_pb2
 
@@ -68,9 +62,6 @@ FAIL_FAST = 1.0
 # A draft answering one of these refuses the generation (full, or its context too short for it):
 # the generation goes on without drafts.
 DRAFT_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
-# The speed-up a draft's open on shared cores is priced to buy at most (see Long prompts): what the
-# default pair's rounds achieve on a CPU (1.3-1.4x the target alone at 128 tokens).
-OPEN_GAIN = 4 / 3
 
 
 def wait_quietly(future, timeout: float | None) -> None:
@@ -225,11 +216,10 @@ class GenerationSessions:
         far; those committed from now on reach it with its first Propose. `concurrent`: the target
         decodes meanwhile (else the rounds wait for it: it may take every core)."""
         tokens, self.draft.pending = self.prompt + self.generated, []
-        # the first open on every core is timed against the target's (Long prompts)
-        timed = not self._draft_opened and not concurrent and self._target_open is not None
+        first = not self._draft_opened and self._target_open is not None  # timed against the target's (Long prompts)
         self._draft_opened = True
         self._draft_opening = CONTINUATIONS.submit(
-            contextvars.copy_context().run, self._open_timed if timed else self._open, self.draft, tokens, concurrent
+            contextvars.copy_context().run, self._open_timed if first else self._open, self.draft, tokens, concurrent
         )
 
     def _open_timed(self, side: Side, tokens: list[int], concurrent: bool) -> None:
@@ -240,27 +230,17 @@ class GenerationSessions:
             with self.costs.lock:
                 self.costs.open_ratio.add((time.perf_counter() - start) / self._target_open, decay=DECAY)
 
-    def _long_prompts(self) -> bool:
-        """Whether this generation's draft opens by the Long prompts rule: the measured default,
-        greedy or invariant, alone on cores the services share."""
-        cfg = self.config
-        return cfg.measured and cfg.coupled and self.costs.sharing is not None and self._alone()
-
     def _draft_outlasts(self) -> bool:
-        """Whether the draft's open, priced by the pair's ratio, costs more than speculation would
-        save of the rest of the answer (Long prompts)."""
-        if not self._long_prompts() or not self._target_open or not self.generated:
-            return False
+        """Whether the draft's open, priced by the pair's ratio, would outlast the rest of the answer
+        on cores the services share (Long prompts)."""
         cfg, costs = self.config, self.costs
+        if not cfg.coupled or costs.sharing is None or not self._target_open or not self.generated:
+            return False
         with costs.lock:
             ratio = costs.open_ratio.mean()
-        if ratio is None:
-            return False
-        priced = price(costs, validation.MEASURED_LOOKAHEAD, cfg.overlap)
-        gain = OPEN_GAIN if priced is None else min(priced.speedup, OPEN_GAIN)
         token = self.stats.round_seconds / len(self.generated)  # its rounds so far: the first, the target's
-        saved = (cfg.max_new_tokens - len(self.generated)) * token * (1 - 1 / gain)
-        return ratio * self._target_open > saved
+        left = cfg.max_new_tokens - len(self.generated)
+        return ratio is not None and ratio * self._target_open > left * token
 
     def _drafts_wanted(self) -> bool:
         """Whether to open the draft's session now: at once, or under a policy that may stop (adaptive
@@ -272,11 +252,8 @@ class GenerationSessions:
     def _waits_for_draft(self) -> bool:
         """Whether rounds wait for the draft's session to open rather than go without it: a
         Leviathan sample at a fixed k, whose text would otherwise depend on when the draft is
-        ready (see First token); and the measured default alone on shared cores, whose draft then
-        prefills on every core (see Long prompts)."""
-        if self.config.adaptive or self._draft_was_lost:
-            return False
-        return not self.config.coupled or self._long_prompts()
+        ready (see First token)."""
+        return not self.config.adaptive and not self.config.coupled and not self._draft_was_lost
 
     def _draft_ready(self, wanted: int = 0, wait: bool = False) -> bool:
         """Whether the draft's session is open; its open's error goes up here, but a lost draft's,

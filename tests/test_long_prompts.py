@@ -1,10 +1,9 @@
-"""The measured default alone on cores the two services share (orchestrator.sessions, Long
-prompts): its draft opens on every core while its rounds wait, timed against the target's open, or
-not at all where that open is priced above what speculation would save: the rounds are then the
-target's alone, several steps a Score. Greedy and the invariant rule only (a Leviathan sample's text
-would depend on the timing); a request that names its k, separate hosts or devices, and a pair that
-has not timed a draft's open yet, open the draft as before. The text is the target alone's either
-way. The ratio is set far past any timing noise: what is tested is the rule, not the clock."""
+"""A draft whose prefill would outlast the answer, on cores the two services share, is not opened
+(orchestrator.sessions, Long prompts): the rounds are the target's alone, several steps a Score.
+Greedy and the invariant rule only (a Leviathan sample's text would depend on the timing); on
+separate hosts or devices, and before the pair has timed a draft's open, the draft opens as before.
+The text is the target alone's either way. The ratio is set far past any timing noise: what is
+tested is the rule, not the clock."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ def pair_costs(ratio: float | None, sharing: Sharing | None = SHARED) -> PairCos
 
 def generate(costs: PairCosts, sampling: SamplingParams = GREEDY, speculate: bool = True, **config) -> SpeculativeLoop:
     draft, target = markov_pair(TARGET, DRAFT, MODEL)
-    config = {"measured": True, **config}  # the default: a request that names no lookahead
     loop = SpeculativeLoop(
         draft, target, [0, 1, 2], LoopConfig(sampling, 60, speculate=speculate, seed=3, **config), costs=costs
     )
@@ -56,12 +54,10 @@ def test_a_draft_that_would_outlast_the_answer_is_not_opened(sampling, rule):
 
 def test_the_draft_opens_where_the_rule_does_not_apply():
     """Before a draft's open was timed (and then its first open is), on separate hosts or devices,
-    for a request that names its k, and for a Leviathan sample, whose text would depend on when the
-    draft is ready."""
+    and for a Leviathan sample, whose text would depend on when the draft is ready."""
     unmeasured = pair_costs(None)
     assert generate(unmeasured).stats.drafted_tokens > 0
     assert unmeasured.open_ratio.mean() is not None  # the first open, timed against the target's
     assert generate(pair_costs(1e9, sharing=None)).stats.drafted_tokens > 0
-    assert generate(pair_costs(1e9), measured=False).stats.drafted_tokens > 0
     sampled = generate(pair_costs(1e9), SAMPLED, rule="leviathan")
     assert sampled.stats.drafted_tokens > 0
