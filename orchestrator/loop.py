@@ -166,8 +166,6 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
         self._draft_open_call = None  # that OpenSession's gRPC call, cancelled if the generation ends first
-        self._target_open: float | None = None  # seconds of the target's OpenSession (see Long prompts)
-        self._draft_declined = False  # its draft's prefill would outlast the answer: not opened (Long prompts)
         self._ended = False
         self._committed: tuple[float, int | None] = (0.0, None)  # adaptive: its last commit (time, quiet mark)
         self._round_speculates = False  # this round drafts (see Threads)
@@ -219,9 +217,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             elif self.draft is not None and self.costs.sharing is None and self._drafts_wanted():
                 self._open_draft()  # on its own host or device: both prefills at once
             try:
-                opened = time.perf_counter()
                 self._open(self.target, self.prompt, concurrent=False, new=True)
-                self._target_open = time.perf_counter() - opened
             except BaseException:
                 wait_quietly(self._draft_opening, self._timeout())
                 raise
@@ -333,11 +329,10 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
-        waiting = self.draft is not None and not self._draft_lost and not opening and not self._draft_declined
+        waiting = self.draft is not None and not self._draft_lost and not opening
         if k or cfg.logprobs is not None:
             return None
-        measuring = self.policy is not None and not opening and not self._draft_declined
-        if not self._policy_plain and (waiting or measuring):
+        if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
             return None
         if not self.generated or remaining <= 1:
             return None

@@ -245,10 +245,6 @@ class PairCosts:
         # round is quiet when the count did not move between its generation's commits
         self.prefilling = 0
         self.prefill_events = 0
-        # a draft's OpenSession over its generation's target's, in seconds (the draft prefilling on
-        # its share beside the target's rounds; the target's alone on every core): see
-        # orchestrator.sessions, Long prompts
-        self.open_ratio = DecayedMean()
         # under load, what the pair's rounds commit a second in each regime (see Measured): {class:
         # {speculating: [tokens, seconds x generations, seconds measured in all]}}, the first two
         # over the regime's latest run, decayed by RATE_WINDOW

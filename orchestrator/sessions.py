@@ -13,18 +13,6 @@ A generation that ends before the draft's session is open cancels its OpenSessio
 stops between two prefill chunks (what it computed stays in its prefix cache) rather than take
 the cores from the next request's prefill.
 
-Long prompts. Where the services share one machine's cores, the draft's prefill runs on its share
-beside the target's rounds, which then run on theirs: a prompt whose draft prefill outlasts the
-answer slowed every round and sped none (the default pair, 128 tokens after 1,000 / 2,000 prompt
-tokens: 0.81x / 0.73x llama.cpp alone, the target alone through the services 0.96x / 0.94x). A
-greedy or invariant-rule generation (whose text does not depend on it) therefore does not open its
-draft where the draft's open is priced longer than the rest of its answer: the pair's measured
-ratio of a draft's OpenSession to its target's (PairCosts.open_ratio, from every generation whose
-draft opened, the calibration's included) times this generation's target open (which its prefix
-cache shortened as it will the draft's), against its remaining tokens at its first round's pace.
-Its rounds are then the target's alone, several steps a Score. Without a measured ratio, or on
-separate hosts or devices, the draft opens as above.
-
 A stub may raise SessionLost when its service lost the session (it died or restarted). The two
 sides are not alike (orchestrator.availability). The target's: the loop has it re-open the session
 at the committed prefix and re-runs the round from the same committed state with the same random
@@ -49,7 +37,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from orchestrator import scheduler
-from orchestrator.pair_costs import DECAY
 from orchestrator.rounds import SessionLost
 from orchestrator.scheduler import Continuations
 from specdec.errors import Unavailable
@@ -216,31 +203,10 @@ class GenerationSessions:
         far; those committed from now on reach it with its first Propose. `concurrent`: the target
         decodes meanwhile (else the rounds wait for it: it may take every core)."""
         tokens, self.draft.pending = self.prompt + self.generated, []
-        first = not self._draft_opened and self._target_open is not None  # timed against the target's (Long prompts)
         self._draft_opened = True
         self._draft_opening = CONTINUATIONS.submit(
-            contextvars.copy_context().run, self._open_timed if first else self._open, self.draft, tokens, concurrent
+            contextvars.copy_context().run, self._open, self.draft, tokens, concurrent
         )
-
-    def _open_timed(self, side: Side, tokens: list[int], concurrent: bool) -> None:
-        """The draft's first open, its seconds over the target's to the pair's ratio (Long prompts)."""
-        start = time.perf_counter()
-        self._open(side, tokens, concurrent)
-        if self._target_open and self.costs.sharing is not None:
-            with self.costs.lock:
-                self.costs.open_ratio.add((time.perf_counter() - start) / self._target_open, decay=DECAY)
-
-    def _draft_outlasts(self) -> bool:
-        """Whether the draft's open, priced by the pair's ratio, would outlast the rest of the answer
-        on cores the services share (Long prompts)."""
-        cfg, costs = self.config, self.costs
-        if not cfg.coupled or costs.sharing is None or not self._target_open or not self.generated:
-            return False
-        with costs.lock:
-            ratio = costs.open_ratio.mean()
-        token = self.stats.round_seconds / len(self.generated)  # its rounds so far: the first, the target's
-        left = cfg.max_new_tokens - len(self.generated)
-        return ratio is not None and ratio * self._target_open > left * token
 
     def _drafts_wanted(self) -> bool:
         """Whether to open the draft's session now: at once, or under a policy that may stop (adaptive
@@ -268,13 +234,8 @@ class GenerationSessions:
             self._draft_lost = False  # the draft is back: re-open, and speculate once it is open
             self._open_draft()
             return False
-        if self._draft_declined:
-            return False
         if not self._draft_opened:
             if wanted <= 0:
-                return False
-            if self._draft_outlasts():  # its rounds are the target's alone (Long prompts)
-                self._draft_declined = True
                 return False
             self._open_draft(concurrent=not wait)
         if not self.draft_health.up:  # lost meanwhile (another generation saw it): do not call it
