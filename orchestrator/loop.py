@@ -402,7 +402,10 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         room = cfg.max_new_tokens - len(self.generated) - (k + 1)
         # A chain proposed without a forward (an index's: the hybrid's, the suffix drafter's) has no
         # continuation: the next one costs nothing either, and the verify takes every core.
-        indexed = drafts.report is not None and drafts.report.steps == 0 and bool(drafts.tokens)
+        # (free_lookahead: a request whose index chains are sized by the index)
+        indexed = (
+            cfg.free_lookahead > 0 and drafts.report is not None and drafts.report.steps == 0 and bool(drafts.tokens)
+        )
         overlapping = self.overlap and self._overlapping and not self._draft_lost and not indexed
         k_next = min(wanted, room - 1, MAX_LOOKAHEAD - 1) if overlapping else 0
         continuation = None
