@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specdec.decoding import penalties, rule
-from specdec.decoding.sampling import SamplingParams, probs_from_logits
+from specdec.decoding.sampling import SamplingParams, argmax, probs_from_logits
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.runtime.engine import Forward, Session, SessionEngine
 from specdec.validation import TREE_BRANCHES, TREE_BUCKETS, TREE_EXPAND
@@ -55,7 +55,7 @@ def propose(
                 if params.penalized:
                     logits = penalties.session_rows(session, logits[None], params, [assumed + drafts])[0]
                 if params.greedy:
-                    token = int(torch.argmax(logits))
+                    [token] = argmax(logits[None])
                 elif coupled:
                     position = len(session.tokens) + len(assumed) + i
                     [token] = rule.coupled_tokens(probs_from_logits(logits[None], params), noise_seed, [position])

@@ -49,6 +49,15 @@ def load_tokenizer(files: model_pb2.GetTokenizerResponse):
         return AutoTokenizer.from_pretrained(tmp)
 
 
+def decode(tok, ids: list[int]) -> str:
+    """tok.decode(ids, skip_special_tokens=True) for a list of token ids. transformers' decode first
+    converts its argument element by element (to_py_obj), which cost more than the decode itself in
+    a generation's per-round text (~12% of the orchestrator's CPU at 64 clients); a flat list of ints
+    goes straight to the `_decode` it then calls."""
+    fast = getattr(tok, "_decode", None)
+    return fast(ids, skip_special_tokens=True) if fast is not None else tok.decode(ids, skip_special_tokens=True)
+
+
 @dataclass(frozen=True)
 class ModelPair:
     """What the orchestrator knows of the two services after checking them at startup."""
@@ -373,7 +382,7 @@ def generate(
             pending_ids += step.token_ids
             pending_logprobs += token_logprobs(tok, step) if config.logprobs is not None else []
             finish = step.finish_reason
-            text = tok.decode(loop.generated, skip_special_tokens=True)
+            text = decode(tok, loop.generated)
             marks += _round_marks(tok, loop.generated, step, len(text))
             counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + step.accepted)
             search_from = max(0, emitted - hold)
@@ -427,7 +436,7 @@ def _round_marks(tok, generated: list[int], step, text_len: int) -> list[tuple[i
     drafted = min(step.accepted, len(step.token_ids))
     if 0 < drafted < len(step.token_ids):
         through_drafts = generated[: len(generated) - len(step.token_ids) + drafted]
-        drafts_end = len(tok.decode(through_drafts, skip_special_tokens=True))
+        drafts_end = len(decode(tok, through_drafts))
         return [(drafts_end, True), (text_len, False)]
     return [(text_len, drafted > 0)]
 
@@ -448,7 +457,7 @@ def _spans(marks: list[tuple[int, bool]], start: int, end: int) -> list[tuple[in
 def _tokens_through_stop(tok, ids: list[int], last_round: int, stops, start: int) -> int:
     """Fewest tokens whose text holds a stop string (searched from `start`)."""
     for n in range(len(ids) - last_round + 1, len(ids)):
-        if _find_stop(tok.decode(ids[:n], skip_special_tokens=True), stops, start) is not None:
+        if _find_stop(decode(tok, ids[:n]), stops, start) is not None:
             return n
     return len(ids)
 

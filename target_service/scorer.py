@@ -20,7 +20,7 @@ import torch
 
 from specdec.decoding import penalties, rule
 from specdec.decoding.grammar import apply
-from specdec.decoding.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
+from specdec.decoding.sampling import SamplingParams, argmax, logprobs_from_logits, probs_from_logits
 from specdec.errors import InvalidArgument
 from specdec.runtime.engine import Forward, Session, SessionEngine
 
@@ -56,7 +56,7 @@ def logprobs_of(logits, params: SamplingParams, draft_ids, draft_rows, own, top:
     """logits [rows, vocab] (masked); draft token i is scored in row draft_rows[i]; own: [rows] the
     target's own tokens (None: the argmax of each row)."""
     logp = logprobs_from_logits(logits, params)
-    own = torch.argmax(logp, dim=-1).tolist() if own is None else own
+    own = argmax(logp) if own is None else own
     rows = torch.arange(logp.shape[0], device=logp.device)
     own_lp = logp[rows, torch.tensor(own, device=logp.device)].tolist()
     ids = torch.tensor(draft_ids, dtype=torch.long, device=logp.device)
@@ -94,7 +94,7 @@ def score(
         logits = penalties.session_rows(session, logits, params, penalties.chain(draft_ids, k + 1))
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
-        scores = Scores(torch.argmax(logits, dim=-1).tolist(), [], 0, None, *step)
+        scores = Scores(argmax(logits), [], 0, None, *step)
         own = scores.argmax
     else:
         probs = probs_from_logits(logits, params)
@@ -141,7 +141,7 @@ def decode(
         if params.penalized:
             logits = penalties.session_rows(session, logits, params, [chosen])
         if params.greedy:
-            token = int(torch.argmax(logits[0]))
+            [token] = argmax(logits)
         elif noise_seed is not None:
             position = len(session.tokens) + len(chosen)
             token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
@@ -215,7 +215,7 @@ def score_tree(
 
     def token(i: int, row: torch.Tensor) -> int:  # the target's token in row i (greedy, invariant)
         if params.greedy:
-            return int(torch.argmax(row))
+            return argmax(row[None])[0]
         return rule.coupled_tokens(probs_from_logits(row[None], params), noise_seed, [positions[i]])[0]
 
     def decide(rows: LazyRows):
@@ -244,8 +244,8 @@ def score_tree(
     )
     own = None
     if walk is None:
-        argmax = [token(i, row) if i in scored else 0 for i, row in enumerate(logits)]  # 0: a row not scored
-        scores = Scores(argmax, [], 0, None, *step)
+        tokens = [token(i, row) if i in scored else 0 for i, row in enumerate(logits)]  # 0: a row not scored
+        scores = Scores(tokens, [], 0, None, *step)
         own = scores.argmax
     else:
         path, last = walked

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specdec.decoding import rule
+from specdec.decoding.sampling import argmax
 from tests.standins import random_markov
 from tests.stats import markov_chisquare
 
@@ -190,3 +192,15 @@ def test_draws_without_replacement_follow_their_law():
     expected = [sum(row[y] * row[x] / (1 - row[y]) for y in range(3) if y != x) for x in range(3)]
     np.testing.assert_allclose(seconds / 20_000, expected, atol=0.015)
     assert rule.draw_without_replacement(np.array([0.0, 1.0]), [0.3, 0.6]) == [1]  # mass ran out
+
+
+def test_greedy_argmax_is_torchs_on_every_row_and_dtype():
+    """sampling.argmax (numpy's on the CPU) picks the token torch.argmax picks: the first on a
+    tie, a NaN before any number, each row of a batch; other dtypes go through torch."""
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(3, 49152, generator=g), torch.randn(17, 51, generator=g)]
+    rows.append(torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 1.0, float("nan"), 2.0], [-float("inf")] * 4]))
+    rows.append(torch.randint(0, 3, (64, 9), generator=g).float())  # many ties
+    for x in rows:
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            assert argmax(x.to(dtype)) == torch.argmax(x.to(dtype), dim=-1).tolist(), (x.shape, dtype)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from specdec.decoding.sampling import argmax
+
 
 def accepted_length(draft_token_probs, target_token_probs, accept_uniforms) -> int:
     """Number of leading draft tokens the rule accepts.
@@ -175,7 +177,7 @@ def coupled_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> list
     tokens = torch.arange(probs.shape[1], device=probs.device)
     if probs.device.type == "cpu":  # row by row, its intermediates stay in cache: 5 rows 2.2 ms, not 4.7
         rows = zip(probs, keys, strict=True)
-        return [int(torch.argmax(row.double() / exponentials(key, tokens))) for row, key in rows]
+        return [argmax((row.double() / exponentials(key, tokens))[None])[0] for row, key in rows]
     return torch.argmax(probs.double() / exponentials(keys[:, None], tokens[None]), dim=1).tolist()
 
 
