@@ -53,9 +53,10 @@ def decode(tok, ids: list[int]) -> str:
     """tok.decode(ids, skip_special_tokens=True) for a list of token ids. transformers' decode first
     converts its argument element by element (to_py_obj), which cost more than the decode itself in
     a generation's per-round text (~12% of the orchestrator's CPU at 64 clients); a flat list of ints
-    goes straight to the `_decode` it then calls."""
-    fast = getattr(tok, "_decode", None)
-    return fast(ids, skip_special_tokens=True) if fast is not None else tok.decode(ids, skip_special_tokens=True)
+    goes straight to the `_decode` it then calls. Looked up on the class: a wrapper that forwards
+    other attributes to a tokenizer (continuation.ContinuedTokenizer) keeps its own decode."""
+    fast = getattr(type(tok), "_decode", None)
+    return fast(tok, ids, skip_special_tokens=True) if fast is not None else tok.decode(ids, skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
