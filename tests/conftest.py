@@ -3,7 +3,14 @@ stand-in backends with fixed Markov distributions, and services on loopback."""
 
 from __future__ import annotations
 
+import os
 import string
+
+# gRPC's fork handlers off, before grpc loads: this process hosts gRPC servers and channels (services in
+# process, an OTLP receiver) while it starts children (ray.init's GCS, the CLI), and a fork with another
+# thread inside gRPC can crash the child before its exec (clean-clone CI: ray.init timed out waiting on a
+# GCS server that died in ev_epoll1_linux.cc "next_worker->state == KICKED"). Every child here execs at once.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 import torch
