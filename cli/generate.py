@@ -139,8 +139,10 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
     if alone is not None:
         fast, slow = response.stats.tokens_per_second, alone.stats.tokens_per_second
         same = "the same text" if alone.text == response.text else "a different sample (sampling)"
+        # no drafts at all: plain rounds (timed faster alone at the orchestrator's start, or the draft lost)
+        ran = "speculative decoding" if response.stats.draft_tokens else "plain rounds (no drafts)"
         print(
-            f"[speculative decoding {fast:.1f} tok/s vs the target alone{_threads(alone.stats)} {slow:.1f} tok/s: "
+            f"[{ran} {fast:.1f} tok/s vs the target alone{_threads(alone.stats)} {slow:.1f} tok/s: "
             f"{fast / slow if slow else 0:.2f}x speedup; {same}]",
             file=sys.stderr,
         )

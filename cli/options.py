@@ -159,8 +159,9 @@ def add_lookahead_flag(p: argparse.ArgumentParser, client: bool = True) -> None:
         metavar="N",
         help=f"greedy tokens the orchestrator generates at start, on built-in prompts, to measure the pair's "
         f"acceptance and costs before it serves, so the first request that names no lookahead runs the k a warm "
-        f"server would (0: none; it then runs {d} until requests measure the pair; default: %(default)s, ~3 s on "
-        "the default pair on two CPU cores)",
+        f"server would, then times that k against plain rounds on the same prompts: where speculation timed "
+        f"slower, a request alone that names no lookahead runs plain rounds (0: none; it then runs {d} until "
+        "requests measure the pair; default: %(default)s, 15-18 s in all on the default pair on two CPU cores)",
     )
     p.add_argument(
         "--adaptive",

@@ -31,9 +31,11 @@ class Drafter:
     propose_tree: Callable
     # propose takes `free` (ProposeRequest.free_lookahead): the index's chains, sized by its score
     free: bool = False
+    # some of its chains come from an index of tokens, without a forward (ModelInfo.index_drafts)
+    indexed: bool = True
 
 
-MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree)
+MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree, indexed=False)
 NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 

@@ -40,6 +40,11 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
         super().__init__(engine, telemetry)
         self.drafter = drafter
 
+    def Describe(self, request, context):
+        info = super().Describe(request, context)
+        info.index_drafts = self.drafter.indexed
+        return info
+
     def Propose(self, request, context):
         return self.engine.run_call(self.propose_call(request), context)
 

@@ -4,5 +4,6 @@
 # leviathan: a seed reproduces the text for a fixed lookahead; invariant: for any schedule at all.
 RULES = ("leviathan", "invariant")
 # Greedy tokens an orchestrator generates at start to price its pair (orchestrator.calibration):
-# ~3 s on the default pair on two CPU cores. Here, so the CLI shows the default without torch.
+# 3-6 s on the default pair on two CPU cores, then as many again each way to time speculation
+# against plain rounds (orchestrator.calibration.alone_gain). Here, so the CLI shows the default without torch.
 CALIBRATION_TOKENS = 120

@@ -3,7 +3,10 @@ prompts of several kinds run through the same loop as a request, with adaptive l
 validation.MEASURED_LOOKAHEAD (so the target verifies blocks of several sizes and the draft proposes
 at several k). What they measure goes into the pair's shared costs (orchestrator.pair_costs), so a
 request that names no lookahead gets the k a warm server would give it, not DEFAULT_LOOKAHEAD.
-Requests in service refine the prices as before.
+Then the same prompts run once at that k and once without speculation, interleaved (`alone_gain`):
+where speculation timed slower, a request alone that names no lookahead runs plain rounds
+(generation.default_lookahead; docs/adaptive.md#the-default-k). Requests in service refine the
+prices as before.
 
 Owns: the prompts, the run, the summary line. Not: the prices themselves (orchestrator.lookahead's
 `price`), nor when it runs (deploy.hosting and deploy.serve_replicas call it before serving)."""
@@ -33,29 +36,55 @@ def calibrate(
     defaults: RequestDefaults | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Price | None:
-    """Run `tokens` greedy tokens over PROMPTS on `pair` and return the price it then gives a request
-    that names no lookahead (None: no draft, tokens 0, or nothing priced). A generation that fails
+    """Run `tokens` greedy tokens over PROMPTS on `pair`, then time speculation against plain rounds
+    on them (alone_gain, unless the draft has index drafts), and return the price it then gives a
+    request that names no lookahead (None: no draft, tokens 0, or nothing priced: rounds that all
+    fed the target one token, the draft never paying; timed all the same). A generation that fails
     (a service lost meanwhile) ends the calibration: the pair serves unpriced, as before."""
     if pair.draft is None or tokens <= 0 or not pair.health[0].state().up:
         return None
     start, defaults = time.perf_counter(), defaults or RequestDefaults()
     chat = bool(getattr(pair.tokenizer, "chat_template", None))
     each = -(-tokens // len(PROMPTS))
+    adaptive = orchestrator_pb2.SpeculationParams(adaptive=True, lookahead=MEASURED_LOOKAHEAD)
     try:
         for prompt in PROMPTS:
-            request = orchestrator_pb2.GenerateRequest(
-                prompt=prompt,
-                chat_template=chat,
-                max_new_tokens=each,
-                speculation=orchestrator_pb2.SpeculationParams(adaptive=True, lookahead=MEASURED_LOOKAHEAD),
-            )
-            for _ in generate(pair, request, timeout=60.0, defaults=defaults):
-                pass
+            _run(pair, prompt, chat, each, adaptive, defaults)
     except Exception as err:  # noqa: BLE001 - a start-up measurement: serving goes on without it
         if log:
             log(f"pricing the pair failed ({err}); requests run k = {DEFAULT_LOOKAHEAD} until their rounds measure it")
         return None
+    try:  # an index's drafts gain on text that copies, which these prompts are not: not timed
+        pair.costs.alone_gain = None if pair.index_drafts else alone_gain(pair, each, chat, defaults)
+    except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
+        if log:
+            log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
     priced = price(pair.costs, MEASURED_LOOKAHEAD, default_overlap(pair, defaults))
-    if log and priced is not None:
-        log(f"priced the pair in {time.perf_counter() - start:.1f} s: {priced.summary()}")
+    if log:
+        gain = pair.costs.alone_gain
+        what = (
+            priced.summary() if priced else "not priced" + (f"; timed alone {gain:.2f}x plain rounds" if gain else "")
+        )
+        log(f"priced the pair in {time.perf_counter() - start:.1f} s: {what}")
     return priced
+
+
+def alone_gain(pair: ModelPair, tokens: int, chat: bool, defaults: RequestDefaults) -> float:
+    """The measured default's speed over plain rounds' for a generation alone: PROMPTS at `tokens`
+    greedy tokens each, each prompt once each way (interleaved: a drift in the machine's speed
+    slows both alike), timed over the generations' wall time, prefill included."""
+    seconds = {True: 0.0, False: 0.0}
+    for prompt in PROMPTS:
+        for speculate in (True, False):
+            t0 = time.perf_counter()
+            _run(pair, prompt, chat, tokens, orchestrator_pb2.SpeculationParams(disabled=not speculate), defaults)
+            seconds[speculate] += time.perf_counter() - t0
+    return seconds[False] / seconds[True]
+
+
+def _run(pair: ModelPair, prompt: str, chat: bool, tokens: int, speculation, defaults: RequestDefaults) -> None:
+    request = orchestrator_pb2.GenerateRequest(
+        prompt=prompt, chat_template=chat, max_new_tokens=tokens, speculation=speculation
+    )
+    for _ in generate(pair, request, timeout=60.0, defaults=defaults):
+        pass

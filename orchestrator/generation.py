@@ -21,7 +21,7 @@ from pathlib import Path
 
 from orchestrator.availability import Availability
 from orchestrator.lookahead import measured_lookahead
-from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.loop import RUNNING, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import PairCosts
 from orchestrator.speculation_cache import CacheRates
 from orchestrator.trees import PairTrees
@@ -84,6 +84,8 @@ class ModelPair:
         default_factory=lambda: (Availability("draft"), Availability("target")), compare=False
     )
     draft_timeout: float | None = None  # seconds a draft call may take (RecoveryConfig.draft_timeout)
+    # the draft proposes some chains from an index, without a forward (ModelInfo.index_drafts, at connect)
+    index_drafts: bool = False
     # What the generations on the pair measure for the speculation cache (orchestrator.speculation_cache).
     cache_rates: CacheRates = field(default_factory=CacheRates, compare=False)
 
@@ -295,7 +297,8 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     pair has measured them; DEFAULT_LOOKAHEAD before that, and always for a Leviathan sample (its seed
     replays whatever ran before it), draft trees and adaptive lookahead (its largest k). Under load
     such a generation runs that k or plain rounds, whichever the pair measures faster (`measured`:
-    orchestrator.lookahead's Default k).
+    orchestrator.lookahead's Default k); alone, plain rounds where the start-up calibration timed
+    them faster than that k on its prompts (PairCosts.alone_gain below 1), else that k.
 
     Where its text does not depend on k, such a request also lets a drafter that sizes its chains
     by its own score (the suffix drafter; the hybrid's index rounds) propose up to
@@ -306,6 +309,8 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     config = dataclasses.replace(config, free_lookahead=validation.MEASURED_LOOKAHEAD)
     if config.adaptive:
         return config
+    if pair.costs.alone_gain is not None and pair.costs.alone_gain < 1 and RUNNING.count() == 0:
+        return dataclasses.replace(config, speculate=False)
     k = measured_lookahead(pair.costs, validation.MEASURED_LOOKAHEAD, config.overlap)
     return dataclasses.replace(config, lookahead=k or config.lookahead, measured=True)
 

@@ -37,7 +37,8 @@ EXPLORE_EVERY steps off, backing off up to EXPLORE_MAX (docs/adaptive.md#load-hy
 
 Default k. measured_lookahead: the k in 1..MEASURED_LOOKAHEAD priced fastest for a generation
 alone (DEFAULT_LOOKAHEAD before any measurement), for greedy or invariant chains. `measured`:
-alone always that k, under load that k or 0 as the regimes decide (docs/adaptive.md#the-default-k).
+alone that k (or plain rounds where the start-up calibration timed them faster: PairCosts.alone_gain),
+under load that k or 0 as the regimes decide (docs/adaptive.md#the-default-k).
 """
 
 from __future__ import annotations
@@ -302,14 +303,21 @@ class Price:
     verify_seconds: float  # the target's step of lookahead + 1 tokens
     plain_token_seconds: float  # a round without speculation (one token)
     speedup: float  # the formula's, over rounds without speculation
+    # a generation alone: speculation's speed over plain rounds', as the start-up calibration timed
+    # both (below 1: a request alone that names no lookahead runs plain rounds); 0: not timed
+    timed: float = 0.0
 
     def summary(self) -> str:
         kind = "overlapped" if self.overlapped else "sequential"
         ms = [1e3 * t for t in (self.draft_token_seconds, self.verify_seconds, self.plain_token_seconds)]
-        return (
+        line = (
             f"k = {self.lookahead} ({kind} rounds), acceptance {self.acceptance:.2f}, a draft token {ms[0]:.1f} ms, "
             f"a verify of {self.lookahead + 1} {ms[1]:.1f} ms, a token alone {ms[2]:.1f} ms: {self.speedup:.2f}x"
         )
+        if self.timed:
+            line += f"; timed alone {self.timed:.2f}x plain rounds"
+            line += " (a request alone runs plain rounds)" if self.timed < 1 else ""
+        return line
 
 
 def price(costs: PairCosts, k_max: int, overlap: bool) -> Price | None:
@@ -336,6 +344,7 @@ def price(costs: PairCosts, k_max: int, overlap: bool) -> Price | None:
             chosen.step(k + 1),
             t0,
             speedup(alpha, k, chosen, overlapped, t0),
+            costs.alone_gain or 0.0,
         )
 
 

@@ -215,6 +215,10 @@ class PairCosts:
         # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
+        # a generation alone: the measured default's speed over plain rounds', as the start-up
+        # calibration timed both on its prompts (orchestrator.calibration); None: not timed (no
+        # calibration, or a drafter with index drafts). Below 1: alone, plain rounds (generation.default_lookahead)
+        self.alone_gain: float | None = None
         self.draft_scale = DecayedMean()  # measured / profiled step, FIT_DECAY
         self.target_scale = DecayedMean()  # the same for the target's steps on shared cores (target_step)
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY

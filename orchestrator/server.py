@@ -75,6 +75,7 @@ def connect(
     vocab_size = target_info.vocab_size
     shared_device = False  # a draft found after the start is taken as on its own device
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
+    index_drafts = False
     if draft_address:
         wait = min(wait_seconds, DRAFT_START_WAIT)
         draft = ResilientStub(draft_stub, draft_address, channel, "draft", recovery, wait, optional=True)
@@ -103,6 +104,7 @@ def connect(
             profile = curves[max(curves)] if curves else {}  # at its own threads
             sharing = shared_cores(draft_info, target_info)
             shared_device = shared_accelerator(draft_info, target_info)
+            index_drafts = draft_info.index_drafts
     return ModelPair(
         draft=draft,
         target=target,
@@ -116,6 +118,7 @@ def connect(
         shared_device=shared_device,
         health=(draft_health, target_health),
         draft_timeout=recovery.draft_timeout,
+        index_drafts=index_drafts,
     )
 
 

@@ -131,17 +131,20 @@ def pipeline(
     target_address=None,
     lookahead=4,
     calibration_tokens=0,
+    drafter=None,
     **settings,
 ):
     """The three services in this process (or the target at `target_address` instead);
     stopped however the test ends. `lookahead`: the orchestrator's default, fixed so that two
     requests run alike and their rounds compare (None: measured, the server's own default).
     `calibration_tokens`: the orchestrator's pricing run at start (0: none, a test's own
-    requests are the pair's first rounds); `settings`: OrchestratorConfig's others."""
+    requests are the pair's first rounds); `drafter`: the draft service's (None: the model's);
+    `settings`: OrchestratorConfig's others."""
     servers = {}
     limits = limits or SessionLimits()
     try:
-        servers["draft"], draft_port = hosting.serve_model(ModelServiceConfig("draft", limits=limits), draft_backend)
+        draft = ModelServiceConfig("draft", limits=limits)
+        servers["draft"], draft_port = hosting.serve_model(draft, draft_backend, drafter=drafter)
         if target_address is None:
             target = ModelServiceConfig("target", limits=limits)
             servers["target"], target_port = hosting.serve_model(target, target_backend)

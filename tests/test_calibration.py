@@ -4,12 +4,17 @@ gives it, shows the price in Describe, and leaves no session open; one that does
 DEFAULT_LOOKAHEAD until requests have measured the pair. The target is the tiny model slowed
 (harness.SlowBackend: a step of a model far larger than its draft), the draft the same weights
 unslowed: every draft is accepted and cheap, so the price is the most drafts a round, and a
-request of 48 tokens that ran k = 4 would not (its text the same)."""
+request of 48 tokens that ran k = 4 would not (its text the same). Then it times the price's k
+against plain rounds: a draft slower than its target leaves a request alone plain rounds, unless
+the drafter drafts from an index (its gain is on text that copies)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from draft_service import drafters
 from orchestrator.calibration import calibrate
 from orchestrator.generation import ModelPair
 from specdec.runtime.graphs import hf_backend
@@ -44,8 +49,44 @@ def test_the_first_request_runs_the_warm_servers_k_once_the_pair_is_priced_at_st
     if calibration_tokens:
         assert info.pricing.lookahead == first.stats.lookahead == warm.stats.lookahead
         assert info.pricing.acceptance > 0.9 and info.pricing.speedup > 1
+        assert info.pricing.timed > 1  # timed against plain rounds too: the drafts paid
+        assert first.stats.draft_tokens > 0
     else:
         assert first.stats.lookahead == DEFAULT_LOOKAHEAD
+
+
+@pytest.fixture(scope="module")
+def slow_draft(tiny_models):
+    """The same weights, the draft slowed far past its target: every draft accepted, none paying."""
+    spec = ModelSpec(tiny_models["target"], "cpu", "float32")
+    return SlowBackend(hf_backend(spec), 0.03), hf_backend(spec)
+
+
+def test_a_request_alone_runs_plain_rounds_where_the_start_timed_them_faster(slow_draft):
+    with pipeline(*slow_draft, lookahead=None, calibration_tokens=30) as p:
+        info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)
+        first = generate(p.orchestrator)
+        assert p.sessions_freed_within(10)
+        request = orchestrator_pb2.GenerateRequest(prompt="priced before it arrives", max_new_tokens=48)
+        request.speculation.lookahead = 4  # named: the request's own k is kept
+        named = p.orchestrator.Generate(request, timeout=120)
+    if info.HasField("pricing"):  # a draft that never pays may leave the rounds unpriced: timed all the same
+        assert 0 < info.pricing.timed < 1
+    assert first.stats.draft_tokens == 0 and named.stats.draft_tokens > 0
+    assert first.token_ids == named.token_ids  # greedy: the target's text either way
+
+
+def test_a_drafter_with_index_drafts_is_not_timed_against_plain_rounds(backends):
+    # the model drafter declaring index drafts (as ngram, suffix and hybrid do): priced by its
+    # forwards, as a hybrid's model half is, and not timed (timed, its drafts pay: above 1)
+    assert drafters.NGRAM.indexed and drafters.suffix_drafter(hybrid=True).indexed and not drafters.MODEL.indexed
+    indexed = dataclasses.replace(drafters.MODEL, indexed=True)
+    with pipeline(*backends, lookahead=None, calibration_tokens=30, drafter=indexed) as p:
+        info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)
+        assert p.draft.Describe(model_pb2.DescribeRequest(), timeout=10).index_drafts
+        first = generate(p.orchestrator)
+    assert info.HasField("pricing") and info.pricing.timed == 0  # priced, not timed
+    assert first.stats.draft_tokens > 0
 
 
 def test_a_pair_without_a_draft_is_not_priced(tiny_backends):

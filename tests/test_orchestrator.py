@@ -152,7 +152,20 @@ def test_mismatched_pair_is_refused(tiny_models, tiny_backends):
 
 @pytest.mark.slow
 def test_cli_generate_json_starts_three_processes(tiny_models):
-    cmd = [sys.executable, "-m", "cli", "generate", "hello", "--json", "--max-tokens", "24", "--raw"]
+    # a lookahead named: the start-up timing may find the tiny pair's drafts slower than plain rounds
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli",
+        "generate",
+        "hello",
+        "--json",
+        "--max-tokens",
+        "24",
+        "--raw",
+        "--lookahead",
+        "4",
+    ]
     cmd += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -86,7 +86,10 @@ def test_ray_up_then_generate_status_and_down():
             assert 0 < json.loads(response.read())["usage"]["completion_tokens"] <= 8
 
         prompt = "Write a haiku about GPUs"
-        out = specdec("generate", prompt, "--address", address, "--json", "--max-tokens", "24", env=env)
+        # a lookahead named: a request alone may run plain rounds where the start timed them faster
+        out = specdec(
+            "generate", prompt, "--address", address, "--json", "--max-tokens", "24", "--lookahead", "4", env=env
+        )
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["text"] and result["token_ids"] and result["stats"]["draft_tokens"] > 0
