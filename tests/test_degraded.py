@@ -192,7 +192,8 @@ def test_serve_does_not_wait_for_a_restarting_draft(tiny_models):
     )
     with LocalPipeline(config, log=lambda *_: None) as pipeline:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
-        request = long_request(64)
+        # a lookahead named: alone, a request that names none may run plain rounds (the start's timing)
+        request = long_request(64, speculation=orchestrator_pb2.SpeculationParams(lookahead=4))
         before = stub.Generate(request, timeout=60)
         assert before.stats.accepted_tokens > 0
         killed = pipeline.serving_pid("draft", 10)
@@ -233,7 +234,11 @@ def test_the_default_pair_by_hand_survives_a_killed_draft(tmp_path):
         )
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
         request = orchestrator_pb2.GenerateRequest(
-            prompt="Write a long story about a lighthouse keeper.", chat_template=True, max_new_tokens=96
+            prompt="Write a long story about a lighthouse keeper.",
+            chat_template=True,
+            max_new_tokens=96,
+            # named: alone, a request that names no lookahead may run plain rounds (the start's timing)
+            speculation=orchestrator_pb2.SpeculationParams(lookahead=8),
         )
         alone = orchestrator_pb2.GenerateRequest()
         alone.CopyFrom(request)

@@ -58,7 +58,7 @@ def test_the_split_across_two_hosts(tiny_models, tmp_path):
             assert out.returncode == 0, out.stderr
             return json.loads(out.stdout)
 
-        split = generate("--max-tokens", 48)
+        split = generate("--max-tokens", 48, "--lookahead", 4)  # named: alone, unnamed may run plain rounds
         alone = generate("--max-tokens", 48, "--no-speculation")
         assert split["token_ids"] == alone["token_ids"] and split["stats"]["accepted_tokens"] > 0
 
@@ -82,7 +82,7 @@ def test_the_split_across_two_hosts(tiny_models, tmp_path):
         assert out.stdout.split() == ["OK"] * 2, out.stdout + out.stderr
 
         # A draft lost mid-generation: the generation finishes, exactly, and the orchestrator says so.
-        long = ["--max-tokens", 300, "--stream"]
+        long = ["--max-tokens", 300, "--stream", "--lookahead", 4]  # drafting when the draft dies
         expected = generate("--max-tokens", 300, "--no-speculation")["token_ids"]
         stream = hosts.popen(
             "a", cli("generate", "hello there", "--raw", "--json", *client, *long), log=tmp_path / "stream.out",
