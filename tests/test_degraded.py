@@ -189,6 +189,7 @@ def test_serve_does_not_wait_for_a_restarting_draft(tiny_models):
         target=ModelSpec(tiny_models["target"], "cpu", "float32"),
         draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
         start_timeout=180,
+        calibration_tokens=0,  # its requests name their k
     )
     with LocalPipeline(config, log=lambda *_: None) as pipeline:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address))
@@ -230,7 +231,15 @@ def test_the_default_pair_by_hand_survives_a_killed_draft(tmp_path):
         procs["target"], target = start("target-service", "--port", "0")
         procs["draft"], draft = start("draft-service", "--port", "0")
         procs["orchestrator"], address = start(
-            "orchestrator", "--port", "0", "--draft-address", draft, "--target-address", target
+            "orchestrator",
+            "--port",
+            "0",
+            "--draft-address",
+            draft,
+            "--target-address",
+            target,
+            "--calibration-tokens",
+            "0",
         )
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
         request = orchestrator_pb2.GenerateRequest(
