@@ -37,7 +37,8 @@ def calibrate(
     log: Callable[[str], None] | None = None,
 ) -> Price | None:
     """Run `tokens` greedy tokens over PROMPTS on `pair`, then time speculation against plain rounds
-    on them (alone_gain, unless the draft has index drafts), and return the price it then gives a
+    on them (alone_gain; not where the draft has index drafts, nor where the price itself says
+    speculation loses: its price is the gain then), and return the price it then gives a
     request that names no lookahead (None: no draft, tokens 0, or nothing priced: rounds that all
     fed the target one token, the draft never paying; timed all the same). A generation that fails
     (a service lost meanwhile) ends the calibration: the pair serves unpriced, as before."""
@@ -54,12 +55,17 @@ def calibrate(
         if log:
             log(f"pricing the pair failed ({err}); requests run k = {DEFAULT_LOOKAHEAD} until their rounds measure it")
         return None
+    overlap = default_overlap(pair, defaults)
+    priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)
     try:  # an index's drafts gain on text that copies, which these prompts are not: not timed
-        pair.costs.alone_gain = None if pair.index_drafts else alone_gain(pair, each, chat, defaults)
+        if priced is not None and priced.speedup < 1 and not pair.index_drafts:
+            pair.costs.alone_gain = priced.speedup  # priced a loss already: plain rounds, no seconds spent timing it
+        elif not pair.index_drafts:
+            pair.costs.alone_gain = alone_gain(pair, each, chat, defaults)
     except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
         if log:
             log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
-    priced = price(pair.costs, MEASURED_LOOKAHEAD, default_overlap(pair, defaults))
+    priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)  # with the timing (Price.timed)
     if log:
         gain = pair.costs.alone_gain
         what = (

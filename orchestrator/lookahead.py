@@ -304,7 +304,8 @@ class Price:
     plain_token_seconds: float  # a round without speculation (one token)
     speedup: float  # the formula's, over rounds without speculation
     # a generation alone: speculation's speed over plain rounds', as the start-up calibration timed
-    # both (below 1: a request alone that names no lookahead runs plain rounds); 0: not timed
+    # both (or `speedup`, where that is below 1: not timed); below 1, a request alone that names no
+    # lookahead runs plain rounds; 0: not timed
     timed: float = 0.0
 
     def summary(self) -> str:

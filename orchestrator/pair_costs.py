@@ -216,7 +216,8 @@ class PairCosts:
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
         # a generation alone: the measured default's speed over plain rounds', as the start-up
-        # calibration timed both on its prompts (orchestrator.calibration); None: not timed (no
+        # calibration timed both on its prompts, or priced it where the price is below 1
+        # (orchestrator.calibration); None: not timed (no
         # calibration, or a drafter with index drafts). Below 1: alone, plain rounds (generation.default_lookahead)
         self.alone_gain: float | None = None
         self.draft_scale = DecayedMean()  # measured / profiled step, FIT_DECAY
