@@ -57,20 +57,21 @@ def calibrate(
         return None
     overlap = default_overlap(pair, defaults)
     priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)
-    try:  # an index's drafts gain on text that copies, which these prompts are not: not timed
-        if priced is not None and priced.speedup < 1 and not pair.index_drafts:
-            pair.costs.alone_gain = priced.speedup  # priced a loss already: plain rounds, no seconds spent timing it
-        elif not pair.index_drafts:
+    if pair.index_drafts:  # an index's drafts gain on text that copies, which these prompts are not
+        pass
+    elif priced is not None and priced.speedup < 1:  # priced a loss already: no seconds spent timing it
+        pair.costs.alone_gain = priced.speedup
+    else:
+        try:
             pair.costs.alone_gain = alone_gain(pair, each, chat, defaults)
-    except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
-        if log:
-            log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
+        except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
+            if log:
+                log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
     priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)  # with the timing (Price.timed)
     if log:
         gain = pair.costs.alone_gain
-        what = (
-            priced.summary() if priced else "not priced" + (f"; timed alone {gain:.2f}x plain rounds" if gain else "")
-        )
+        timed = f"; timed alone {gain:.2f}x plain rounds" if gain else ""
+        what = priced.summary() if priced else f"not priced{timed}"
         log(f"priced the pair in {time.perf_counter() - start:.1f} s: {what}")
     return priced
 

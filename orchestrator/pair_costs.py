@@ -216,9 +216,9 @@ class PairCosts:
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
         # a generation alone: the measured default's speed over plain rounds', as the start-up
-        # calibration timed both on its prompts, or priced it where the price is below 1
-        # (orchestrator.calibration); None: not timed (no
-        # calibration, or a drafter with index drafts). Below 1: alone, plain rounds (generation.default_lookahead)
+        # calibration timed both on its prompts, or its price where that is below 1
+        # (orchestrator.calibration); None: neither (no calibration, or a drafter with index
+        # drafts). Below 1: alone, plain rounds (generation.default_lookahead)
         self.alone_gain: float | None = None
         self.draft_scale = DecayedMean()  # measured / profiled step, FIT_DECAY
         self.target_scale = DecayedMean()  # the same for the target's steps on shared cores (target_step)
