@@ -53,12 +53,18 @@ llama-tools: setup
 	cmake --build $(LLAMA_TOOLS)/build -j$(JOBS) --target llama-speculative llama-bench llama-quantize
 	@ls $(LLAMA_TOOLS)/build/bin/llama-speculative $(LLAMA_TOOLS)/build/bin/llama-bench $(LLAMA_TOOLS)/build/bin/llama-quantize
 
+# Two pytest workers (pytest-xdist): most tests wait on services, processes and sleeps, so two share a
+# 2-core machine's cores; a test module runs on one worker, the modules that share a machine-wide
+# resource (a Ray cluster, network namespaces) on the same one (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The quick tier for iteration: everything but the tests marked slow (docs/testing.md); CI runs `make test`.
 test-quick: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The default pair split across two network namespaces (root): TLS, mTLS, separate tokens, a draft
 # killed and found again (scripts/two_hosts.py; tests/test_two_hosts.py runs it with tiny models).

@@ -104,9 +104,23 @@ def tiny_backends(tiny_models):
     }
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+# Test modules that hold a machine-wide resource run on one pytest-xdist worker, one after another
+# (`make test` runs two workers, --dist loadgroup): a local Ray cluster (Serve's proxy ports, `ray up
+# --address auto`), network namespaces and nftables rules. Every other module is a group of its own
+# (its module-scoped fixtures set up once, on one worker).
+SHARED = {
+    "ray": ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py"),
+    "netns": ("test_hung_peers.py", "test_two_hosts.py"),
+}
+GROUP = {module: group for group, modules in SHARED.items() for module in modules}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """A test on the real default model is slow too: `-m "not slow"` (make test-quick) leaves it out."""
+    """A test on the real default model is slow too: `-m "not slow"` (make test-quick) leaves it out.
+    Each test gets its module's xdist group (SHARED above)."""
     for item in items:
         if item.get_closest_marker("real_model") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        module = item.path.name
+        item.add_marker(pytest.mark.xdist_group(GROUP.get(module, module)))
