@@ -321,7 +321,10 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
         assert row["seconds"] > 0
     for case in ("second", "identical", "multi-turn"):  # the conversation so far, on both sides
         assert rows[(case, "on")]["target_hit"] > rows[("first", "on")]["prompt_tokens"] > 0, case
-        assert rows[(case, "on")]["draft_hit"] > rows[("first", "on")]["prompt_tokens"], case
+        # the draft's: the prompt at least (all but its last token, which a session's next forward
+        # feeds); its answer too where the draft's session opened before the 4-token answer ended,
+        # which a loaded machine may not give it
+        assert rows[(case, "on")]["draft_hit"] >= rows[("first", "on")]["prompt_tokens"] - 1, case
     assert rows[("identical", "on")]["target_hit"] == rows[("identical", "on")]["prompt_tokens"] - 1
     assert [rows[(c, "on")]["criterion"] for c in ("first", "second", "identical")] == [1.1, 0.2, 0.1]
     table = ttft.format_table(json.loads((tmp_path / "ttft.json").read_text()))

@@ -53,13 +53,16 @@ def test_stream_equals_unary(pipeline):
         assert len(chunks) > 2  # streamed as rounds committed
         s = unary.stats
         assert s.generated_tokens == len(unary.token_ids) == chunks[-1].stats.generated_tokens
-        if sampling.temperature > 0:  # a seeded Leviathan sample replays its rounds; greedy rounds do not
-            assert s.rounds == chunks[-1].stats.rounds  # wait for the draft's session: their count is timing
         assert unary.finish_reason == "stop" or s.generated_tokens == 40
         assert s.draft_tokens > 0 and 0 <= s.acceptance_rate <= 1
-        # Overlapped rounds (the default): a round commits its accepted drafts and one target token,
-        # or, when the next round's first draft took the bonus position, its accepted drafts alone.
-        assert s.accepted_tokens <= s.mean_accepted_length * s.rounds <= s.accepted_tokens + s.rounds
+        assert s.accepted_tokens <= s.mean_accepted_length * s.rounds
+        if sampling.temperature > 0:  # a seeded Leviathan sample replays its rounds; greedy rounds do not
+            assert s.rounds == chunks[-1].stats.rounds  # wait for the draft's session: their count is timing
+            # Overlapped rounds (the default): a round commits its accepted drafts and one target token,
+            # or, when the next round's first draft took the bonus position, its accepted drafts alone.
+            # (Greedy rounds go on while the draft's session opens: plain rounds of several target
+            # steps a Score, as many as the opening takes on a loaded machine.)
+            assert s.mean_accepted_length * s.rounds <= s.accepted_tokens + s.rounds
 
 
 def test_chunks_split_their_text_by_origin_and_count_their_rounds(pipeline):
