@@ -347,6 +347,7 @@ def generate(
     active: Callable[[], bool] = lambda: True,
     defaults: RequestDefaults = RequestDefaults(),
     client: str = "",
+    streamed: bool = True,
 ) -> Iterator[Chunk]:
     """Run one request; yield a chunk per round with new tokens, the last one with stats.
 
@@ -354,11 +355,15 @@ def generate(
     `active()` is asked after each round: once it is False (the client went away) the
     generation stops and its sessions are closed. `defaults`: what a request that does not say gets.
     `client`: who sent it, as orchestrator.server.client_identity names them (history_scope).
+    `streamed`: False where the caller reads nothing before the last chunk (a unary call): without
+    stop strings to look for, the target-only rounds are longer (LoopConfig.streamed).
     """
     start = time.perf_counter()
     ids = prompt_ids(pair, request)
     config = loop_config(pair, request, len(ids), defaults, client)
     stop_strings = list(request.stop_strings)
+    if not streamed and not stop_strings:
+        config = dataclasses.replace(config, streamed=False)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(
         pair.draft,

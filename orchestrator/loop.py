@@ -77,6 +77,13 @@ PLAIN_STEPS = 4
 # longer overlap (SpeculativeLoop._overlapping).
 OVERLAP_LOAD = 4
 MAX_PLAIN_STEPS = 16
+# The steps a Score for a client that reads nothing before the answer ends (a unary call without stop
+# strings, LoopConfig.streamed), speculation off or its draft lost: each return of a session to the
+# orchestrator costs it a batched step of the target under load (the others' next step has started
+# when it comes back), and a 64-token answer returned 7 times (its open, then rounds of 1, 4, 16,
+# 16, 16 and 11 steps) where it now returns twice. Bounded, so that a client gone is noticed within
+# that many steps.
+MAX_UNARY_STEPS = 64
 ROUND_OVERHEAD_SHARE = 0.05
 
 
@@ -324,8 +331,11 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
         off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
         speculation off at 16 clients; the policy measures the steps as plain rounds,
-        _measure_steps); and not the first round (the first token streams alone). None: one. Under
-        the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped)."""
+        _measure_steps); and not the first round (the first token streams alone). None: one. An
+        answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
+        measure runs MAX_UNARY_STEPS a round, the first included. Under the Leviathan rule each
+        step's token takes the draws of a plain round (Draws.stepped), so the text does not depend
+        on how the steps are grouped."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
@@ -334,7 +344,11 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             return None
         if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
             return None
-        if not self.generated or remaining <= 1:
+        if remaining <= 1:
+            return None
+        if not (cfg.streamed or opening or self._policy_plain):  # nothing reads or waits before the end
+            return min(MAX_UNARY_STEPS, remaining)
+        if not self.generated:
             return None
         return min(PLAIN_STEPS if self._plain_costs is None else decode_steps(*self._plain_costs), remaining)
 

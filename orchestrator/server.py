@@ -245,7 +245,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.defaults = defaults or RequestDefaults()  # for requests that leave speculation fields unset
         self.admission = admission  # what Describe reports of it
 
-    def _chunks(self, request, context):
+    def _chunks(self, request, context, streamed: bool = True):
         chunks = generate(
             self.pair,
             request,
@@ -254,6 +254,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             active=context.is_active,
             defaults=self.defaults,
             client=client_identity(context),
+            streamed=streamed,
         )
         return self.telemetry.requests(chunks)
 
@@ -264,7 +265,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _generate(self, request, context):
         ids, text, logprobs = [], [], []
         last = None
-        for chunk in self._chunks(request, context):
+        for chunk in self._chunks(request, context, streamed=False):
             ids += chunk.token_ids
             text.append(chunk.text)
             logprobs += chunk.logprobs

@@ -12,7 +12,7 @@ import torch
 
 from draft_service.server import DraftServicer
 from orchestrator import loop as speculative_loop
-from orchestrator.loop import MAX_PLAIN_STEPS, PLAIN_STEPS, LoopConfig, SpeculativeLoop, decode_steps
+from orchestrator.loop import MAX_PLAIN_STEPS, MAX_UNARY_STEPS, PLAIN_STEPS, LoopConfig, SpeculativeLoop, decode_steps
 from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
@@ -136,6 +136,28 @@ def test_target_only_runs_several_steps_a_score_greedy(monkeypatch):
     stops = frozenset({stop})
     tokens, _ = run(draft, target, SamplingParams(), 4, 40, seed=0, speculate=False, stop_token_ids=stops)
     assert tokens == chain[: chain.index(stop)]
+    assert target_engine.open_sessions == 0
+
+
+def test_an_answer_read_at_its_end_runs_longer_target_only_rounds(monkeypatch):
+    """Speculation off, a unary call without stop strings (LoopConfig.streamed False): MAX_UNARY_STEPS
+    steps a Score from the first round on (no token streams alone); greedy, the target's argmax
+    chain; the Leviathan rule, a seed's text as the streamed rounds' and as one step a Score (each
+    step takes its plain round's draws)."""
+    target_probs = random_markov(20, 3)
+    draft, target, _, target_engine = pair(target_probs, random_markov(20, 4))
+    tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False, streamed=False)
+    assert tokens == argmax_chain(target_probs, 201)
+    assert stats.rounds == math.ceil(201 / MAX_UNARY_STEPS)
+    _, streamed = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
+    assert streamed.rounds >= 1 + math.ceil((201 - 1) / MAX_PLAIN_STEPS) > stats.rounds
+    sampling = SamplingParams(temperature=1.0)
+    unary, stats = run(draft, target, sampling, 4, 150, seed=2, speculate=False, streamed=False)
+    assert stats.rounds == math.ceil(150 / MAX_UNARY_STEPS)
+    several, _ = run(draft, target, sampling, 4, 150, seed=2, speculate=False)
+    one_step_a_score(monkeypatch)
+    one, _ = run(draft, target, sampling, 4, 150, seed=2, speculate=False)
+    assert unary == several == one
     assert target_engine.open_sessions == 0
 
 
