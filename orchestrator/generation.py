@@ -362,7 +362,8 @@ def generate(
     ids = prompt_ids(pair, request)
     config = loop_config(pair, request, len(ids), defaults, client)
     stop_strings = list(request.stop_strings)
-    if not streamed and not stop_strings:
+    quiet = not streamed and not stop_strings  # nothing read before the end: the text decoded once, there
+    if quiet:
         config = dataclasses.replace(config, streamed=False)
     hold = max((len(s) for s in stop_strings), default=1) - 1  # chars that may start a stop
     loop = SpeculativeLoop(
@@ -393,9 +394,13 @@ def generate(
             pending_ids += step.token_ids
             pending_logprobs += token_logprobs(tok, step) if config.logprobs is not None else []
             finish = step.finish_reason
+            counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + step.accepted)
+            if quiet:
+                if finish:
+                    break
+                continue
             text = decode(tok, loop.generated)
             marks += _round_marks(tok, loop.generated, step, len(text))
-            counts = (counts[0] + 1, counts[1] + step.proposed, counts[2] + step.accepted)
             search_from = max(0, emitted - hold)
             cut = _find_stop(text, stop_strings, search_from)
             if cut is not None:
@@ -418,6 +423,8 @@ def generate(
                 emitted, pending_ids, pending_logprobs, counts = ready, [], [], (0, 0, 0)
     finally:
         rounds.close()  # closes the sessions even when the client went away
+    if quiet:
+        text = decode(tok, loop.generated)
     wall = time.perf_counter() - start
     spans = _spans(marks, emitted, len(text))
     stats = _stats(loop, len(ids), wall, config.seed)
