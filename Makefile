@@ -54,13 +54,15 @@ llama-tools: setup
 	@ls $(LLAMA_TOOLS)/build/bin/llama-speculative $(LLAMA_TOOLS)/build/bin/llama-bench $(LLAMA_TOOLS)/build/bin/llama-quantize
 
 # Two pytest workers (pytest-xdist): most tests wait on services, processes and sleeps, so two share a
-# 2-core machine's cores; a test module runs on one worker, the modules that share a machine-wide
-# resource (a Ray cluster, network namespaces) on the same one (tests/conftest.py). TEST_WORKERS=0: one process.
+# 2-core machine's cores; a test module runs on one worker, the modules that share network namespaces
+# on the same one; the modules that start a Ray cluster afterwards, in one process (its memory is most
+# of the machine's; tests/conftest.py). TEST_WORKERS=0: all in one process.
 TEST_WORKERS ?= 2
 PYTEST = $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: setup
-	$(PYTEST)
+	$(PYTEST) -m "not ray_cluster"
+	$(BIN)/python -m pytest -q -m ray_cluster
 
 # The quick tier for iteration: everything but the tests marked slow (docs/testing.md); CI runs `make test`.
 test-quick: setup

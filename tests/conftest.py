@@ -105,14 +105,14 @@ def tiny_backends(tiny_models):
 
 
 # Test modules that hold a machine-wide resource run on one pytest-xdist worker, one after another
-# (`make test` runs two workers, --dist loadgroup): a local Ray cluster (Serve's proxy ports, `ray up
-# --address auto`), network namespaces and nftables rules. Every other module is a group of its own
-# (its module-scoped fixtures set up once, on one worker).
-SHARED = {
-    "ray": ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py"),
-    "netns": ("test_hung_peers.py", "test_two_hosts.py"),
-}
+# (`make test` runs two workers, --dist loadgroup): network namespaces and nftables rules. Every other
+# module is a group of its own (its module-scoped fixtures set up once, on one worker). The modules
+# that start a local Ray cluster are marked `ray_cluster`, and `make test` runs them after the others,
+# in one process: beside another worker's test, Ray Serve's pairs took the 24 GiB machine to Ray's
+# memory monitor, which killed them (clean-clone CI, 2026-11-30).
+SHARED = {"netns": ("test_hung_peers.py", "test_two_hosts.py")}
 GROUP = {module: group for group, modules in SHARED.items() for module in modules}
+RAY_CLUSTER = ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before xdist reads the groups
@@ -124,3 +124,5 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
         module = item.path.name
         item.add_marker(pytest.mark.xdist_group(GROUP.get(module, module)))
+        if module in RAY_CLUSTER:
+            item.add_marker(pytest.mark.ray_cluster)
