@@ -39,6 +39,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
     def __init__(self, engine: SessionEngine, drafter: Drafter = MODEL, telemetry=None):
         super().__init__(engine, telemetry)
         self.drafter = drafter
+        engine.prefill_at_open = drafter.prefill_at_open
 
     def Describe(self, request, context):
         info = super().Describe(request, context)

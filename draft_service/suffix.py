@@ -21,9 +21,11 @@ time, until that token's share falls under MIN_SHARE, none goes on, or min(k, ma
 length)) tokens. Hybrid: a round whose match is at least HYBRID_MATCH tokens, its first token agreed
 by most occurrences, proposes the index's continuation while the index's strong proposals in the
 session have lately matched at least HYBRID_RATE of their drafts to what was committed (an
-exponential average, scored whether used or not); other rounds are the model's. The model's cache
-catches up on the committed tokens in its next forward, and in one forward whenever it lags
-CATCH_UP tokens, so no forward feeds more than a llama.cpp batch holds.
+exponential average, scored whether used or not); other rounds are the model's. The hybrid's
+sessions open without the model's prefill (SessionEngine.prefill_at_open): an index round needs
+none, and a copy's first rounds went without drafts while the model prefilled the prompt on the
+cores the target decodes on. A model round first feeds the model's cache what it lacks
+(SessionEngine.catch_up: the prompt, the index rounds' commits), in prefill chunks.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -50,7 +52,6 @@ from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import Session, SessionEngine
-from specdec.runtime.prefix import common_prefix
 
 MAX_MATCH = 32  # the longest suffix looked for
 MIN_STORE_MATCH = 2  # a store match shorter than this is ignored
@@ -63,7 +64,6 @@ HYBRID_MATCH = 4  # hybrid: the match length from which the index proposes inste
 HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts the committed tokens lately matched
 RATE_WEIGHT = 0.3  # the weight of a proposal's score in that share (an exponential average)
 PENDING = 4  # proposals awaiting their score, per session, at most
-CATCH_UP = 64  # hybrid: the committed tokens the model's cache may lag before an index round feeds them
 SEPARATOR = -1
 
 _STORES: weakref.WeakSet = weakref.WeakSet()
@@ -436,8 +436,8 @@ class HybridDrafter(SuffixDrafter):
         """The index's chain (at most max(k, free) tokens) where it proposes, else k of the model's."""
         assumed = list(assumed)
         drafts = self.choose(session, assumed, max(k, free))
-        yield from catch_up(engine, session)
         if not drafts:
+            yield from engine.catch_up(session)
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
             return (yield from model)
         if params.greedy or noise_seed is not None:
@@ -460,18 +460,8 @@ class HybridDrafter(SuffixDrafter):
         acceptance=(),
     ):
         drafts = self.choose(session, [], min(depth, nodes))
-        yield from catch_up(engine, session)
         if not drafts:
+            yield from engine.catch_up(session)
             model = proposer.propose_tree(engine, session, depth, nodes, params, uniforms, noise_seed, acceptance)
             return (yield from model)
         return chain(engine, session, drafts, params, noise_seed)
-
-
-def catch_up(engine: SessionEngine, session: Session):
-    """Feed the model's cache the committed tokens it lacks, once they are CATCH_UP or more (a
-    run of index rounds): the round's forwards then feed few, and no forward more than a
-    llama.cpp batch holds."""
-    tokens, cached = session.tokens, session.cached
-    agreed = common_prefix(cached, tokens, max(0, min(len(cached), len(tokens)) - 2 * CATCH_UP))
-    if len(tokens) - agreed >= CATCH_UP:
-        yield engine.forward(session, [], 1)

@@ -23,7 +23,7 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import Session, SessionEngine
+from specdec.runtime.engine import Session, SessionCall, SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.validation import MEASURED_LOOKAHEAD
 from specdec.weights.models import ModelSpec
@@ -149,6 +149,10 @@ class _Engine:
     class backend:  # noqa: N801
         vocab_size = 64
 
+    @staticmethod
+    def catch_up(session):  # the model's cache: nothing to feed
+        return iter(())
+
 
 def test_closed_sessions_enter_the_store_and_rows_are_point_masses():
     index = suffix.SuffixDrafter()
@@ -194,7 +198,6 @@ def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
 
     def round_at(j: int) -> str:
         session.tokens += [100 + j, 101 + j, 102 + j]  # a unique match of 3
-        session.cached = list(session.tokens)  # the model's cache: no catch-up due
         gen = index.propose(_Engine, session, 4, greedy, [])
         with pytest.raises(StopIteration) as stop:
             next(gen)
@@ -219,7 +222,7 @@ def hybrid(match: int = 2, rate: float = 0.0) -> Drafter:
     """A hybrid whose index proposes on any match of `match` tokens (rate 0: whatever its share):
     rounds of both kinds, mixed."""
     index = suffix.HybridDrafter(match=match, rate=rate)
-    return Drafter(index.propose, proposal_row, index.propose_tree, free=True)
+    return Drafter(index.propose, proposal_row, index.propose_tree, free=True, prefill_at_open=False)
 
 
 def loop_pair(target_probs, draft_probs, drafter: Drafter):
@@ -273,26 +276,52 @@ def test_the_leviathan_rules_law_is_the_targets(kind, overlap, n):
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
-def test_hybrid_rounds_are_the_index_s_or_the_model_s():
-    """A hybrid proposal is the index's continuation (no model step) where the match is strong, the
-    model's otherwise; the model's cache catches up on what the index's rounds committed."""
-    target_probs = random_markov(12, 31, alpha=0.3)
-    steps = []
-    draft_backend = MarkovBackend(random_markov(12, 32))
-    forward = draft_backend.forward
+def counting_backend(steps: list[int]) -> MarkovBackend:
+    """A Markov draft that appends the tokens each forward feeds to `steps`."""
+    backend = MarkovBackend(random_markov(12, 32))
+    forward = backend.forward
 
     def counting(cache, token_ids, n_logits):
         steps.append(len(token_ids))
         return forward(cache, token_ids, n_logits)
 
-    draft_backend.forward = counting
+    backend.forward = counting
+    return backend
+
+
+def test_hybrid_rounds_are_the_index_s_or_the_model_s():
+    """A hybrid proposal is the index's continuation (no model step) where the match is strong, the
+    model's otherwise; the model's cache catches up on what the index's rounds committed."""
+    target_probs = random_markov(12, 31, alpha=0.3)
+    steps = []
+    engine = SessionEngine(counting_backend(steps), "draft")
     target = Direct(TargetServicer(SessionEngine(MarkovBackend(target_probs), "target")))
-    draft = Direct(DraftServicer(SessionEngine(draft_backend, "draft"), hybrid(match=3)))
+    draft = Direct(DraftServicer(engine, hybrid(match=6)))
     out, stats, ks = run(draft, target, SamplingParams(), 300, lookahead=4)
     plain, _, _ = run(draft, target, SamplingParams(), 300, speculate=False)
     assert out == plain and stats.accepted_tokens > 0
-    assert len(steps) < 1 + sum(ks)  # some rounds ran no model step
-    assert max(steps[1:]) <= suffix.CATCH_UP + 2 * 5  # no catch-up feeds more than that
+    assert steps and len(steps) < sum(ks)  # model rounds, and rounds that ran no model step
+    assert max(steps) <= engine.prefill_chunk + 1 + 4  # a catch-up feeds in chunks
+
+
+def test_a_hybrid_session_opens_without_the_model_s_prefill():
+    """The hybrid's sessions open without a forward (an index round needs none); a model round
+    first feeds what the cache lacks, in the chunks a prompt's prefill feeds."""
+    steps = []
+    engine = SessionEngine(counting_backend(steps), "draft")
+    DraftServicer(engine, hybrid())
+    engine.start()
+    try:
+        prompt = [i % 12 for i in range(300)]
+        assert engine.open("s", prompt) == 300 and steps == []
+        engine.run_call(SessionCall("s", None, engine.catch_up))
+        chunk = engine.prefill_chunk
+        assert steps == [chunk, chunk, 299 - 2 * chunk]  # all but the last token, which the next forward feeds
+        engine.run_call(SessionCall("s", None, lambda session: (yield engine.forward(session, [], 1))))
+        assert steps[3:] == [1]
+        engine.close("s")
+    finally:
+        engine.stop()
 
 
 # -- through the three services on loopback -----------------------------------------------------

@@ -148,6 +148,9 @@ class SessionEngine:
         self.step_profile: dict[tuple[int, int, int], float] = dict(step_profile or {})
         self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
+        # False: OpenSession registers the prompt and feeds none of it; `catch_up` feeds it before a
+        # forward needs it (a drafter whose proposals may need no model: the hybrid's index rounds)
+        self.prefill_at_open = True
         self.prefill_chunk = min(getattr(backend, "prefill_chunk", PREFILL_CHUNK), PREFILL_BUDGET)
         self.kv = KVBudget(self.limits.max_kv_tokens)
         # One per engine: one model in one process (keys and values never cross models).
@@ -319,13 +322,8 @@ class SessionEngine:
         try:
             if session.cache is None:
                 session.cache = self.backend.new_cache()
-            prefix = prompt[:-1]  # all but the last token, which the next block feeds
-            start = len(session.cached)
-            chunk = self.prefill_chunk
-            while start < len(prefix):  # after a prefix hit, in the chunks a whole prefill feeds them in
-                end = min(start - start % chunk + chunk, len(prefix))
-                yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
-                start = end
+            if self.prefill_at_open:
+                yield from self._prefill(session, prompt[:-1], threads)  # the last token: the next block's
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
             raise
@@ -333,6 +331,26 @@ class SessionEngine:
         if self.prefix is not None:
             self.prefix.note(session)
         return len(prompt)
+
+    def _prefill(self, session: Session, prefix: list[int], threads: int | None) -> Generator:
+        """Feed `prefix` past what the cache holds of it (after a prefix hit: in the chunks a whole
+        prefill feeds it in, ending at multiples of prefill_chunk)."""
+        start, chunk = len(session.cached), self.prefill_chunk
+        while start < len(prefix):
+            end = min(start - start % chunk + chunk, len(prefix))
+            yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
+            start = end
+
+    def catch_up(self, session: Session) -> Generator:
+        """Feed the cache the committed tokens it lacks but the last (the next forward feeds it),
+        as a prompt is prefilled: a session opened without its prefill (`prefill_at_open`), or one
+        whose drafts came from elsewhere for a while, before a forward on the model."""
+        self._settle_tree(session)
+        fed = len(session.tokens) - 1
+        self._crop(session, common_prefix(session.cached, session.tokens, min(_agreed(session), fed), fed))
+        if fed - len(session.cached) > self.prefill_chunk:  # less: the next forward feeds it with its own
+            self.reserve(session, len(session.tokens))
+            yield from self._prefill(session, session.tokens[:fed], session.threads)
 
     def close(self, session_id: str, context=None) -> None:
         self.worker.wait(self.close_item(session_id), context)
