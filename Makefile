@@ -56,9 +56,12 @@ llama-tools: setup
 # Two pytest workers (pytest-xdist): most tests wait on services, processes and sleeps, so two share a
 # 2-core machine's cores; a test module runs on one worker, the modules that share network namespaces
 # on the same one; the modules that start a Ray cluster afterwards, in one process (its memory is most
-# of the machine's; tests/conftest.py). TEST_WORKERS=0: all in one process.
+# of the machine's; tests/conftest.py). A worker that dies (the OOM killer) ends the run with its report
+# (a replaced worker left loadgroup's scheduling waiting forever); each test's outcome is printed as it
+# ends (-v: which one failed, before the summary). TEST_WORKERS=0: all in one process.
 TEST_WORKERS ?= 2
-PYTEST = $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 -v
+PYTEST = $(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),-q,$(XDIST))
 
 test: setup
 	$(PYTEST) -m "not ray_cluster"

@@ -3,6 +3,7 @@ stand-in backends with fixed Markov distributions, and services on loopback."""
 
 from __future__ import annotations
 
+import gc
 import os
 import string
 
@@ -109,10 +110,22 @@ def tiny_backends(tiny_models):
 # module is a group of its own (its module-scoped fixtures set up once, on one worker). The modules
 # that start a local Ray cluster are marked `ray_cluster`, and `make test` runs them after the others,
 # in one process: beside another worker's test, Ray Serve's pairs took the 24 GiB machine to Ray's
-# memory monitor, which killed them (clean-clone CI, 2026-11-30).
+# memory monitor, which killed them (clean-clone CI, 2026-11-30). The tests that hold a llama.cpp context
+# of a real model (marked big_memory; real_model implies it) run one after another on one worker too: a
+# context allocates its KV whole at start (the F32 target's 16 streams ~3.3 GB, the Q8_0 draft's ~1.8 GB),
+# and two such tests at once took the machine to the kernel's OOM killer (clean-clone CI, 2026-11-30:
+# two default pipelines beside a worker of 7.8 GB).
 SHARED = {"netns": ("test_hung_peers.py", "test_two_hosts.py")}
 GROUP = {module: group for group, modules in SHARED.items() for module in modules}
 RAY_CLUSTER = ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_module():
+    """Free what a module's fixtures left in reference cycles (a backend, a llama.cpp context) before
+    the worker's next module allocates its own."""
+    yield
+    gc.collect()
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before xdist reads the groups
@@ -122,7 +135,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("real_model") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.big_memory)
         module = item.path.name
-        item.add_marker(pytest.mark.xdist_group(GROUP.get(module, module)))
+        group = "big_memory" if item.get_closest_marker("big_memory") else GROUP.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group))
         if module in RAY_CLUSTER:
             item.add_marker(pytest.mark.ray_cluster)

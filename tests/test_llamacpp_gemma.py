@@ -31,7 +31,11 @@ from target_service.server import TargetServicer
 from tests.checkpoints import tiny_checkpoint
 from tests.standins import Direct
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not models.llamacpp_installed(), reason="needs llama-cpp-python")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.big_memory,
+    pytest.mark.skipif(not models.llamacpp_installed(), reason="needs llama-cpp-python"),
+]
 
 VOCAB = 262144
 PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is

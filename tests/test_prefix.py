@@ -299,6 +299,7 @@ def _hashes(prompt: list[int]) -> list[int]:
     return list(index._chains[id(holder)][1])
 
 
+@pytest.mark.big_memory
 def test_llamacpp_copies_a_prefix_bit_for_bit():
     """A session opening from a live session's stream (the state copy, then a cut) and from a kept
     one (taken over) computes exactly what a fresh prefill does (the embedded Q8_0 draft GGUF)."""
