@@ -114,7 +114,8 @@ def tiny_backends(tiny_models):
 # of a real model (marked big_memory; real_model implies it) run one after another on one worker too: a
 # context allocates its KV whole at start (the F32 target's 16 streams ~3.3 GB, the Q8_0 draft's ~1.8 GB),
 # and two such tests at once took the machine to the kernel's OOM killer (clean-clone CI, 2026-11-30:
-# two default pipelines beside a worker of 7.8 GB).
+# two default pipelines beside a worker of 7.8 GB). The groups need pytest 8 (pyproject pins it): under
+# pytest 9.2, xdist 3.8 writes a test's group to an attribute pytest no longer reads (Node._nodeid).
 SHARED = {"netns": ("test_hung_peers.py", "test_two_hosts.py")}
 GROUP = {module: group for group, modules in SHARED.items() for module in modules}
 RAY_CLUSTER = ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py")
