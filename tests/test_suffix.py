@@ -296,10 +296,16 @@ def test_hybrid_rounds_are_the_index_s_or_the_model_s():
     steps = []
     engine = SessionEngine(counting_backend(steps), "draft")
     target = Direct(TargetServicer(SessionEngine(MarkovBackend(target_probs), "target")))
-    draft = Direct(DraftServicer(engine, hybrid(match=6)))
-    out, stats, ks = run(draft, target, SamplingParams(), 300, lookahead=4)
+    draft = Direct(DraftServicer(engine, hybrid(match=3)))
+    out, stats, _ = run(draft, target, SamplingParams(), 300, lookahead=4)
     plain, _, _ = run(draft, target, SamplingParams(), 300, speculate=False)
     assert out == plain and stats.accepted_tokens > 0
+    # Greedy rounds go without the draft while its session opens, so whether the model proposes
+    # before the index's matches turn strong depends on timing; a Leviathan sample at a fixed k
+    # waits for it (orchestrator.sessions: _waits_for_draft).
+    steps.clear()
+    _, stats, ks = run(draft, target, SamplingParams(temperature=1.0), 300, lookahead=4)
+    assert stats.accepted_tokens > 0
     assert steps and len(steps) < sum(ks)  # model rounds, and rounds that ran no model step
     assert max(steps) <= engine.prefill_chunk + 1 + 4  # a catch-up feeds in chunks
 
