@@ -20,7 +20,7 @@ def argmax(rows: torch.Tensor) -> list[int]:
     torch.argmax): the greedy token of each row. On the CPU through numpy, whose argmax is ~10x
     torch's over a vocabulary (49,152 logits: 10 µs against 145; 17 rows, 0.11 ms against 1.05)."""
     if rows.device.type == "cpu" and rows.dtype in _NUMPY_ARGMAX:
-        return rows.detach().numpy().argmax(-1).tolist()
+        return (rows.detach() if rows.requires_grad else rows).numpy().argmax(-1).tolist()
     return torch.argmax(rows, dim=-1).tolist()
 
 

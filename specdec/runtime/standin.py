@@ -1,11 +1,12 @@
 """Stand-in models: a model service whose forwards cost a fixed time and no core.
 
 A forward on an accelerator costs its host a wait, not a core. A stand-in is that wait and
-nothing else: each batched forward sleeps a fixed time (one sleep for all the sessions in
-the step, as a GPU decodes a batch for about the cost of one), then returns logits from a
-fixed law that costs microseconds. Many pairs then fit on a few cores, and what is measured
-is the serving around the models (the orchestrator, the services' bookkeeping, gRPC, Ray
-Serve's proxies and router), as it would be at that scale with real accelerators.
+nothing else: each batched forward takes a fixed time (one for all the sessions in the step,
+as a GPU decodes a batch for about the cost of one), its logits from a fixed law that costs
+microseconds a session made within that time and the rest of it slept. Many pairs then fit
+on a few cores, and what is measured is the serving around the models (the orchestrator, the
+services' bookkeeping, gRPC, Ray Serve's proxies and router), as it would be at that scale with
+real accelerators.
 
 A stand-in is named by its model string, `standin:MS[:AGREE]`: forwards of MS milliseconds,
 a law that agrees with the reference law at a share AGREE of (token, position) contexts
@@ -100,14 +101,18 @@ class StandinBackend:
         return self.forward_batch([(cache, token_ids, n_logits)])[0]
 
     def forward_batch(self, items):
-        time.sleep(self.spec.forward_seconds)  # one wait for the whole batch
+        # One forward_seconds for the whole batch, the law's logits computed within it (as a
+        # device's step holds the logits' making): the wait is what is left of it after them.
+        start = time.perf_counter()
         peaks = []  # the law's likeliest token at each position whose logits are wanted, all sessions'
         for cache, token_ids, n_logits in items:
             cache.extend(token_ids)
             peaks.extend(self._next(cache[p], p) for p in range(len(cache) - n_logits, len(cache)))
         rows = torch.zeros(len(peaks), self.vocab_size)  # one tensor for the step: microseconds a session
         rows[torch.arange(len(peaks)), torch.tensor(peaks)] = PEAK
-        return list(rows.split([n_logits for *_, n_logits in items]))
+        out = list(rows.split([n_logits for *_, n_logits in items]))
+        time.sleep(max(0.0, self.spec.forward_seconds - (time.perf_counter() - start)))
+        return out
 
     def _next(self, token: int, position: int) -> int:
         """The law's likeliest token after `token` at `position`."""
