@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from specdec.decoding import penalties, rule
-from specdec.decoding.sampling import SamplingParams, argmax, probs_from_logits
+from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import FailedPrecondition, OutOfRange
+from specdec.greedy import argmax
 from specdec.runtime.engine import Forward, Session, SessionEngine
 from specdec.validation import TREE_BRANCHES, TREE_BUCKETS, TREE_EXPAND
 
@@ -48,13 +49,17 @@ def propose(
     grammar = session.constraint  # structured output: each row masked, each drafted token advancing it
     try:
         if grammar is None or grammar.push(assumed) == len(assumed):  # else: nothing the grammar allows
+            plain = params.greedy and grammar is None and not params.penalized  # the rows as they come
             for i in range(k):
-                logits = (yield engine.forward(session, assumed + drafts, 1))[0]
+                forward = engine.forward(session, assumed + drafts, 1, greedy=plain)
+                logits = (yield forward)[0]
                 if grammar is not None:
                     logits = grammar.apply(logits[None], grammar.masks())[0]
                 if params.penalized:
                     logits = penalties.session_rows(session, logits[None], params, [assumed + drafts])[0]
-                if params.greedy:
+                if plain:
+                    [token] = forward.argmax
+                elif params.greedy:
                     [token] = argmax(logits[None])
                 elif coupled:
                     position = len(session.tokens) + len(assumed) + i

@@ -20,8 +20,9 @@ import torch
 
 from specdec.decoding import penalties, rule
 from specdec.decoding.grammar import apply
-from specdec.decoding.sampling import SamplingParams, argmax, logprobs_from_logits, probs_from_logits
+from specdec.decoding.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
 from specdec.errors import InvalidArgument
+from specdec.greedy import argmax
 from specdec.runtime.engine import Forward, Session, SessionEngine
 
 
@@ -87,14 +88,15 @@ def score(
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
     masks = grammar.masks(draft_ids) if grammar is not None else None  # [k + 1, words]
-    forward = engine.forward(session, draft_ids, k + 1)
+    plain = params.greedy and grammar is None and not params.penalized  # the rows as they come
+    forward = engine.forward(session, draft_ids, k + 1, greedy=plain)
     logits = yield forward  # [k + 1, vocab]
     logits = apply(grammar, logits, masks)
     if params.penalized:
         logits = penalties.session_rows(session, logits, params, penalties.chain(draft_ids, k + 1))
     step = forward.step_tokens, forward.step_sessions, forward.step_threads, forward.waited, forward.seconds
     if params.greedy:
-        scores = Scores(argmax(logits), [], 0, None, *step)
+        scores = Scores(forward.argmax if plain else argmax(logits), [], 0, None, *step)
         own = scores.argmax
     else:
         probs = probs_from_logits(logits, params)
@@ -136,11 +138,14 @@ def decode(
     while len(scores.argmax) < steps and not (scores.argmax and scores.argmax[-1] in stop_token_ids):
         chosen = scores.argmax
         mask = grammar.masks(chosen)[-1:] if grammar is not None else None
-        forward = engine.forward(session, chosen, 1)
+        plain = params.greedy and grammar is None and not params.penalized  # the row as it comes
+        forward = engine.forward(session, chosen, 1, greedy=plain)
         logits = apply(grammar, (yield forward), mask)  # [1, vocab]
         if params.penalized:
             logits = penalties.session_rows(session, logits, params, [chosen])
-        if params.greedy:
+        if plain:
+            [token] = forward.argmax
+        elif params.greedy:
             [token] = argmax(logits)
         elif noise_seed is not None:
             position = len(session.tokens) + len(chosen)

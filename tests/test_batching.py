@@ -364,6 +364,22 @@ def test_a_step_feeds_only_what_the_cache_does_not_hold():
     assert session.cached == [0, 1] and step([]) == [2]
 
 
+def test_a_step_finds_its_greedy_forwards_argmax_at_once():
+    """A forward asked greedy gets each of its rows' argmax from its step (greedy.step_argmax, one
+    argmax for the step's greedy forwards); the others get their logits only."""
+    engine = SessionEngine(MarkovBackend(random_markov(10, 0)), "target")
+    sessions = [Session(tokens=[i, 1, 2], cache=engine.backend.new_cache()) for i in range(3)]
+    forwards = [
+        engine.forward(sessions[0], [3, 4], 3, greedy=True),
+        engine.forward(sessions[1], [], 1),
+        engine.forward(sessions[2], [5], 2, greedy=True),
+    ]
+    logits = engine._run_batch(forwards)
+    assert forwards[0].argmax == torch.argmax(logits[0], dim=-1).tolist() and len(forwards[0].argmax) == 3
+    assert forwards[1].argmax is None
+    assert forwards[2].argmax == torch.argmax(logits[2], dim=-1).tolist()
+
+
 def test_a_wave_of_prompts_prefills_within_the_budget_beside_the_decodes():
     """Six 300-token prompts arrive together while a session decodes: each step takes prompt
     chunks up to PREFILL_BUDGET tokens and the decoding session's forward rides in the steps

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from specdec import greedy
 from specdec.decoding import rule
-from specdec.decoding.sampling import argmax
+from specdec.greedy import argmax
 from tests.standins import random_markov
 from tests.stats import markov_chisquare
 
@@ -195,7 +196,7 @@ def test_draws_without_replacement_follow_their_law():
 
 
 def test_greedy_argmax_is_torchs_on_every_row_and_dtype():
-    """sampling.argmax (numpy's on the CPU) picks the token torch.argmax picks: the first on a
+    """greedy.argmax (numpy's on the CPU) picks the token torch.argmax picks: the first on a
     tie, a NaN before any number, each row of a batch; other dtypes go through torch."""
     g = torch.Generator().manual_seed(7)
     rows = [torch.randn(3, 49152, generator=g), torch.randn(17, 51, generator=g)]
@@ -204,3 +205,16 @@ def test_greedy_argmax_is_torchs_on_every_row_and_dtype():
     for x in rows:
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             assert argmax(x.to(dtype)) == torch.argmax(x.to(dtype), dim=-1).tolist(), (x.shape, dtype)
+
+
+def test_a_steps_argmax_is_each_tensors_whether_they_stack_or_not():
+    """greedy.step_argmax (a worker step's greedy forwards at once) is each tensor's own argmax:
+    stacked (one width, few logits), one at a time (widths differ; too many logits for the CPU)."""
+    g = torch.Generator().manual_seed(3)
+    small = [torch.randn(n, 50, generator=g) for n in (1, 5, 1, 3)]
+    small[1][2, 7] = small[1][2, 9] = small[1][2].max() + 1  # a tie: the first
+    widths = [torch.randn(2, 50, generator=g), torch.randn(1, 40, generator=g)]
+    many = [torch.randn(1, greedy.STACK_ON_CPU, generator=g) for _ in range(2)]
+    dtypes = [torch.randn(2, 50, generator=g), torch.randn(2, 50, generator=g).double()]
+    for rows in (small, small[:1], widths, many, dtypes):
+        assert greedy.step_argmax(rows) == [torch.argmax(r, dim=-1).tolist() for r in rows]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from specdec.decoding.sampling import argmax
+from specdec.greedy import argmax
 
 
 def accepted_length(draft_token_probs, target_token_probs, accept_uniforms) -> int:

@@ -12,17 +12,6 @@ import torch
 
 from specdec.v1 import model_pb2
 
-_NUMPY_ARGMAX = (torch.float32, torch.float64, torch.float16)
-
-
-def argmax(rows: torch.Tensor) -> list[int]:
-    """The index of the largest value in each row of [n, vocab] (the first one on a tie, as
-    torch.argmax): the greedy token of each row. On the CPU through numpy, whose argmax is ~10x
-    torch's over a vocabulary (49,152 logits: 10 µs against 145; 17 rows, 0.11 ms against 1.05)."""
-    if rows.device.type == "cpu" and rows.dtype in _NUMPY_ARGMAX:
-        return (rows.detach() if rows.requires_grad else rows).numpy().argmax(-1).tolist()
-    return torch.argmax(rows, dim=-1).tolist()
-
 
 @dataclass(frozen=True)
 class SamplingParams:

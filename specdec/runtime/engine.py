@@ -61,6 +61,7 @@ from specdec.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from specdec.greedy import step_argmax
 from specdec.limits import KVBudget, SessionLimits
 from specdec.runtime import placement
 from specdec.runtime.kvcache import Tree
@@ -138,6 +139,10 @@ class Forward:
     waited: float = 0.0  # ... the seconds it waited for the machine's core lock
     seconds: float = 0.0  # ... and the seconds of the batched forward (on a GPU: its launch)
     tree: Tree | None = None  # the block extends a draft tree (forward_tree)
+    # greedy: the request reads each row's argmax (`argmax`, once run), which the step finds for all
+    # its greedy forwards at once (step_argmax): on a GPU one device sync a step, not one a session
+    greedy: bool = False
+    argmax: list[int] | None = None
 
 
 class SessionEngine:
@@ -236,6 +241,10 @@ class SessionEngine:
             rows[..., : f.session.vocab_size] if f.session.vocab_size else rows
             for f, rows in zip(forwards, logits, strict=True)
         ]
+        greedy = [i for i, f in enumerate(forwards) if f.greedy]
+        if greedy:
+            for i, tokens in zip(greedy, step_argmax([logits[i] for i in greedy]), strict=True):
+                forwards[i].argmax = tokens
         step = sum(len(f.tokens) for f in forwards)
         for f in forwards:
             f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
@@ -464,9 +473,10 @@ class SessionEngine:
         self._settle_tree(session)
         self._crop(session, to_length - 1)  # the last one is fed again
 
-    def forward(self, session: Session, speculative: list[int], n_logits: int) -> Forward:
+    def forward(self, session: Session, speculative: list[int], n_logits: int, greedy: bool = False) -> Forward:
         """What to feed so the cache holds tokens + speculative, wanting the logits of the last
-        n_logits positions: yield it from a request to get them ([n_logits, vocab]).
+        n_logits positions: yield it from a request to get them ([n_logits, vocab]). `greedy`:
+        the Forward's `argmax` then holds each of those rows' argmax (found with the step's others).
 
         Afterwards the cache holds tokens + speculative (a speculative tail that a later
         commit keeps where it matches and truncates where it does not).
@@ -480,7 +490,7 @@ class SessionEngine:
         self._crop(session, common_prefix(session.cached, sequence, min(_agreed(session), fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
-        return Forward(session, pending, n_logits, sequence, threads=session.threads)
+        return Forward(session, pending, n_logits, sequence, threads=session.threads, greedy=greedy)
 
     def forward_tree(self, session: Session, tokens: list[int], parents: list[int]) -> Forward:
         """What to feed so the cache holds the committed tokens and then a draft tree (tokens[i]

@@ -1,0 +1,35 @@
+"""Greedy tokens: the argmax of logits' rows, one tensor's or a worker step's all at once."""
+
+from __future__ import annotations
+
+import torch
+
+_NUMPY_ARGMAX = (torch.float32, torch.float64, torch.float16)
+# Logits a step's argmax stacks on the CPU (step_argmax): 64 rows of a stand-in's vocabulary, not 64
+# of a real one (a 12 MB copy costs more than the rows' own argmaxes, ~10 µs each).
+STACK_ON_CPU = 1 << 18
+
+
+def argmax(rows: torch.Tensor) -> list[int]:
+    """The index of the largest value in each row of [n, vocab] (the first one on a tie, as
+    torch.argmax): the greedy token of each row. On the CPU through numpy, whose argmax is ~10x
+    torch's over a vocabulary (49,152 logits: 10 µs against 145; 17 rows, 0.11 ms against 1.05)."""
+    if rows.device.type == "cpu" and rows.dtype in _NUMPY_ARGMAX:
+        return (rows.detach() if rows.requires_grad else rows).numpy().argmax(-1).tolist()
+    return torch.argmax(rows, dim=-1).tolist()
+
+
+def step_argmax(rows: list[torch.Tensor]) -> list[list[int]]:
+    """argmax of each [n, vocab] tensor: one argmax over them all where they stack (one device,
+    dtype and width; on the CPU, few logits in all), else a tensor at a time. On a GPU, one
+    device sync for a worker step's greedy sessions instead of one each."""
+    first = rows[0]
+    same = all(r.device == first.device and r.dtype == first.dtype and r.shape[-1] == first.shape[-1] for r in rows)
+    if not same or (first.device.type == "cpu" and sum(r.numel() for r in rows) > STACK_ON_CPU):
+        return [argmax(r) for r in rows]
+    flat = argmax(torch.cat(rows) if len(rows) > 1 else first)
+    out, at = [], 0
+    for r in rows:
+        out.append(flat[at : at + r.shape[0]])
+        at += r.shape[0]
+    return out
