@@ -49,7 +49,7 @@ def propose(
     grammar = session.constraint  # structured output: each row masked, each drafted token advancing it
     try:
         if grammar is None or grammar.push(assumed) == len(assumed):  # else: nothing the grammar allows
-            plain = params.greedy and grammar is None and not params.penalized  # the rows as they come
+            plain = params.raw_greedy and grammar is None  # the rows as they come
             for i in range(k):
                 forward = engine.forward(session, assumed + drafts, 1, greedy=plain)
                 logits = (yield forward)[0]

@@ -20,16 +20,23 @@ def argmax(rows: torch.Tensor) -> list[int]:
 
 
 def step_argmax(rows: list[torch.Tensor]) -> list[list[int]]:
-    """argmax of each [n, vocab] tensor: one argmax over them all where they stack (one device,
-    dtype and width; on the CPU, few logits in all), else a tensor at a time. On a GPU, one
-    device sync for a worker step's greedy sessions instead of one each."""
+    """argmax of each [n, vocab] tensor: one argmax over them all where they stack (one device and
+    width; on the CPU, few logits in all), else a tensor at a time. On a GPU, one device sync for a
+    worker step's greedy sessions instead of one each. Stacking promotes mixed float dtypes to
+    the widest, exactly, so each row's argmax is the same."""
     first = rows[0]
-    same = all(r.device == first.device and r.dtype == first.dtype and r.shape[-1] == first.shape[-1] for r in rows)
-    if not same or (first.device.type == "cpu" and sum(r.numel() for r in rows) > STACK_ON_CPU):
+    if len(rows) == 1:
+        return [argmax(first)]
+    sizes = [r.shape[0] for r in rows]
+    if first.device.type == "cpu" and first.shape[-1] * sum(sizes) > STACK_ON_CPU:
         return [argmax(r) for r in rows]
-    flat = argmax(torch.cat(rows) if len(rows) > 1 else first)
+    try:
+        stacked = torch.cat(rows)  # refused where widths or devices differ
+    except RuntimeError:
+        return [argmax(r) for r in rows]
+    flat = argmax(stacked)
     out, at = [], 0
-    for r in rows:
-        out.append(flat[at : at + r.shape[0]])
-        at += r.shape[0]
+    for n in sizes:
+        out.append(flat[at : at + n])
+        at += n
     return out

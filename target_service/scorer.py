@@ -88,7 +88,7 @@ def score(
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
     masks = grammar.masks(draft_ids) if grammar is not None else None  # [k + 1, words]
-    plain = params.greedy and grammar is None and not params.penalized  # the rows as they come
+    plain = params.raw_greedy and grammar is None  # the rows as they come
     forward = engine.forward(session, draft_ids, k + 1, greedy=plain)
     logits = yield forward  # [k + 1, vocab]
     logits = apply(grammar, logits, masks)
@@ -134,24 +134,26 @@ def decode(
     assert params.greedy or noise_seed is not None or len(uniforms) == steps, (steps, len(uniforms))
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
+    plain = params.raw_greedy and grammar is None  # each row as it comes: the step's argmax is the token
     scores = Scores([], [], 0, None)
-    while len(scores.argmax) < steps and not (scores.argmax and scores.argmax[-1] in stop_token_ids):
-        chosen = scores.argmax
-        mask = grammar.masks(chosen)[-1:] if grammar is not None else None
-        plain = params.greedy and grammar is None and not params.penalized  # the row as it comes
+    chosen = scores.argmax
+    while len(chosen) < steps and not (chosen and chosen[-1] in stop_token_ids):
         forward = engine.forward(session, chosen, 1, greedy=plain)
-        logits = apply(grammar, (yield forward), mask)  # [1, vocab]
-        if params.penalized:
-            logits = penalties.session_rows(session, logits, params, [chosen])
         if plain:
-            [token] = forward.argmax
-        elif params.greedy:
-            [token] = argmax(logits)
-        elif noise_seed is not None:
-            position = len(session.tokens) + len(chosen)
-            token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
+            yield forward
+            token = forward.argmax[0]
         else:
-            token = rule.sample(probs_from_logits(logits, params)[0].cpu().numpy(), uniforms[len(chosen)])
+            mask = grammar.masks(chosen)[-1:] if grammar is not None else None
+            logits = apply(grammar, (yield forward), mask)  # [1, vocab]
+            if params.penalized:
+                logits = penalties.session_rows(session, logits, params, [chosen])
+            if params.greedy:
+                [token] = argmax(logits)
+            elif noise_seed is not None:
+                position = len(session.tokens) + len(chosen)
+                token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
+            else:
+                token = rule.sample(probs_from_logits(logits, params)[0].cpu().numpy(), uniforms[len(chosen)])
         chosen.append(token)
         scores.step_tokens = max(scores.step_tokens, forward.step_tokens)
         scores.step_sessions = max(scores.step_sessions, forward.step_sessions)

@@ -30,6 +30,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def raw_greedy(self) -> bool:
+        """Greedy on the model's own rows (no penalty or bias): with no grammar either, a token is
+        its row's argmax as the worker's step finds it (engine.Forward.argmax)."""
+        return self.temperature == 0.0 and not self.penalized
+
+    @property
     def penalized(self) -> bool:
         """Whether rows depend on the sequence before them beyond the model (penalties, biases)."""
         return bool(
