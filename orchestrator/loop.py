@@ -73,8 +73,7 @@ MAX_REOPENS_PER_ROUND = 8
 # ROUND_OVERHEAD_SHARE of it (decode_steps), up to MAX_PLAIN_STEPS: 4 on a CPU's 25 ms step, 12 on a
 # GPU's 4 ms one. The stream gets a round's tokens together (4 steps: ~0.1 s on a CPU; 16: ~0.06 s on a GPU).
 PLAIN_STEPS = 4
-# Generations running in this orchestrator past which a fixed k's greedy or invariant rounds no
-# longer overlap (SpeculativeLoop._overlapping).
+# Generations running here past which a fixed k's greedy or invariant rounds no longer overlap.
 OVERLAP_LOAD = 4
 MAX_PLAIN_STEPS = 16
 # The steps a Score for a client that reads nothing before the answer ends (a unary call without stop
@@ -239,15 +238,16 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             RUNNING.add(-1)
             self._ended = True
             # Closed whatever happened: an open that failed or timed out may still complete on the service.
-            opening, self._draft_opening = self._draft_opening, None
+            opening, self._draft_opening, closing = self._draft_opening, None, None
             if opening is not None:  # the draft's open still runs: stopped, and closed once it is done
                 self._cancel_draft_open()
                 opening.add_done_callback(lambda _: self._close(self.draft))
             elif self._draft_opened and self.draft_health.up:
-                self._close(self.draft)
+                closing = CONTINUATIONS.submit(self._close, self.draft)  # beside the target's, waited for
             elif self._draft_opened:  # a draft that may not answer: not waited for
                 CONTINUATIONS.submit(self._close, self.draft)
             self._close(self.target)
+            wait_quietly(closing, None)
 
     def _threads(self, side: Side, concurrent: bool) -> int | None:
         """The threads a request of `side` may use (see Threads): its share of the cores if the
