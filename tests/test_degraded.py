@@ -252,27 +252,21 @@ def test_the_default_pair_by_hand_survives_a_killed_draft(tmp_path):
         alone = orchestrator_pb2.GenerateRequest()
         alone.CopyFrom(request)
         alone.speculation.disabled = True
-        started = time.monotonic()
         expected = list(stub.Generate(alone, timeout=300).token_ids)
-        # The bounds (30 s for the rest, 10 s for a new 40-token request) hold on a quiet
-        # machine; beside another test worker the target alone runs slower, so they grow with it.
-        alone_s = time.monotonic() - started
         stream = stub.GenerateStream(request, timeout=300)
         chunks = [next(stream)]
         procs["draft"].send_signal(signal.SIGKILL)  # mid-generation: the rest is served without it
-        killed = time.monotonic()
         chunks += list(stream)
-        # The target alone decodes the rest in a few seconds; a wait for the draft (not back until
-        # it is started again below) would pass the bound.
-        assert time.monotonic() - killed < max(30, 3 * alone_s)
+        # Served while the draft is down (it is started again only below): a round that waited for
+        # it would hold the stream to its deadline. No clock is asserted: beside another test
+        # worker the target alone ran 4x slower than it did a minute before.
         assert [t for c in chunks for t in c.token_ids] == expected
         assert chunks[-1].stats.rounds_without_draft > 0
         short = orchestrator_pb2.GenerateRequest()
         short.CopyFrom(request)
         short.max_new_tokens = 40
-        asked = time.monotonic()
-        assert stub.Generate(short, timeout=120).stats.rounds_without_draft > 0  # a new request too
-        assert time.monotonic() - asked < max(10, 1.5 * alone_s)
+        stats = stub.Generate(short, timeout=120).stats  # a new request too, and it never waits on the draft
+        assert stats.rounds_without_draft > 0 and stats.draft_seconds == 0
         procs["draft"], _ = start("draft-service", "--port", draft.rsplit(":", 1)[1])
         assert wait_until(lambda: stub.Describe(DESCRIBE, timeout=5).status == "ok", 60)
         assert stub.Generate(request, timeout=120).stats.accepted_tokens > 0
