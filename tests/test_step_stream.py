@@ -144,6 +144,43 @@ def test_a_call_past_its_timeout_or_cancelled_is_dropped():
         slow.stop(None)
 
 
+def test_a_close_leaves_before_the_next_step():
+    """A call that runs no forward (a close) answers between two steps of the others, not after
+    the next one: its result leaves in a message of its own while a decode of another session is
+    still running."""
+    slow, port = hosting.serve_model(
+        ModelServiceConfig("target", limits=LIMITS), SlowBackend(StandinBackend("standin:0"), 0.6)
+    )
+    try:
+        address = f"127.0.0.1:{port}"
+        decoding, closing = open_sessions(address, 2)
+        channel = grpc.insecure_channel(address)
+        steps = channel.stream_stream(
+            f"/{TARGET}/Steps",
+            request_serializer=model_pb2.StepCalls.SerializeToString,
+            response_deserializer=model_pb2.StepResults.FromString,
+        )
+        done = threading.Event()
+
+        def outgoing():
+            yield model_pb2.StepCalls(calls=[score(decoding, call_id=1, decode_steps=2)])
+            time.sleep(0.3)  # within the decode's first step
+            close = model_pb2.CloseSessionRequest(session_id=closing)
+            yield model_pb2.StepCalls(calls=[model_pb2.StepCall(id=2, close_session=close)])
+            done.wait(30)
+
+        messages = []
+        for reply in steps(outgoing(), timeout=30):
+            messages.append(sorted(r.id for r in reply.results))
+            if sum(map(len, messages)) == 2:
+                done.set()
+                break
+        channel.close()
+        assert messages == [[2], [1]]  # the close first, alone
+    finally:
+        slow.stop(None)
+
+
 def test_a_broken_stream_fails_its_calls_and_the_next_call_opens_another():
     limits = ModelServiceConfig("target", limits=LIMITS)
     server, port = hosting.serve_model(limits, SlowBackend(StandinBackend("standin:0"), 0.5))

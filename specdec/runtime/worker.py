@@ -200,8 +200,9 @@ class Worker:
 
     def listen(self, listener: Callable[[], None], on: bool = True) -> None:
         """Call `listener()` on the worker thread after each step (and each pass that finished
-        items without one): a step stream sends what the step finished in one message (on=False:
-        no more)."""
+        items without one), and before a step when items it admitted ended without a forward (a
+        close need not wait for the step): a step stream sends what finished in one message
+        (on=False: no more)."""
         with self._cond:
             (self._listeners.add if on else self._listeners.discard)(listener)
 
@@ -251,8 +252,7 @@ class Worker:
     def _run(self) -> None:
         gathered = False
         while True:
-            for listener in list(self._listeners):  # what the last pass finished, handed on at once
-                listener()
+            self._notify()  # what the last pass finished, handed on at once
             with self._cond:
                 while not self._stopped and not self._queue and not self._active:
                     self._cond.wait()
@@ -263,6 +263,8 @@ class Worker:
                 admitted = self._admit()
             for item in admitted:
                 self._advance(item, None)
+            if any(item.pending is None for item in admitted):
+                self._notify()  # what ended without a forward (a close, a rollback) leaves before the step
             now = time.monotonic()
             for item in self._active[:]:
                 why = item.dropped(now)
@@ -289,6 +291,10 @@ class Worker:
             # After the items took their results: on a GPU the forward only launches its kernels,
             # and the step's time is spent at the items' first read of the logits.
             self._last_step = time.perf_counter() - started
+
+    def _notify(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     def _step(self, ready: list[Item]) -> list[Item]:
         """The items of the next step: every unbudgeted one, and the budgeted ones in the
