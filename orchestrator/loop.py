@@ -333,7 +333,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         speculation off at 16 clients; the policy measures the steps as plain rounds,
         _measure_steps); and not the first round (the first token streams alone). None: one. An
         answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
-        measure runs MAX_UNARY_STEPS a round, the first included. Under the Leviathan rule each
+        measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included. Under the Leviathan rule each
         step's token takes the draws of a plain round (Draws.stepped), so the text does not depend
         on how the steps are grouped."""
         cfg = self.config
@@ -346,7 +346,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             return None
         if remaining <= 1:
             return None
-        if not (cfg.streamed or opening or self._policy_plain):  # nothing reads or waits before the end
+        if not (cfg.streamed or opening):  # nothing reads or waits before the end
             return min(MAX_UNARY_STEPS, remaining)
         if not self.generated:
             return None

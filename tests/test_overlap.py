@@ -6,6 +6,7 @@ overlapped rounds leaving the output as it was (tests/test_recovery.py runs that
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
-from orchestrator.loop import PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
+from orchestrator.loop import MAX_UNARY_STEPS, PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import DraftCost, PairCosts, RoundReport, Sharing, profiled
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import SessionEngine
@@ -30,6 +31,32 @@ def pair(target_probs, draft_probs, drafter="model"):
     target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
     draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), DRAFTERS[drafter])
     return Direct(draft), Direct(target)
+
+
+def draft_opens_first(draft, target):
+    """(draft, target) stubs whose target's Score waits for the draft's session to open: a greedy
+    round does not wait for it (orchestrator.sessions), and on a loaded machine the open (on the
+    continuation pool) once came after the last round: no drafts at all."""
+    opened = threading.Event()
+
+    class Draft:
+        def OpenSession(self, request, timeout=None):
+            response = draft.OpenSession(request, timeout=timeout)
+            opened.set()
+            return response
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+    class Target:
+        def Score(self, request, timeout=None):
+            assert opened.wait(30)
+            return target.Score(request, timeout=timeout)
+
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+    return Draft(), Target()
 
 
 def near(target_probs, seed: int, weight: float = 0.3):
@@ -52,7 +79,7 @@ def test_greedy_equals_target_only(drafter, k):
     draft, target = pair(target_probs, near(target_probs, 32), drafter)
     greedy = SamplingParams()
     plain, _ = run(draft, target, greedy, 200, speculate=False)
-    spec, stats = run(draft, target, greedy, 200, k=k)
+    spec, stats = run(*draft_opens_first(draft, target), greedy, 200, k=k)
     assert spec == plain and stats.draft_tokens > 0
     if drafter == "model":  # n-gram lookup often finds too few tokens to carry any over
         assert stats.overlapped_rounds > 0  # continuations were used, not only proposed
@@ -62,7 +89,7 @@ def test_greedy_equals_target_only_with_adaptive_lookahead():
     target_probs = random_markov(12, 33, alpha=0.2)
     draft, target = pair(target_probs, target_probs)  # the same law: every draft accepted
     plain, _ = run(draft, target, SamplingParams(), 120, speculate=False)
-    spec, stats = run(draft, target, SamplingParams(), 120, k=6, adaptive=True)
+    spec, stats = run(*draft_opens_first(draft, target), SamplingParams(), 120, k=6, adaptive=True)
     assert spec == plain and stats.overlapped_rounds > 0
     assert stats.accepted_tokens == stats.draft_tokens  # continuations' first tokens included
 
@@ -299,16 +326,22 @@ def test_under_load_plain_rounds_the_policy_chose_take_several_target_steps(meas
     the measured default speculates at its k. Greedy text unchanged."""
     draft, target, plain, costs = hopeless(120)
     config = LoopConfig(SamplingParams(), 120, lookahead=4, adaptive=not measured, measured=measured)
+    unary = dataclasses.replace(config, streamed=False)  # an answer read at its end
     RUNNING.add(7)  # seven other generations on the pair
     try:
         counting = SlowOpen(draft)
         counting.opened.set()
         loop = SpeculativeLoop(counting, target, [0, 1, 2], config, costs=costs)
         loaded = list(loop.rounds())
+        at_end = SpeculativeLoop(counting, target, [0, 1, 2], unary, costs=costs)
+        read_at_end = list(at_end.rounds())
     finally:
         RUNNING.add(-7)
-    assert loop.generated == plain and counting.calls == []  # no draft session opened
+    assert loop.generated == plain == at_end.generated and counting.calls == []  # no draft session opened
     assert [len(r.token_ids) for r in loaded[:2]] == [1, PLAIN_STEPS] and not any(r.proposed for r in loaded)
+    # read at its end, as speculation off: MAX_UNARY_STEPS a Score from the first (each return to the
+    # orchestrator waits for a step under way: rounds of 1, 4 and 16 steps ran 0.88x speculation off)
+    assert [len(r.token_ids) for r in read_at_end] == [MAX_UNARY_STEPS, 120 - MAX_UNARY_STEPS]
     if measured:  # alone it speculates at its k, whatever the price
         alone = SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs)
         rounds = list(alone.rounds())
