@@ -333,9 +333,9 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         speculation off at 16 clients; the policy measures the steps as plain rounds,
         _measure_steps); and not the first round (the first token streams alone). None: one. An
         answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
-        measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included. Under the Leviathan rule each
-        step's token takes the draws of a plain round (Draws.stepped), so the text does not depend
-        on how the steps are grouped."""
+        measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included.
+        Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped),
+        so the text does not depend on how the steps are grouped."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
