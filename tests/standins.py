@@ -7,6 +7,8 @@ SessionEngine and servicers; only the neural network is replaced.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -127,3 +129,29 @@ def markov_pair(target_probs, draft_probs, method) -> tuple[Direct, Direct]:
     target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
     draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), method)
     return Direct(draft), Direct(target)
+
+
+def draft_opens_first(draft, target):
+    """(draft, target) stubs whose target's Score waits for the draft's session to open: a greedy
+    round does not wait for it (orchestrator.sessions), and on a loaded machine the open (on the
+    continuation pool) once came after the last round: no drafts at all."""
+    opened = threading.Event()
+
+    class Draft:
+        def OpenSession(self, request, timeout=None):
+            response = draft.OpenSession(request, timeout=timeout)
+            opened.set()
+            return response
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+    class Target:
+        def Score(self, request, timeout=None):
+            assert opened.wait(30)
+            return target.Score(request, timeout=timeout)
+
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+    return Draft(), Target()

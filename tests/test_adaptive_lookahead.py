@@ -29,7 +29,8 @@ from orchestrator.pair_costs import (
     profiled,
 )
 from specdec.decoding.sampling import SamplingParams
-from tests.standins import markov_pair, random_markov
+from tests.harness import wait_until
+from tests.standins import draft_opens_first, markov_pair, random_markov
 
 
 def as_priced(costs: PairCosts, load: int) -> None:
@@ -168,9 +169,10 @@ def test_rounds_behind_a_prefill_are_not_calibrated():
     costs = PairCosts()
     config = LoopConfig(SamplingParams(), 40, lookahead=4, adaptive=True, seed=3)
     costs.prefill(started=True)  # another generation's prompt, prefilling all along
-    loop = SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs)
+    loop = SpeculativeLoop(*draft_opens_first(draft, target), [0, 1, 2], config, costs=costs)
     list(loop.rounds())
     assert loop.stats.rounds > 2 and costs.verify.w > 0 and costs.priced == {}
+    assert wait_until(lambda: costs.prefilling == 1, 10)  # the draft's open (on the continuation pool) has left
     costs.prefill(started=False)
     mark = costs.quiet_since()
     assert costs.quiet(mark) and costs.prefilling == 0

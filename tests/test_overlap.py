@@ -21,7 +21,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
 from tests.harness import wait_until
-from tests.standins import Direct, MarkovBackend, random_markov
+from tests.standins import Direct, MarkovBackend, draft_opens_first, random_markov
 from tests.stats import counts_chisquare, markov_chisquare, transition_counts
 
 DRAFTERS = {"model": MODEL, "ngram": NGRAM}
@@ -31,32 +31,6 @@ def pair(target_probs, draft_probs, drafter="model"):
     target = TargetServicer(SessionEngine(MarkovBackend(target_probs), "target"))
     draft = DraftServicer(SessionEngine(MarkovBackend(draft_probs), "draft"), DRAFTERS[drafter])
     return Direct(draft), Direct(target)
-
-
-def draft_opens_first(draft, target):
-    """(draft, target) stubs whose target's Score waits for the draft's session to open: a greedy
-    round does not wait for it (orchestrator.sessions), and on a loaded machine the open (on the
-    continuation pool) once came after the last round: no drafts at all."""
-    opened = threading.Event()
-
-    class Draft:
-        def OpenSession(self, request, timeout=None):
-            response = draft.OpenSession(request, timeout=timeout)
-            opened.set()
-            return response
-
-        def __getattr__(self, name):
-            return getattr(draft, name)
-
-    class Target:
-        def Score(self, request, timeout=None):
-            assert opened.wait(30)
-            return target.Score(request, timeout=timeout)
-
-        def __getattr__(self, name):
-            return getattr(target, name)
-
-    return Draft(), Target()
 
 
 def near(target_probs, seed: int, weight: float = 0.3):
@@ -112,7 +86,7 @@ def test_a_carried_round_drafts_one_token_a_step():
             proposals.append((len(request.assumed_tokens), response))
             return response
 
-    spec, stats = run(Recording(), target, SamplingParams(), 60, k=4)
+    spec, stats = run(*draft_opens_first(Recording(), target), SamplingParams(), 60, k=4)
     continued = [r for assumed, r in proposals if assumed]
     assert stats.overlapped_rounds >= 5 and len(continued) >= 5
     # one token a step (a continuation near the end of the generation is shorter)
@@ -343,9 +317,9 @@ def test_under_load_plain_rounds_the_policy_chose_take_several_target_steps(meas
     # orchestrator waits for a step under way: rounds of 1, 4 and 16 steps ran 0.88x speculation off)
     assert [len(r.token_ids) for r in read_at_end] == [MAX_UNARY_STEPS, 120 - MAX_UNARY_STEPS]
     if measured:  # alone it speculates at its k, whatever the price
-        alone = SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs)
+        alone = SpeculativeLoop(*draft_opens_first(draft, target), [0, 1, 2], config, costs=costs)
         rounds = list(alone.rounds())
-        speculating = [r for r in rounds if r.proposed]  # all but those before its draft's session opened
+        speculating = [r for r in rounds if r.proposed]  # all but its first
         assert alone.generated == plain and len(speculating) > 0.8 * len(rounds)
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
