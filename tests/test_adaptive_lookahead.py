@@ -150,7 +150,12 @@ def test_loops_given_one_pairs_costs_share_them():
     draft, target = markov_pair(target_probs, random_markov(12, 32), MODEL)
     costs = PairCosts()
     config = LoopConfig(SamplingParams(), 40, lookahead=4, adaptive=True, seed=3)
-    loops = [SpeculativeLoop(draft, target, [0, 1, 2], config, costs=costs) for _ in range(2)]
+    # the first waits for its draft's open (its rounds do not, and a loaded machine ran them all
+    # before it: nothing priced); the second's policy, on the costs the first measured, may not open it
+    loops = [
+        SpeculativeLoop(*stubs, [0, 1, 2], config, costs=costs)
+        for stubs in (draft_opens_first(draft, target), (draft, target))
+    ]
     list(loops[0].rounds())
     measured = costs.verify.w
     assert measured > 0 and loops[1].policy.costs is costs
