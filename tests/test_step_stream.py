@@ -60,8 +60,11 @@ def score(sid: str, length: int = 3, call_id: int = 0, timeout: float = 0.0, **f
     return model_pb2.StepCall(id=call_id, timeout=timeout, score=model_pb2.ScoreRequest(session=ref, **fields))
 
 
-def send(address: str, messages: list[list[model_pb2.StepCall]], expect: int) -> dict[int, model_pb2.StepResult]:
-    """Send each message's calls (ids numbered here) on one stream; the first `expect` results, by id."""
+def send(
+    address: str, messages: list[list[model_pb2.StepCall]], expect: int, pause: float = 0.0, replies: list | None = None
+) -> dict[int, model_pb2.StepResult]:
+    """Send each message's calls (ids numbered here) on one stream, `pause` seconds apart; the first
+    `expect` results, by id (`replies`, if given, gets each reply's ids, sorted)."""
     channel = grpc.insecure_channel(address)
     steps = channel.stream_stream(
         f"/{TARGET}/Steps",
@@ -76,12 +79,16 @@ def send(address: str, messages: list[list[model_pb2.StepCall]], expect: int) ->
     done = threading.Event()
 
     def outgoing():
-        for message in messages:
+        for i, message in enumerate(messages):
+            if i:
+                time.sleep(pause)
             yield model_pb2.StepCalls(calls=message)
         done.wait(30)  # the stream stays open until the results came
 
     for reply in steps(outgoing(), timeout=30):
         results.update((r.id, r) for r in reply.results)
+        if replies is not None:
+            replies.append(sorted(r.id for r in reply.results))
         if len(results) >= expect:
             done.set()
             break
@@ -154,28 +161,9 @@ def test_a_close_leaves_before_the_next_step():
     try:
         address = f"127.0.0.1:{port}"
         decoding, closing = open_sessions(address, 2)
-        channel = grpc.insecure_channel(address)
-        steps = channel.stream_stream(
-            f"/{TARGET}/Steps",
-            request_serializer=model_pb2.StepCalls.SerializeToString,
-            response_deserializer=model_pb2.StepResults.FromString,
-        )
-        done = threading.Event()
-
-        def outgoing():
-            yield model_pb2.StepCalls(calls=[score(decoding, call_id=1, decode_steps=2)])
-            time.sleep(0.3)  # within the decode's first step
-            close = model_pb2.CloseSessionRequest(session_id=closing)
-            yield model_pb2.StepCalls(calls=[model_pb2.StepCall(id=2, close_session=close)])
-            done.wait(30)
-
-        messages = []
-        for reply in steps(outgoing(), timeout=30):
-            messages.append(sorted(r.id for r in reply.results))
-            if sum(map(len, messages)) == 2:
-                done.set()
-                break
-        channel.close()
+        close = model_pb2.StepCall(id=2, close_session=model_pb2.CloseSessionRequest(session_id=closing))
+        messages = []  # the close is sent 0.3 s in: within the decode's first step
+        send(address, [[score(decoding, call_id=1, decode_steps=2)], [close]], 2, pause=0.3, replies=messages)
         assert messages == [[2], [1]]  # the close first, alone
     finally:
         slow.stop(None)
