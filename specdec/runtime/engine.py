@@ -356,8 +356,9 @@ class SessionEngine:
         whose drafts came from elsewhere for a while, before a forward on the model."""
         self._settle_tree(session)
         fed = len(session.tokens) - 1
-        self._crop(session, common_prefix(session.cached, session.tokens, min(_agreed(session), fed), fed))
-        if fed - len(session.cached) > self.prefill_chunk:  # less: the next forward feeds it with its own
+        agreed = common_prefix(session.cached, session.tokens, min(_agreed(session), fed), fed)
+        if fed - agreed > self.prefill_chunk:  # less: the next forward feeds it (a continuation's drafts stay)
+            self._crop(session, agreed)
             self.reserve(session, len(session.tokens))
             yield from self._prefill(session, session.tokens[:fed], session.threads)
 
