@@ -18,14 +18,16 @@ the store (MIN_STORE_MATCH = 2).
 Scoring: the longest match wins, occurrences of both sources pooled at equal length; the
 continuation is the most frequent next token among the occurrences still matching, a token at a
 time, until that token's share falls under MIN_SHARE, none goes on, or min(k, max(1, 2 * match
-length)) tokens. Hybrid: a round whose match is at least HYBRID_MATCH tokens, its first token agreed
-by most occurrences, proposes the index's continuation while the index's strong proposals in the
-session have lately matched at least HYBRID_RATE of their drafts to what was committed (an
-exponential average, scored whether used or not); other rounds are the model's. The hybrid's
-sessions open without the model's prefill (SessionEngine.prefill_at_open): an index round needs
-none, and a copy's first rounds went without drafts while the model prefilled the prompt on the
-cores the target decodes on. A model round first feeds the model's cache what it lacks
-(SessionEngine.catch_up: the prompt, the index rounds' commits), in prefill chunks.
+length)) tokens. Hybrid (HybridDrafter.choose): a round whose match is at least HYBRID_MATCH tokens, its
+first token agreed by most occurrences, proposes the index's continuation while the index's strong
+proposals in the session have lately matched at least HYBRID_RATE of their first HOLD drafts to
+what was committed (an exponential average, scored whether used or not); other rounds are the
+model's, but while the model's cache lacks more than CATCH_UP tokens for each round since the last
+strong match, the index keeps them (its weak matches, or no drafts). The hybrid's sessions open
+without the model's prefill (SessionEngine.prefill_at_open): an index round needs none, and a
+copy's first rounds went without drafts while the model prefilled the prompt on the cores the
+target decodes on. A model round first feeds the model's cache what it lacks (SessionEngine.catch_up:
+the prompt, the index rounds' commits), in prefill chunks.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -61,8 +63,10 @@ MAX_OCCURRENCES = 4096  # of the last token, the most recent looked at, per sour
 STORE_TOKENS = 262_144  # the store's budget
 STORE_SESSIONS = 1024  # ... and its sessions at most
 HYBRID_MATCH = 4  # hybrid: the match length from which the index proposes instead of the model
-HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts the committed tokens lately matched
+HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts (the first HOLD) the committed tokens lately matched
+CATCH_UP = 8  # hybrid: the model's backlog (tokens) worth one round of the index's weak matches (see choose)
 RATE_WEIGHT = 0.3  # the weight of a proposal's score in that share (an exponential average)
+HOLD = 4  # hybrid: a proposal whose first HOLD drafts (or all, if fewer) the committed tokens matched scores 1
 PENDING = 4  # proposals awaiting their score, per session, at most
 SEPARATOR = -1
 
@@ -279,12 +283,16 @@ class _Tokens:
         # assumed tokens, drafts); and the share of their drafts the committed tokens matched
         self.pending: list[tuple[int, list[int], list[int]]] = []
         self.rate = 1.0
+        self.gap = 0  # rounds since the index's last strong proposal (or the session's start)
 
     def settle(self) -> None:
         """Score the pending proposals the committed tokens now settle: a proposal scores the
-        share of its drafts they match up to the first they do not (what the rule would have
-        accepted of it: under greedy and the invariant rule exactly, under the Leviathan rule in
-        expectation, a point mass x being accepted as often as the target commits x)."""
+        share of its first HOLD drafts (all, if fewer) they match up to the first they do not
+        (what the rule would have accepted of it: under greedy and the invariant rule exactly,
+        under the Leviathan rule in expectation, a point mass x being accepted as often as the
+        target commits x). A long chain that held through HOLD drafts paid its verify: a copy of
+        renamed code misses at each renamed name, and scored by its whole length it handed a
+        copy to the model)."""
         tokens, waiting = self.session.tokens, []
         for base, assumed, drafts in self.pending:
             start = base + len(assumed)
@@ -294,7 +302,7 @@ class _Tokens:
             got = seen[len(assumed) :]
             matched = next((i for i, (a, b) in enumerate(zip(drafts, got, strict=False)) if a != b), len(got))
             if matched < len(got) or len(got) == len(drafts):
-                self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * matched / len(drafts)
+                self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * min(1.0, matched / min(len(drafts), HOLD))
             elif len(waiting) < PENDING:
                 waiting.append((base, assumed, drafts))
         self.pending = waiting
@@ -400,26 +408,49 @@ def chain(engine: SessionEngine, session: Session, drafts: list[int], params, no
 class HybridDrafter(SuffixDrafter):
     """A model drafter (draft_service.proposer) with the suffix index beside it: a round whose
     match is strong (Suggestion.strong) proposes the index's continuation, point masses, and no
-    model forward runs for its tokens; any other round is the model's. The law of a round's
-    drafts is that of whichever proposed them: ProposalRow reads the rows of the round that did
-    (the index's one-hot rows, or the model's)."""
+    model forward runs for its tokens; any other round is the model's, or the index's while the
+    model's catch-up would cost more (choose). The law of a round's drafts is that of whichever
+    proposed them: ProposalRow reads the rows of the round that did (the index's one-hot rows, or
+    the model's; none in a round without drafts)."""
 
-    def __init__(self, stores: Stores | None = None, match: int = HYBRID_MATCH, rate: float = HYBRID_RATE):
+    def __init__(
+        self,
+        stores: Stores | None = None,
+        match: int = HYBRID_MATCH,
+        rate: float = HYBRID_RATE,
+        catch_up: int = CATCH_UP,
+    ):
         super().__init__(stores)
-        self.match, self.rate = match, rate
+        self.match, self.rate, self.catch_up = match, rate, catch_up
 
-    def choose(self, session: Session, assumed: list[int], k: int) -> list[int]:
-        """The index's drafts if it proposes this round (none: the model's round). It proposes
-        where its match is strong and its proposals of the session have lately matched what was
-        committed (the share of their drafts, HYBRID_RATE at least): its strong proposals are
-        scored whether the round used them or not, so it takes over again when the text turns
-        to a copy."""
+    def choose(self, session: Session, assumed: list[int], k: int) -> list[int] | None:
+        """This round's proposer: the index's drafts, [] (a round without drafts) or None (the
+        model's round). The index proposes where its match is strong (`match` tokens or more)
+        while its strong proposals of the session have lately matched what was committed (`rate`
+        of their first HOLD drafts at least; scored whether used or not, so it takes over again
+        when the text turns to a copy). A model round first catches up on the tokens its cache
+        lacks (the prompt its session opened without, what the index's rounds committed), which
+        costs more the more it lacks: while it lacks more than `catch_up` tokens for each round
+        since the last strong match (at least one), the index keeps the rounds between, its weak
+        matches or none, and its share need only hold at half `rate`: the rule of renting before
+        buying (a copy's changed line is a few rounds; novel text past that many rounds pays the
+        catch-up). CATCH_UP is this CPU's balance: the Q8_0 draft prefills ~3.4
+        ms a token, a round costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval
+        copy's model rounds cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens; on an
+        accelerator, whose prefill costs far less than a round, it buys too late: not measured)."""
         found, state = self._suggest(session, assumed, k)
         state.settle()
-        if not found.strong(self.match):
-            return []
-        state.pending.append((len(session.tokens), assumed, found.tokens))
-        return ngram.allowed(session, assumed, found.tokens) if state.rate >= self.rate else []
+        strong = found.strong(self.match)
+        if strong:
+            state.pending.append((len(session.tokens), assumed, found.tokens))
+        state.gap = 0 if strong else state.gap + 1
+        backlog = len(session.tokens) - min(len(session.cached), len(session.tokens))
+        renting = max(state.gap, 1) * self.catch_up < backlog
+        if state.rate < (self.rate / 2 if renting else self.rate):
+            return None
+        if strong:
+            return ngram.allowed(session, assumed, found.tokens) or None
+        return ngram.allowed(session, assumed, found.tokens) if renting else None
 
     def propose(
         self,
@@ -436,14 +467,14 @@ class HybridDrafter(SuffixDrafter):
         """The index's chain (at most max(k, free) tokens) where it proposes, else k of the model's."""
         assumed = list(assumed)
         drafts = self.choose(session, assumed, max(k, free))
-        if not drafts:
+        if drafts is None:
             yield from engine.catch_up(session)
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
             return (yield from model)
         if params.greedy or noise_seed is not None:
             session.proposal_rows = None
             return drafts, []
-        # the assumed tokens' rows stay those of the proposal that drew them (keep_rows)
+        # the assumed tokens' rows stay those of the proposal that drew them (keep_rows); none: a round without drafts
         rows = one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
         proposer.keep_rows(session, len(assumed), rows, drafts)
         return drafts, [1.0] * len(drafts)
@@ -460,7 +491,7 @@ class HybridDrafter(SuffixDrafter):
         acceptance=(),
     ):
         drafts = self.choose(session, [], min(depth, nodes))
-        if not drafts:
+        if drafts is None:
             yield from engine.catch_up(session)
             model = proposer.propose_tree(engine, session, depth, nodes, params, uniforms, noise_seed, acceptance)
             return (yield from model)

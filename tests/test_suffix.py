@@ -198,6 +198,7 @@ def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
 
     def round_at(j: int) -> str:
         session.tokens += [100 + j, 101 + j, 102 + j]  # a unique match of 3
+        session.cached = session.tokens[:-1]  # the model keeps up (its catch-up costs nothing)
         gen = index.propose(_Engine, session, 4, greedy, [])
         with pytest.raises(StopIteration) as stop:
             next(gen)
@@ -215,13 +216,47 @@ def test_hybrid_leaves_an_index_that_misses_to_the_model(monkeypatch):
     assert who[4:] == ["model", "model", "index", "index", "index"], who  # 0.24, 0.47, 0.63, ...
 
 
+def test_hybrid_keeps_the_rounds_while_the_model_lacks_a_long_prompt(monkeypatch):
+    """A model that lacks more tokens than `catch_up` for each round since the index's last strong
+    match (a long prompt its session opened without) catches up only past them: until then the
+    index's weak matches propose, and rounds where it finds none go without drafts (a copy's
+    changed line costs less so than the catch-up). A proposal matched through its first HOLD drafts
+    scores as one matched whole."""
+
+    def model(engine, session, k, *rest):
+        return [99], [1.0]
+        yield  # a generator, as proposer.propose
+
+    monkeypatch.setattr(suffix.proposer, "propose", model)
+    index = suffix.HybridDrafter(match=4, catch_up=32)
+    session = Session(tokens=list(range(100, 228)), cache=None)  # 128 prompt tokens, none in the model's cache
+
+    def round_after(tokens: list[int]) -> str:
+        session.tokens += tokens
+        gen = index.propose(_Engine, session, 16, SamplingParams(), [])
+        with pytest.raises(StopIteration) as stop:
+            next(gen)
+        drafts = stop.value.value[0]
+        return "model" if drafts == [99] else "none" if not drafts else f"index {drafts[0]}+{len(drafts)}"
+
+    who = [round_after(tokens) for tokens in ([500], [100, 101], [501], [502], [503])]
+    # rounds since a strong match (or the start): 1..5, x 32 against the 129-134 tokens lacked
+    assert who == ["none", "index 102+4", "none", "none", "model"], who
+    session.cached = list(session.tokens)  # the model caught up
+    assert round_after([100, 101]) == "model"  # a weak match: the model's, now that it lacks nothing
+    assert round_after([102, 103, 104, 105]) == "index 106+12"  # a strong match (6): the index's
+    round_after([106, 107, 108, 109, 777])  # its first 4 of 12 drafts committed, then another token
+    assert index._live[id(session)].rate == 1.0
+
+
 # -- through the loop, on Markov stand-ins ------------------------------------------------------
 
 
-def hybrid(match: int = 2, rate: float = 0.0) -> Drafter:
+def hybrid(match: int = 2, rate: float = 0.0, catch_up: int = suffix.CATCH_UP) -> Drafter:
     """A hybrid whose index proposes on any match of `match` tokens (rate 0: whatever its share):
-    rounds of both kinds, mixed."""
-    index = suffix.HybridDrafter(match=match, rate=rate)
+    rounds of both kinds, mixed (`catch_up` 1: and the index's weak matches and rounds without
+    drafts while the model lacks more tokens than rounds since a strong match)."""
+    index = suffix.HybridDrafter(match=match, rate=rate, catch_up=catch_up)
     return Drafter(index.propose, proposal_row, index.propose_tree, free=True, prefill_at_open=False)
 
 
@@ -247,10 +282,14 @@ SCHEDULES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def drafter_of(kind: str) -> Drafter:
+    return {"suffix": suffix_drafter, "hybrid": hybrid, "renting": lambda: hybrid(match=4, catch_up=1)}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid", "renting"])
 def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     target_probs = random_markov(12, 31, alpha=0.3)
-    draft, target = loop_pair(target_probs, random_markov(12, 32), suffix_drafter() if kind == "suffix" else hybrid())
+    draft, target = loop_pair(target_probs, random_markov(12, 32), drafter_of(kind))
     plain, _, _ = run(draft, target, SamplingParams(), 200, speculate=False)
     sampling = SamplingParams(temperature=0.8)
     alone, _, _ = run(draft, target, sampling, 200, seed=5, speculate=False, rule="invariant")
@@ -265,13 +304,16 @@ def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     assert draft.servicer.engine.open_sessions == 0
 
 
-@pytest.mark.parametrize("kind,overlap,n", [("suffix", False, 6000), ("hybrid", True, 8000)])
+@pytest.mark.parametrize("kind,overlap,n", [("suffix", False, 6000), ("hybrid", True, 8000), ("renting", True, 8000)])
 def test_the_leviathan_rules_law_is_the_targets(kind, overlap, n):
     """Point-mass drafts (and, hybrid, rounds of the model's drafts between them, their rows
-    read from the round that proposed) keep the target's law: chi-square over transitions."""
+    read from the round that proposed, and rounds without drafts) keep the target's law:
+    chi-square over transitions."""
     target_probs = random_markov(6, 41, alpha=0.3)  # peaked rows: n-grams repeat often
-    draft, target = loop_pair(target_probs, random_markov(6, 42), suffix_drafter() if kind == "suffix" else hybrid())
-    tokens, stats, _ = run(draft, target, SamplingParams(temperature=1.0), n, lookahead=4, overlap=overlap)
+    draft, target = loop_pair(target_probs, random_markov(6, 42), drafter_of(kind))
+    tokens, stats, proposed = run(draft, target, SamplingParams(temperature=1.0), n, lookahead=4, overlap=overlap)
+    if kind == "renting":  # rounds of all three kinds
+        assert 0 in proposed and stats.index_proposals < stats.proposals, (stats.index_proposals, stats.proposals)
     assert markov_chisquare([2, *tokens], target_probs) > 1e-3
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
@@ -325,6 +367,15 @@ def test_a_hybrid_session_opens_without_the_model_s_prefill():
         assert steps == [chunk, chunk, 299 - 2 * chunk]  # all but the last token, which the next forward feeds
         engine.run_call(SessionCall("s", None, lambda session: (yield engine.forward(session, [], 1))))
         assert steps[3:] == [1]
+
+        def continuation(session):  # drafts fed past the committed tokens (a continuation's), then a catch-up
+            yield engine.forward(session, [5, 6], 1)
+            held = list(session.cached)
+            yield from engine.catch_up(session)
+            return held, list(session.cached)
+
+        held, after = engine.run_call(SessionCall("s", None, continuation))
+        assert held == prompt + [5, 6] and after == held  # the drafts stay: a model continuation's next step needs them
         engine.close("s")
     finally:
         engine.stop()
