@@ -262,7 +262,7 @@ def test_user_salts_the_history_and_speculation_turns_it_off():
 def test_temperature_2_is_the_http_limit_and_grpc_keeps_its_own_range(stack, client):
     p, _ = stack
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=2)
-    assert r.usage.completion_tokens > 0
+    assert r.choices[0].finish_reason in ("length", "stop")  # accepted (a first EOS, unseeded, may end it at 0 tokens)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=2.5)
     assert err.value.param == "temperature" and "[0, 2]" in err.value.body["message"]
