@@ -33,8 +33,8 @@ class Drafter:
     free: bool = False
     # some of its chains come from an index of tokens, without a forward (ModelInfo.index_drafts)
     indexed: bool = True
-    # its sessions open with the prompt prefilled (SessionEngine.prefill_at_open); the hybrid's do not
-    prefill_at_open: bool = True
+    # the longest prompt its sessions' open prefills (SessionEngine.prefill_at_open; None: any)
+    prefill_at_open: int | None = None
 
 
 MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree, indexed=False)
@@ -44,7 +44,8 @@ NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False) -> Drafter:
     """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`."""
     index = suffix.HybridDrafter(stores) if hybrid else suffix.SuffixDrafter(stores)
-    return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True, prefill_at_open=not hybrid)
+    prefill = suffix.PREFILL_AT_OPEN if hybrid else None
+    return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True, prefill_at_open=prefill)
 
 
 def make(method: str, spec, compile: bool | None = None):

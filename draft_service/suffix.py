@@ -18,16 +18,18 @@ the store (MIN_STORE_MATCH = 2).
 Scoring: the longest match wins, occurrences of both sources pooled at equal length; the
 continuation is the most frequent next token among the occurrences still matching, a token at a
 time, until that token's share falls under MIN_SHARE, none goes on, or min(k, max(1, 2 * match
-length)) tokens. Hybrid (HybridDrafter.choose): a round whose match is at least HYBRID_MATCH tokens, its
-first token agreed by most occurrences, proposes the index's continuation while the index's strong
-proposals in the session have lately matched at least HYBRID_RATE of their first HOLD drafts to
-what was committed (an exponential average, scored whether used or not); other rounds are the
+length)) tokens. Hybrid (HybridDrafter.choose): a round whose match is at least HYBRID_MATCH
+tokens, its first token agreed by most occurrences, proposes the index's continuation while the
+index's strong proposals in the session have lately matched at least HYBRID_RATE of their first
+HOLD drafts to what was committed (an exponential average, scored whether used or not); other rounds are the
 model's, but while the model's cache lacks more than CATCH_UP tokens for each round since the last
 strong match, the index keeps them (its weak matches, or no drafts). The hybrid's sessions open
-without the model's prefill (SessionEngine.prefill_at_open): an index round needs none, and a
-copy's first rounds went without drafts while the model prefilled the prompt on the cores the
-target decodes on. A model round first feeds the model's cache what it lacks (SessionEngine.catch_up:
-the prompt, the index rounds' commits), in prefill chunks.
+without the model's prefill past PREFILL_AT_OPEN prompt tokens (SessionEngine.prefill_at_open): an
+index round needs none, and a copy's first rounds went without drafts while the model prefilled
+the prompt on the cores the target decodes on; a chat's short prompt is the model's to draft
+after, and its prefill costs less than the rounds it would rent. A model round first feeds the
+model's cache what it lacks (SessionEngine.catch_up: the prompt, the index rounds' commits), in
+prefill chunks.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -64,6 +66,7 @@ STORE_TOKENS = 262_144  # the store's budget
 STORE_SESSIONS = 1024  # ... and its sessions at most
 HYBRID_MATCH = 4  # hybrid: the match length from which the index proposes instead of the model
 HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts (the first HOLD) the committed tokens lately matched
+PREFILL_AT_OPEN = 64  # hybrid: the longest prompt its model prefills at the session's open (a chat's)
 CATCH_UP = 8  # hybrid: the model's backlog (tokens) worth one round of the index's weak matches (see choose)
 RATE_WEIGHT = 0.3  # the weight of a proposal's score in that share (an exponential average)
 HOLD = 4  # hybrid: a proposal whose first HOLD drafts (or all, if fewer) the committed tokens matched scores 1

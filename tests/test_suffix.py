@@ -257,7 +257,7 @@ def hybrid(match: int = 2, rate: float = 0.0, catch_up: int = suffix.CATCH_UP) -
     rounds of both kinds, mixed (`catch_up` 1: and the index's weak matches and rounds without
     drafts while the model lacks more tokens than rounds since a strong match)."""
     index = suffix.HybridDrafter(match=match, rate=rate, catch_up=catch_up)
-    return Drafter(index.propose, proposal_row, index.propose_tree, free=True, prefill_at_open=False)
+    return Drafter(index.propose, proposal_row, index.propose_tree, free=True, prefill_at_open=0)
 
 
 def loop_pair(target_probs, draft_probs, drafter: Drafter):
@@ -377,6 +377,26 @@ def test_a_hybrid_session_opens_without_the_model_s_prefill():
         held, after = engine.run_call(SessionCall("s", None, continuation))
         assert held == prompt + [5, 6] and after == held  # the drafts stay: a model continuation's next step needs them
         engine.close("s")
+    finally:
+        engine.stop()
+
+
+def test_the_hybrid_prefills_a_short_prompt_at_open():
+    """A prompt of at most PREFILL_AT_OPEN tokens (a chat's) is prefilled when the session opens, as
+    a model drafter's is: the model drafts such text, and its catch-up would cost rounds; a longer
+    one (a copy's) opens without it."""
+    steps = []
+    engine = SessionEngine(counting_backend(steps), "draft")
+    DraftServicer(engine, suffix_drafter(hybrid=True))
+    engine.start()
+    try:
+        assert engine.open("short", [i % 12 for i in range(suffix.PREFILL_AT_OPEN)]) == suffix.PREFILL_AT_OPEN
+        assert sum(steps) == suffix.PREFILL_AT_OPEN - 1  # all but the last token, which the next forward feeds
+        steps.clear()
+        engine.open("long", [i % 12 for i in range(suffix.PREFILL_AT_OPEN + 1)])
+        assert steps == []
+        engine.close("short")
+        engine.close("long")
     finally:
         engine.stop()
 

@@ -153,9 +153,9 @@ class SessionEngine:
         self.step_profile: dict[tuple[int, int, int], float] = dict(step_profile or {})
         self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
-        # False: OpenSession registers the prompt and feeds none of it; `catch_up` feeds it before a
-        # forward needs it (a drafter whose proposals may need no model: the hybrid's index rounds)
-        self.prefill_at_open = True
+        # The longest prompt OpenSession prefills (None: any); a longer one it registers and feeds
+        # none of, `catch_up` feeding it before a forward needs it (the hybrid's index rounds need none)
+        self.prefill_at_open: int | None = None
         self.prefill_chunk = min(getattr(backend, "prefill_chunk", PREFILL_CHUNK), PREFILL_BUDGET)
         self.kv = KVBudget(self.limits.max_kv_tokens)
         # One per engine: one model in one process (keys and values never cross models).
@@ -331,7 +331,7 @@ class SessionEngine:
         try:
             if session.cache is None:
                 session.cache = self.backend.new_cache()
-            if self.prefill_at_open:
+            if self.prefill_at_open is None or len(prompt) <= self.prefill_at_open:
                 yield from self._prefill(session, prompt[:-1], threads)  # the last token: the next block's
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
