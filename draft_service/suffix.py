@@ -21,15 +21,15 @@ time, until that token's share falls under MIN_SHARE, none goes on, or min(k, ma
 length)) tokens. Hybrid (HybridDrafter.choose): a round whose match is at least HYBRID_MATCH
 tokens, its first token agreed by most occurrences, proposes the index's continuation while the
 index's strong proposals in the session have lately matched at least HYBRID_RATE of their first
-HOLD drafts to what was committed (an exponential average, scored whether used or not); other rounds are the
-model's, but while the model's cache lacks more than CATCH_UP tokens for each round since the last
-strong match, the index keeps them (its weak matches, or no drafts). The hybrid's sessions open
-without the model's prefill past PREFILL_AT_OPEN prompt tokens (SessionEngine.prefill_at_open): an
-index round needs none, and a copy's first rounds went without drafts while the model prefilled
-the prompt on the cores the target decodes on; a chat's short prompt is the model's to draft
-after, and its prefill costs less than the rounds it would rent. A model round first feeds the
-model's cache what it lacks (SessionEngine.catch_up: the prompt, the index rounds' commits), in
-prefill chunks.
+HOLD drafts to what was committed (an exponential average, scored whether used or not); other
+rounds are the model's, but while the model's cache lacks more than CATCH_UP tokens for each round
+since the last strong match, the index keeps them (its weak matches, or no drafts). The hybrid's
+sessions open without the model's prefill past PREFILL_AT_OPEN prompt tokens
+(SessionEngine.prefill_at_open): an index round needs none, and a copy's first rounds went without
+drafts while the model prefilled the prompt on the cores the target decodes on; a chat's short
+prompt is the model's to draft after, prefilled beside the target's as the model draft's is. A
+model round first feeds the model's cache what it lacks (SessionEngine.catch_up: the prompt, the
+index rounds' commits), in prefill chunks.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -295,7 +295,7 @@ class _Tokens:
         under the Leviathan rule in expectation, a point mass x being accepted as often as the
         target commits x). A long chain that held through HOLD drafts paid its verify: a copy of
         renamed code misses at each renamed name, and scored by its whole length it handed a
-        copy to the model)."""
+        copy to the model."""
         tokens, waiting = self.session.tokens, []
         for base, assumed, drafts in self.pending:
             start = base + len(assumed)
@@ -437,10 +437,10 @@ class HybridDrafter(SuffixDrafter):
         since the last strong match (at least one), the index keeps the rounds between, its weak
         matches or none, and its share need only hold at half `rate`: the rule of renting before
         buying (a copy's changed line is a few rounds; novel text past that many rounds pays the
-        catch-up). CATCH_UP is this CPU's balance: the Q8_0 draft prefills ~3.4
-        ms a token, a round costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval
-        copy's model rounds cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens; on an
-        accelerator, whose prefill costs far less than a round, it buys too late: not measured)."""
+        catch-up). CATCH_UP is this CPU's balance: the Q8_0 draft prefills ~3.4 ms a token, a round
+        costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval copy's model rounds
+        cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens; on an accelerator, whose
+        prefill costs far less than a round, it buys too late: not measured)."""
         found, state = self._suggest(session, assumed, k)
         state.settle()
         strong = found.strong(self.match)
