@@ -447,7 +447,7 @@ class HybridDrafter(SuffixDrafter):
         if strong:
             state.pending.append((len(session.tokens), assumed, found.tokens))
         state.gap = 0 if strong else state.gap + 1
-        backlog = len(session.tokens) - min(len(session.cached), len(session.tokens))
+        backlog = max(0, len(session.tokens) - len(session.cached))  # what the model's cache lacks
         renting = max(state.gap, 1) * self.catch_up < backlog
         if state.rate < (self.rate / 2 if renting else self.rate):
             return None
