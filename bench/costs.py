@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 from deploy.configs import ModelServiceConfig
 from specdec.runtime import placement
-from specdec.runtime.engine import scratch_caches, warm_up
+from specdec.runtime.startup import scratch_caches, warm_up
 from specdec.weights import models
 
 REPS = 15  # timed forwards per width (median), after two dropped

@@ -40,9 +40,10 @@ from specdec.errors import OutOfRange, ResourceExhausted
 from specdec.limits import SessionLimits
 from specdec.runtime import fusion, graphs
 from specdec.runtime.backend import HFBackend
-from specdec.runtime.engine import SessionEngine, warm_up
+from specdec.runtime.engine import SessionEngine
 from specdec.runtime.graphs import Buckets, GraphBackend, bucket, fuse_backend, kv_shape
 from specdec.runtime.kvcache import Slot
+from specdec.runtime.startup import warm_up
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2
 from specdec.weights import models
 from specdec.weights.models import ModelSpec

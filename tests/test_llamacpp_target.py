@@ -41,8 +41,8 @@ from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.limits import SessionLimits
-from specdec.runtime.engine import PROFILE_SESSIONS
 from specdec.runtime.llamacpp import LlamaCppBackend
+from specdec.runtime.startup import PROFILE_SESSIONS
 from specdec.serving import wire
 from specdec.v1 import model_pb2, orchestrator_pb2
 from specdec.weights import models

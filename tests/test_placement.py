@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from specdec.runtime import placement
-from specdec.runtime.engine import PROFILE_TOKENS
 from specdec.runtime.placement import Cores, parse_cpus, split_threads
+from specdec.runtime.startup import PROFILE_TOKENS
 from specdec.serving.service import CHANNEL_OPTIONS
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import cli_process, long_request

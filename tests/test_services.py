@@ -191,7 +191,7 @@ def test_the_draft_reports_its_batched_step_and_the_orchestrator_prices_by_it(st
     in Describe (step_costs); a target does not. The scratch caches it used are gone, and the
     orchestrator's pair starts its adaptive lookahead's draft prices from the profile."""
     from orchestrator.server import connect
-    from specdec.runtime.engine import PROFILE_SESSIONS
+    from specdec.runtime.startup import PROFILE_SESSIONS
 
     draft, target = stubs
     info = draft.Describe(model_pb2.DescribeRequest())

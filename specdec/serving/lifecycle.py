@@ -29,7 +29,8 @@ import grpc
 
 from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, Reaper, SessionLimits
-from specdec.runtime.engine import PROFILE_SESSIONS, PROFILE_TOKENS, SessionEngine, profile_steps, warm_up
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.startup import PROFILE_SESSIONS, PROFILE_TOKENS, profile_steps, warm_up
 from specdec.serving.security import ServerSecurity
 from specdec.serving.service import add_health, make_server, wrap_handler
 from specdec.serving.telemetry import Telemetry, disabled
