@@ -39,9 +39,11 @@ class CacheBranches:
     def _branch(self, drafts: Proposal, after: Proposal) -> list:
         """Issue the cache's proposals for this round's likeliest rejections (at a draft, or at the
         continuation's first token, tested at the bonus position): they commit nothing on the draft
-        (its cache keeps a tail of each), so one no longer wanted is simply cancelled."""
+        (its cache keeps a tail of each), so one no longer wanted is simply cancelled. None after a
+        round without drafts (an index that found nothing): a branch proposes the next round's k,
+        and that round's k is its own, 0."""
         k = len(drafts.tokens)
-        if len(drafts.alts) != k or not after.alts or not after.tokens:
+        if not k or len(drafts.alts) != k or not after.alts or not after.tokens:
             return []
         alts = drafts.alts + after.alts[:1]
         chosen = speculation_cache.branches(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.rounds import Proposal
 from orchestrator.speculation_cache import REFEED_STEPS, CacheRates, Spare, branches
 from specdec.decoding.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2
@@ -53,6 +54,18 @@ def test_the_time_to_spare_bounds_the_fanout():
     for _ in range(30):
         spare.update(verify_wait=0.001, continuation=0.030, steps=5)
     assert spare.fanout(4) == 0  # the continuation is the longer side: nothing to spare
+
+
+def test_a_round_without_drafts_prepares_nothing():
+    """A round whose drafter proposed nothing (the hybrid renting, an index that found nothing)
+    with its continuation's alternatives and a measured time to spare: no branch, no error (it
+    divided by the round's k, 0: an INTERNAL error on the real pair with `--drafter hybrid`)."""
+    target_probs = random_markov(10, 75, alpha=0.15)
+    draft, target = pair(target_probs, swapped(target_probs, 76))
+    loop = SpeculativeLoop(draft, target, [0, 1, 2], LoopConfig(SamplingParams(), 8, lookahead=4, overlap=True))
+    loop._spare.update(verify_wait=0.100, continuation=0.020, steps=5)  # time to spare: 3 branches for k = 4
+    after = Proposal([5, 6], [1.0, 1.0], [], alts=[(4, 0.6, 0.3), (7, 0.6, 0.3)])
+    assert loop._branch(Proposal([], [], []), after) == []
 
 
 class SlowTarget(MarkovBackend):
