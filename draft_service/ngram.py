@@ -48,23 +48,34 @@ def propose(
     Under the invariant rule (`noise_seed`) a proposal is only token ids: the target accepts
     those equal to its own sample, whatever proposed them."""
     assumed = list(assumed)
-    return point_masses(engine, session, params, noise_seed, assumed, lookup(session.tokens + assumed, k))
+    drafts = allowed(session, assumed, lookup(session.tokens + assumed, k))
+    return point_masses(engine, session, params, noise_seed, assumed, drafts)
 
 
 def point_masses(
-    engine: SessionEngine, session: Session, params: SamplingParams, noise_seed, assumed: list[int], found: list[int]
+    engine: SessionEngine, session: Session, params: SamplingParams, noise_seed, assumed: list[int], drafts: list[int]
 ) -> tuple[list[int], list[float]]:
-    """A model-free proposal of the tokens `found` after `assumed`: the grammar's prefix of them, each a
-    point mass (draft prob 1; one-hot rows kept for ProposalRow in Leviathan sampling mode)."""
-    drafts = allowed(session, assumed, found)
-    if params.greedy or noise_seed is not None or not drafts:
+    """A model-free proposal of `drafts` after `assumed`, each a point mass (draft prob 1). In
+    Leviathan sampling mode, rows kept for ProposalRow from the first assumed token on: one-hot,
+    but where the session holds the rows of the proposal that drew `assumed` (a hybrid's model
+    round this one continues), those. A continuation that finds nothing still holds the rows of
+    `assumed`, which a rejection among them reads."""
+    if params.greedy or noise_seed is not None:
         session.proposal_rows = None
         return drafts, []
-    held = assumed + drafts
-    rows = torch.zeros(len(held), session.vocab_size or engine.backend.vocab_size)
-    rows[torch.arange(len(held)), torch.tensor(held)] = 1.0
-    session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, len(session.tokens), held
+    assumed, start, kept = list(assumed), len(session.tokens), session.proposal_rows
+    rows = one_hot(assumed + drafts, session.vocab_size or engine.backend.vocab_size)
+    first = start - session.proposal_start
+    if assumed and kept is not None and first >= 0 and session.proposal_tokens[first : first + len(assumed)] == assumed:
+        rows[: len(assumed)] = kept[first : first + len(assumed)]
+    session.proposal_rows, session.proposal_start, session.proposal_tokens = rows, start, assumed + drafts
     return drafts, [1.0] * len(drafts)
+
+
+def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    rows = torch.zeros(len(tokens), vocab)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return rows
 
 
 def allowed(session: Session, assumed: list[int], drafts: list[int]) -> list[int]:

@@ -50,7 +50,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
@@ -374,7 +373,7 @@ class SuffixDrafter:
         """At most max(k, free) tokens after the committed ones and `assumed`, as ngram.propose:
         point masses."""
         assumed = list(assumed)
-        found = self.suggest(session, assumed, max(k, free)).tokens
+        found = ngram.allowed(session, assumed, self.suggest(session, assumed, max(k, free)).tokens)
         return ngram.point_masses(engine, session, params, noise_seed, assumed, found)
 
     def propose_tree(
@@ -393,17 +392,11 @@ class SuffixDrafter:
         return chain(engine, session, drafts, params, noise_seed)
 
 
-def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
-    rows = torch.zeros(len(tokens), vocab)
-    rows[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
-    return rows
-
-
 def chain(engine: SessionEngine, session: Session, drafts: list[int], params, noise_seed) -> TreeProposal:
     """A tree that is a chain of point masses (rows one-hot in Leviathan sampling mode)."""
     proposal = TreeProposal(drafts, list(range(-1, len(drafts) - 1)), [1.0] * len(drafts))
     if drafts and not params.greedy and noise_seed is None:
-        rows = one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
+        rows = ngram.one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
         proposal.rows = dict(zip(range(-1, len(drafts) - 1), rows, strict=True))
     return proposal
 
@@ -474,13 +467,7 @@ class HybridDrafter(SuffixDrafter):
             yield from engine.catch_up(session)
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
             return (yield from model)
-        if params.greedy or noise_seed is not None:
-            session.proposal_rows = None
-            return drafts, []
-        # the assumed tokens' rows stay those of the proposal that drew them (keep_rows); none: a round without drafts
-        rows = one_hot(drafts, session.vocab_size or engine.backend.vocab_size)
-        proposer.keep_rows(session, len(assumed), rows, drafts)
-        return drafts, [1.0] * len(drafts)
+        return ngram.point_masses(engine, session, params, noise_seed, assumed, drafts)
 
     def propose_tree(
         self,

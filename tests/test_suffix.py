@@ -11,8 +11,9 @@ import time
 import grpc
 import numpy as np
 import pytest
+import torch
 
-from draft_service import METHODS, suffix
+from draft_service import METHODS, ngram, suffix
 from draft_service.drafters import Drafter, make, suffix_drafter
 from draft_service.ngram import TokenizerBackend
 from draft_service.proposer import proposal_row
@@ -175,6 +176,23 @@ def test_closed_sessions_enter_the_store_and_rows_are_point_masses():
     del second.tokens[2:]  # rolled back, and on another way: the index follows
     second.tokens += [8, 9]
     assert index.suggest(second, [], 4).tokens == [10]
+
+
+def test_a_continuation_that_finds_nothing_keeps_the_rows_of_what_it_continues():
+    """An overlapped round's continuation proposes past the round's drafts (assumed); where the
+    index finds nothing after them, a rejection among those drafts still reads their rows
+    (ProposalRow). Before, it dropped them: a Leviathan sample failed FAILED_PRECONDITION."""
+    sampling = SamplingParams(temperature=0.8)
+    session = Session(tokens=[5, 6, 7, 9, 5, 6], cache=None)
+    drafts, _ = suffix.SuffixDrafter().propose(_Engine, session, 2, sampling, [0.5] * 2)
+    assert drafts == [7, 9]
+    assert ngram.point_masses(_Engine, session, sampling, None, drafts, []) == ([], [])
+    assert proposal_row(session, 1, 9).tolist() == np.eye(64)[9].tolist()
+    model_row = np.full(64, 1 / 64)  # a hybrid's model round drew the assumed token: its row is kept
+    session.proposal_rows, session.proposal_tokens = torch.tensor(model_row)[None], [3]
+    ngram.point_masses(_Engine, session, sampling, None, [3], [4])
+    assert proposal_row(session, 0, 3).tolist() == pytest.approx(model_row.tolist())
+    assert proposal_row(session, 1, 4)[4] == 1.0
 
 
 def test_registered():
