@@ -276,6 +276,8 @@ def loop_config(
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
         history_scope=history_scope(client, spec),
     )
+    if request.HasField("seed") and not config.coupled:  # a seed replays the text only of the same drafts
+        config = dataclasses.replace(config, history_scope="")
     return default_lookahead(pair, config) if lookahead is None else config
 
 
@@ -283,7 +285,9 @@ def history_scope(client: str, spec) -> str:
     """The draft's store of earlier answers a request drafts from and enters
     (OpenSessionRequest.history_scope): a digest of its client (who the orchestrator authenticated:
     orchestrator.server.client_identity) and its SpeculationParams.history_salt; "" where it opted
-    out (history false). Requests of two clients, or of two salts, never share one."""
+    out (history false). Requests of two clients, or of two salts, never share one. A seeded
+    Leviathan sample uses none (loop_config): its text depends on its drafts, and a seed replays it
+    only where they are a function of its own tokens, not of what the store held when it ran."""
     validation.at_most_chars(spec.history_salt, validation.MAX_SCOPE_CHARS, "speculation.history_salt")
     if spec.HasField("history") and not spec.history:
         return ""

@@ -483,6 +483,22 @@ def test_through_the_services(tiny_models, tiny_backends, kind):
                 assert list(out.token_ids) == list(alone.token_ids)
 
 
+def test_a_seeded_leviathan_sample_replays_its_text_without_the_store(tiny_models, tiny_backends):
+    """A Leviathan sample's text depends on its drafts: drafted from the store, a seed's second run
+    would draft the first one's answer and sample other text. A seeded sample neither drafts from
+    the store nor enters it; a greedy request (its text the target's whatever drafts it) does."""
+    sampling = model_pb2.SamplingParams(temperature=0.8)
+    with services(tiny_models, tiny_backends, "suffix") as (stub, stores):
+        texts = [list(stub.Generate(request(ids(PLAIN), 40, sampling, seed=7)).token_ids) for _ in range(3)]
+        assert texts[0] == texts[1] == texts[2] and stores.tokens == 0
+        stub.Generate(request(ids(PLAIN), 40))
+        stub.Generate(request(ids(PLAIN), 40))  # its proposals enter the closed greedy session
+        assert stores.tokens > 0
+        for _ in range(20):  # unseeded samples draft from the store (rejections read their rows)
+            out = stub.Generate(request(ids(PLAIN), 40, sampling))
+            assert out.stats.generated_tokens == 40 or out.finish_reason == "stop"
+
+
 def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):
     """A greedy request that names no lookahead (nor does the server) lets the suffix drafter size its
     chains up to MEASURED_LOOKAHEAD (ProposeRequest.free_lookahead), past the k the pair prices; a
