@@ -6,7 +6,10 @@
   (specdec.runtime.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - suffix: model-free lookup of the longest suffix in the session's tokens and in a store of the
   service's recent sessions' (draft_service.suffix);
-- hybrid: the suffix index where its match is strong, else the model auto picks (llamacpp or model);
+- hybrid: the suffix index where its match is strong, else the model auto picks (llamacpp or
+  model); with its model on a CPU it rents the index's rounds before paying the model's catch-up
+  (suffix.HybridDrafter.choose), on an accelerator, whose prefill costs little beside a round, it
+  prefills every prompt at open and catches up at once;
 - auto (the default): llamacpp for the embedded default (its GGUF, requantised to Q8_0, drafts
   several times faster than the bf16 copy on a CPU, which is what makes speculation pay there),
   llamacpp for a .gguf path, model for anything else or without llama-cpp-python.
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,10 +45,15 @@ MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree, 
 NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 
-def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False) -> Drafter:
-    """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`."""
-    index = suffix.HybridDrafter(stores) if hybrid else suffix.SuffixDrafter(stores)
-    prefill = suffix.PREFILL_AT_OPEN if hybrid else None
+def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False, accelerated: bool = False) -> Drafter:
+    """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`.
+    `accelerated`: the hybrid's model runs on an accelerator: it never rents (catch_up infinite)
+    and prefills every prompt at open."""
+    if not hybrid:
+        index = suffix.SuffixDrafter(stores)
+        return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True)
+    index = suffix.HybridDrafter(stores, catch_up=math.inf if accelerated else suffix.CATCH_UP)
+    prefill = None if accelerated else suffix.PREFILL_AT_OPEN
     return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True, prefill_at_open=prefill)
 
 
@@ -64,7 +73,7 @@ def make(method: str, spec, compile: bool | None = None):
         backend.name = f"suffix({spec.model})"
         return backend, suffix_drafter()
     if method == "hybrid":
-        return make(auto(spec), spec, compile)[0], suffix_drafter(hybrid=True)
+        return make(auto(spec), spec, compile)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
     if method == "llamacpp":
         from specdec.runtime.llamacpp import LlamaCppBackend
 
@@ -78,3 +87,8 @@ def auto(spec) -> str:
     if spec.model.endswith(".gguf") or (spec.model in models.ALIASES and models.llamacpp_installed()):
         return "llamacpp"
     return "model"
+
+
+def accelerated(spec) -> bool:
+    """Whether the draft model runs on an accelerator (a device other than the CPU)."""
+    return not spec.device.startswith("cpu")

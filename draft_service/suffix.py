@@ -23,7 +23,8 @@ tokens, its first token agreed by most occurrences, proposes the index's continu
 index's strong proposals in the session have lately matched at least HYBRID_RATE of their first
 HOLD drafts to what was committed (an exponential average, scored whether used or not); other
 rounds are the model's, but while the model's cache lacks more than CATCH_UP tokens for each round
-since the last strong match, the index keeps them (its weak matches, or no drafts). The hybrid's
+since the last strong match, the index keeps them (its weak matches, or no drafts; with the model on
+an accelerator it never does: draft_service.drafters). On a CPU, the hybrid's
 sessions open without the model's prefill past PREFILL_AT_OPEN prompt tokens
 (SessionEngine.prefill_at_open): an index round needs none, and a copy's first rounds went without
 drafts while the model prefilled the prompt on the cores the target decodes on; a chat's short
@@ -432,8 +433,9 @@ class HybridDrafter(SuffixDrafter):
         buying (a copy's changed line is a few rounds; novel text past that many rounds pays the
         catch-up). CATCH_UP is this CPU's balance: the Q8_0 draft prefills ~3.4 ms a token, a round
         costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval copy's model rounds
-        cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens; on an accelerator, whose
-        prefill costs far less than a round, it buys too late: not measured)."""
+        cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens). With its model on an
+        accelerator, whose prefill costs far less than a round, the draft service makes it
+        infinite (draft_service.drafters: it never rents, and prefills every prompt at open)."""
         found, state = self._suggest(session, assumed, k)
         state.settle()
         strong = found.strong(self.match)

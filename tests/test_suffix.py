@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 
 import grpc
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service import METHODS, ngram, suffix
+from draft_service import METHODS, drafters, ngram, suffix
 from draft_service.drafters import Drafter, make, suffix_drafter
 from draft_service.ngram import TokenizerBackend
 from draft_service.proposer import proposal_row
@@ -417,6 +418,28 @@ def test_the_hybrid_prefills_a_short_prompt_at_open():
         engine.close("long")
     finally:
         engine.stop()
+
+
+def test_with_its_model_on_an_accelerator_the_hybrid_prefills_and_never_rents(monkeypatch):
+    """A draft model on an accelerator prefills for far less than a round costs: the hybrid there
+    prefills every prompt at open and leaves every round its index does not take to the model,
+    however much the model lacks (draft_service.drafters)."""
+    assert suffix_drafter(hybrid=True, accelerated=True).prefill_at_open is None
+    assert suffix_drafter(hybrid=True).prefill_at_open == suffix.PREFILL_AT_OPEN
+    assert drafters.accelerated(ModelSpec(device="cuda:0")) and not drafters.accelerated(ModelSpec())
+
+    def model(engine, session, k, *rest):
+        return [99], [1.0]
+        yield  # a generator, as proposer.propose
+
+    monkeypatch.setattr(suffix.proposer, "propose", model)
+    index = suffix.HybridDrafter(match=4, catch_up=math.inf)
+    session = Session(tokens=list(range(100, 228)), cache=None)  # 128 prompt tokens, none in the model's cache
+    for tokens in ([500], [100, 101]):  # no match, then a weak one: the model's rounds
+        session.tokens += tokens
+        with pytest.raises(StopIteration) as stop:
+            next(index.propose(_Engine, session, 16, SamplingParams(), []))
+        assert stop.value.value[0] == [99]
 
 
 # -- through the three services on loopback -----------------------------------------------------
