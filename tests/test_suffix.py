@@ -420,6 +420,28 @@ def test_the_hybrid_prefills_a_short_prompt_at_open():
         engine.stop()
 
 
+def test_a_session_opened_without_its_prefill_takes_no_other_cache_s_positions():
+    """The hybrid's rounds depend on what its model's cache lacks: a long prompt opened without its
+    prefill starts from nothing even where the prefix cache holds it, so a seed's second run makes
+    the rounds its first did (with the prefix hit it lacked less, rented fewer rounds, drafted
+    other tokens, and a Leviathan sample's text changed). A short prompt still starts from a hit."""
+    engine = SessionEngine(counting_backend([]), "draft")
+    DraftServicer(engine, suffix_drafter(hybrid=True))
+    engine.start()
+    try:
+        for n in (suffix.PREFILL_AT_OPEN + 200, suffix.PREFILL_AT_OPEN):  # past a prefill chunk: caught up
+            prompt = [i % 12 for i in range(n)]
+            engine.open("first", prompt)
+            engine.run_call(SessionCall("first", None, engine.catch_up))  # fed what it lacked, as a model round
+            engine.close("first")  # kept by the prefix cache
+            engine.open("again", prompt)
+            again = len(engine._get("again").cached)
+            assert again == (0 if n > suffix.PREFILL_AT_OPEN else n - 1), (n, again)
+            engine.close("again")
+    finally:
+        engine.stop()
+
+
 def test_with_its_model_on_an_accelerator_the_hybrid_prefills_and_never_rents(monkeypatch):
     """A draft model on an accelerator prefills for far less than a round costs: the hybrid there
     prefills every prompt at open and leaves every round its index does not take to the model,

@@ -323,15 +323,18 @@ class SessionEngine:
             raise ResourceExhausted(f"max_sessions {self.limits.max_sessions} sessions are open; retry when one closes")
         prompt, threads = session.tokens, session.threads
         session.last_used = time.monotonic()
+        prefill = self.prefill_at_open is None or len(prompt) <= self.prefill_at_open
+        # A session opened without its prefill starts from no other cache's positions either: what its
+        # cache holds is then a function of its own calls (a hybrid's rounds depend on it: a seed's text).
         if self.prefix is not None:
-            self.prefix.start(session, prompt)  # reserves, and may start from another cache's positions
+            self.prefix.start(session, prompt, reuse=prefill)  # reserves; may start from another cache's positions
         else:
             self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:
             if session.cache is None:
                 session.cache = self.backend.new_cache()
-            if self.prefill_at_open is None or len(prompt) <= self.prefill_at_open:
+            if prefill:
                 yield from self._prefill(session, prompt[:-1], threads)  # the last token: the next block's
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)

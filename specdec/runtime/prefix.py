@@ -148,11 +148,12 @@ class PrefixCache:
         return sum(e.kv_tokens for e in list(self.retained.values()))
 
     # -- a session's start -------------------------------------------------------------------
-    def start(self, session, prompt: list[int]) -> None:
+    def start(self, session, prompt: list[int], reuse: bool = True) -> None:
         """Reserve the prompt's room in the budget and give the session a cache: one that holds the
-        longest prefix of the prompt another cache holds (`session.cached`), where there is one.
-        Refused (ResourceExhausted), it holds nothing and no kept cache is lost but to eviction."""
-        source, hit = self.lookup(prompt)
+        longest prefix of the prompt another cache holds (`session.cached`), where there is one
+        (`reuse`; else an empty one). Refused (ResourceExhausted), it holds nothing and no kept
+        cache is lost but to eviction."""
+        source, hit = self.lookup(prompt) if reuse else (None, 0)
         if isinstance(source, Retained) and hit == len(source.tokens):
             self._take_over(session, source, hit, len(prompt))
             return
@@ -179,7 +180,8 @@ class PrefixCache:
             if isinstance(source, Retained):
                 source.last_used = time.monotonic()
                 self.retained.move_to_end(id(source))
-        self._count(len(prompt), hit)
+        if reuse:  # a lookup made
+            self._count(len(prompt), hit)
 
     def lookup(self, prompt: list[int]) -> tuple[Any, int]:
         """The cache holding the longest prefix of the prompt (short of its last token, which a
