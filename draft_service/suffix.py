@@ -287,6 +287,12 @@ class _Tokens:
         self.pending: list[tuple[int, list[int], list[int]]] = []
         self.rate = 1.0
         self.gap = 0  # rounds since the index's last strong proposal (or the session's start)
+        # hybrid: the last choice, (call key, its answer, the last committed tokens then), for a call made again
+        self.last: tuple | None = None
+
+    def tokens_at(self, length: int) -> tuple[int, ...]:
+        """The last few committed tokens up to `length`: a repeated call's key names the same text."""
+        return tuple(self.session.tokens[max(0, length - 8) : length])
 
     def settle(self) -> None:
         """Score the pending proposals the committed tokens now settle: a proposal scores the
@@ -435,8 +441,15 @@ class HybridDrafter(SuffixDrafter):
         costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval copy's model rounds
         cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens). With its model on an
         accelerator, whose prefill costs far less than a round, the draft service makes it
-        infinite (draft_service.drafters: it never rents, and prefills every prompt at open)."""
+        infinite (draft_service.drafters: it never rents, and prefills every prompt at open).
+
+        A call made again (the same committed tokens, assumed tokens and k: a round re-run after a
+        lost or late reply) gets the answer the first got and changes nothing: the session's
+        rounds, so a Leviathan seed's text, do not depend on how often a call was sent."""
+        key = (len(session.tokens), tuple(assumed), k)
         found, state = self._suggest(session, assumed, k)
+        if state.last is not None and state.last[0] == key and state.tokens_at(key[0]) == state.last[2]:
+            return None if state.last[1] is None else list(state.last[1])
         state.settle()
         strong = found.strong(self.match)
         if strong:
@@ -445,10 +458,13 @@ class HybridDrafter(SuffixDrafter):
         backlog = max(0, len(session.tokens) - len(session.cached))  # what the model's cache lacks
         renting = max(state.gap, 1) * self.catch_up < backlog
         if state.rate < (self.rate / 2 if renting else self.rate):
-            return None
-        if strong:
-            return ngram.allowed(session, assumed, found.tokens) or None
-        return ngram.allowed(session, assumed, found.tokens) if renting else None
+            drafts = None
+        elif strong:
+            drafts = ngram.allowed(session, assumed, found.tokens) or None
+        else:
+            drafts = ngram.allowed(session, assumed, found.tokens) if renting else None
+        state.last = (key, drafts, state.tokens_at(key[0]))
+        return None if drafts is None else list(drafts)
 
     def propose(
         self,

@@ -268,6 +268,21 @@ def test_hybrid_keeps_the_rounds_while_the_model_lacks_a_long_prompt(monkeypatch
     assert index._live[id(session)].rate == 1.0
 
 
+def test_a_call_made_again_gets_the_first_answer_and_changes_nothing():
+    """A round re-run after a lost or late reply asks the hybrid again at the same position: the
+    same answer, and its count of rounds since a strong match does not move (a Leviathan seed's text
+    would otherwise depend on how often a call was sent: a chaos run's stream changed under a slow link)."""
+    index = suffix.HybridDrafter(match=4, catch_up=32)
+    session = Session(tokens=list(range(100, 228)) + [500], cache=None)  # lacks 129 tokens: renting
+    first = index.choose(session, [], 16)
+    state = index._live[id(session)]
+    gap = state.gap
+    assert index.choose(session, [], 16) == first and state.gap == gap
+    session.tokens += [501]
+    index.choose(session, [], 16)
+    assert state.gap == gap + 1
+
+
 # -- through the loop, on Markov stand-ins ------------------------------------------------------
 
 
