@@ -287,12 +287,9 @@ class _Tokens:
         self.pending: list[tuple[int, list[int], list[int]]] = []
         self.rate = 1.0
         self.gap = 0  # rounds since the index's last strong proposal (or the session's start)
-        # hybrid: the last choice, (call key, its answer, the last committed tokens then), for a call made again
+        # hybrid: the last choice, (call key: committed length, last tokens, assumed, k; its answer),
+        # for a call made again
         self.last: tuple | None = None
-
-    def tokens_at(self, length: int) -> tuple[int, ...]:
-        """The last few committed tokens up to `length`: a repeated call's key names the same text."""
-        return tuple(self.session.tokens[max(0, length - 8) : length])
 
     def settle(self) -> None:
         """Score the pending proposals the committed tokens now settle: a proposal scores the
@@ -446,10 +443,11 @@ class HybridDrafter(SuffixDrafter):
         A call made again (the same committed tokens, assumed tokens and k: a round re-run after a
         lost or late reply) gets the answer the first got and changes nothing: the session's
         rounds, so a Leviathan seed's text, do not depend on how often a call was sent."""
-        key = (len(session.tokens), tuple(assumed), k)
-        found, state = self._suggest(session, assumed, k)
-        if state.last is not None and state.last[0] == key and state.tokens_at(key[0]) == state.last[2]:
+        key = (len(session.tokens), tuple(session.tokens[-8:]), tuple(assumed), k)
+        state = self._live.get(id(session))
+        if state is not None and state.last is not None and state.last[0] == key:  # before the index's scan
             return None if state.last[1] is None else list(state.last[1])
+        found, state = self._suggest(session, assumed, k)
         state.settle()
         strong = found.strong(self.match)
         if strong:
@@ -463,7 +461,7 @@ class HybridDrafter(SuffixDrafter):
             drafts = ngram.allowed(session, assumed, found.tokens) or None
         else:
             drafts = ngram.allowed(session, assumed, found.tokens) if renting else None
-        state.last = (key, drafts, state.tokens_at(key[0]))
+        state.last = (key, drafts)
         return None if drafts is None else list(drafts)
 
     def propose(
