@@ -30,7 +30,10 @@ sessions open without the model's prefill past PREFILL_AT_OPEN prompt tokens
 drafts while the model prefilled the prompt on the cores the target decodes on; a chat's short
 prompt is the model's to draft after, prefilled beside the target's as the model draft's is. A
 model round first feeds the model's cache what it lacks (SessionEngine.catch_up: the prompt, the
-index rounds' commits), in prefill chunks.
+index rounds' commits), in prefill chunks. A reproducible session (OpenSessionRequest.reproducible:
+a seeded Leviathan sample, whose text depends on its drafts) keeps none of that state: its rounds
+are the index's where the match is strong, else the model's, caught up, a function of its tokens
+that the session re-opened after a fault computes alike.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -442,7 +445,14 @@ class HybridDrafter(SuffixDrafter):
 
         A call made again (the same committed tokens, assumed tokens and k: a round re-run after a
         lost or late reply) gets the answer the first got and changes nothing: the session's
-        rounds, so a Leviathan seed's text, do not depend on how often a call was sent."""
+        rounds, so a Leviathan seed's text, do not depend on how often a call was sent. A
+        reproducible session (Session.reproducible: a seeded Leviathan sample) keeps no state at
+        all: the index proposes where its match is strong, the model, caught up, elsewhere, so a
+        session re-opened after a fault (a restarted draft service, its cache empty) drafts as the
+        first would have."""
+        if session.reproducible:
+            found = self.suggest(session, assumed, k)
+            return (ngram.allowed(session, assumed, found.tokens) or None) if found.strong(self.match) else None
         key = (len(session.tokens), tuple(session.tokens[-8:]), tuple(assumed), k)
         state = self._live.get(id(session))
         if state is not None and state.last is not None and state.last[0] == key:  # before the index's scan

@@ -277,7 +277,7 @@ def loop_config(
         history_scope=history_scope(client, spec),
     )
     if request.HasField("seed") and not config.coupled:  # a seed replays the text only of the same drafts
-        config = dataclasses.replace(config, history_scope="")
+        config = dataclasses.replace(config, history_scope="", reproducible=True)
     return default_lookahead(pair, config) if lookahead is None else config
 
 

@@ -194,6 +194,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             self._session_fields["constraint"] = config.constraint
         if config.history_scope:
             self._session_fields["history_scope"] = config.history_scope
+        if config.reproducible:
+            self._session_fields["reproducible"] = True
 
     @property
     def _overlapping(self) -> bool:

@@ -69,6 +69,9 @@ class LoopConfig:
     # The draft's store of earlier answers this generation drafts from and enters (OpenSessionRequest.history_scope;
     # "": none): a digest of its client and salt (orchestrator.generation.history_scope)
     history_scope: str = ""
+    # Its drafts must be a function of its tokens alone (OpenSessionRequest.reproducible): a seeded
+    # Leviathan sample, whose text depends on them (orchestrator.generation.loop_config)
+    reproducible: bool = False
     # A client reads the answer as it grows (GenerateStream, or stop strings to look for): the first
     # token alone, a target-only Score of at most MAX_PLAIN_STEPS steps; False (a unary Generate
     # without stop strings): MAX_UNARY_STEPS, the first round's too (orchestrator.loop._plain_steps)

@@ -283,6 +283,28 @@ def test_a_call_made_again_gets_the_first_answer_and_changes_nothing():
     assert state.gap == gap + 1
 
 
+def test_a_reproducible_session_drafts_as_a_function_of_its_tokens():
+    """A seeded Leviathan sample's session (Session.reproducible) drafts as a session re-opened after
+    a fault would (a restarted draft service: no state, its cache caught up): the index where its
+    match is strong, the model elsewhere, whatever its earlier rounds left (the rounds since a strong
+    match, what the model's cache lacks), where another session rents the index's rounds."""
+    index = suffix.HybridDrafter(match=4, catch_up=32)
+    prompt = list(range(100, 228))
+    lived = Session(tokens=prompt + [500], cache=None, reproducible=True)  # lacks 129 tokens: others rent
+    renting = Session(tokens=list(lived.tokens), cache=None)
+    answers, rented = [], []
+    for tokens in ([501], [100, 101, 102, 103], [104, 105, 999], [502]):
+        lived.tokens += tokens
+        renting.tokens += tokens
+        answers.append(index.choose(lived, [], 16))
+        rented.append(index.choose(renting, [], 16))
+        reopened = Session(tokens=list(lived.tokens), cache=None, reproducible=True)
+        reopened.cached = list(reopened.tokens)
+        assert index.choose(reopened, [], 16) == answers[-1]
+    assert answers == [None, list(range(104, 112)), None, None]  # the model's, the index's (a match of 4: 8)
+    assert rented[0] == [] and rented[2] == []  # a session that is not reproducible rents: no drafts
+
+
 # -- through the loop, on Markov stand-ins ------------------------------------------------------
 
 
@@ -557,6 +579,33 @@ def test_a_seeded_leviathan_sample_replays_its_text_without_the_store(tiny_model
         for _ in range(20):  # unseeded samples draft from the store (rejections read their rows)
             out = stub.Generate(request(ids(PLAIN), 40, sampling))
             assert out.stats.generated_tokens == 40 or out.finish_reason == "stop"
+
+
+def test_only_a_seeded_leviathan_sample_opens_a_reproducible_draft_session(tiny_models, tiny_backends, monkeypatch):
+    """The orchestrator asks for drafts that are a function of the tokens (OpenSessionRequest.reproducible)
+    where the text depends on them and a seed must replay it: a seeded Leviathan sample; not an
+    unseeded one, not a greedy one, not the invariant rule's (their texts are the target's own)."""
+    seen = []
+    choose = suffix.HybridDrafter.choose
+
+    def recording(self, session, assumed, k):
+        seen.append(session.reproducible)
+        return choose(self, session, assumed, k)
+
+    monkeypatch.setattr(suffix.HybridDrafter, "choose", recording)
+    sampling = model_pb2.SamplingParams(temperature=0.8)
+    cases = [
+        (request(ids(PLAIN), 40, sampling, seed=7), True),
+        (request(ids(PLAIN), 40, sampling), False),
+        (request(ids(PLAIN), 40, seed=7), False),
+        (request(ids(PLAIN), 40, sampling, seed=7, rule=orchestrator_pb2.RULE_INVARIANT), False),
+    ]
+    with services(tiny_models, tiny_backends, "hybrid") as (stub, _):
+        for sent, wanted in cases:
+            seen.clear()
+            stub.Generate(sent)
+            assert set(seen) <= {wanted}, sent
+            assert seen or not wanted  # a Leviathan sample at a fixed k waits for its draft: it drafts
 
 
 def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):

@@ -108,6 +108,8 @@ class Session:
     prompt_length: int = 0
     # Draft only: the store of earlier sessions it drafts from and enters (OpenSessionRequest.history_scope).
     history_scope: str = ""
+    # Draft only: its drafts are a function of its tokens alone (OpenSessionRequest.reproducible).
+    reproducible: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,12 +265,13 @@ class SessionEngine:
         vocab_size: int = 0,
         prompt_length: int | None = None,
         history_scope: str = "",
+        reproducible: bool = False,
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
         `prompt` (specdec.decoding.grammar.Matcher); `prompt_length`: how many of its tokens the request's
         prompt is (None: all; a session re-opened mid-generation holds generated ones too);
-        `history_scope`: OpenSessionRequest's, for a drafter that keeps earlier sessions."""
+        `history_scope`, `reproducible`: OpenSessionRequest's, for a drafter that keeps state."""
         item = self.open_item(
             session_id,
             prompt,
@@ -277,6 +280,7 @@ class SessionEngine:
             vocab_size,
             prompt_length=prompt_length,
             history_scope=history_scope,
+            reproducible=reproducible,
         )
         return self.worker.wait(item, context)
 
@@ -290,6 +294,7 @@ class SessionEngine:
         deadline: float | None = None,
         prompt_length: int | None = None,
         history_scope: str = "",
+        reproducible: bool = False,
     ) -> Item:
         """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
         if not session_id:
@@ -312,6 +317,7 @@ class SessionEngine:
             vocab_size=vocab_size,
             prompt_length=len(prompt) if prompt_length is None else prompt_length,
             history_scope=history_scope,
+            reproducible=reproducible,
         )
         return Item(session_id, lambda: self._open(session_id, session), deadline=deadline)
 

@@ -225,9 +225,7 @@ class SessionServicer:
         vocab = self._vocab(request)
         constraint = self._constraint(request)
         args = (request.session_id, list(request.prompt_token_ids), validation.threads(request), constraint, vocab)
-        return self.engine.open_item(
-            *args, deadline=deadline, prompt_length=_prompt_length(request), history_scope=request.history_scope
-        )
+        return self.engine.open_item(*args, deadline=deadline, **_session_options(request))
 
     def _close_item(self, request, deadline: float | None):
         """CloseSession on the step stream: noted where it finds no session, as the unary call does."""
@@ -254,9 +252,7 @@ class SessionServicer:
         vocab = self._vocab(request)
         constraint = self._constraint(request)
         tokens = list(request.prompt_token_ids)
-        length = self.engine.open(
-            sid, tokens, context, threads, constraint, vocab, _prompt_length(request), request.history_scope
-        )
+        length = self.engine.open(sid, tokens, context, threads, constraint, vocab, **_session_options(request))
         # A caller that stopped waiting (deadline, cancel, connection lost), or closed the id
         # before it existed here, will not close this session: close it now.
         if not context.is_active() or self.unknown_closes.since(sid, start):
@@ -345,6 +341,12 @@ class SessionServicer:
         )
 
 
-def _prompt_length(request) -> int | None:
-    """OpenSessionRequest.prompt_length (None: unset, the whole of prompt_token_ids)."""
-    return request.prompt_length if request.HasField("prompt_length") else None
+def _session_options(request) -> dict:
+    """What an OpenSessionRequest tells the engine besides its tokens, threads, grammar and vocabulary
+    (SessionEngine.open's keywords): prompt_length (None: unset, the whole of prompt_token_ids),
+    history_scope and reproducible (draft only)."""
+    return {
+        "prompt_length": request.prompt_length if request.HasField("prompt_length") else None,
+        "history_scope": request.history_scope,
+        "reproducible": request.reproducible,
+    }
