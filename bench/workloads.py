@@ -11,8 +11,8 @@ Workloads (greedy, answers of at most `max_tokens`):
 - `chat`: bench/prompts.json's open-ended chat prompts, where nothing is copied.
 
 Methods: the target alone through the services (speculation off), and speculation with each of
-`drafters` (a pipeline each: `model` is the default pair's model draft, `--drafter auto`:
-llama.cpp's Q8_0 for the embedded default; `ngram`, `suffix`, `hybrid`), the lookahead unset (the pair's
+`drafters` (a pipeline each: `model` is the default pair's draft model alone, `--drafter llamacpp`
+for the embedded default (llama.cpp's Q8_0); `ngram`, `suffix`, `hybrid`: the default), the lookahead unset (the pair's
 measured k); beside them llama.cpp alone in this process on the same weights (the target's F32
 GGUF, as many tokens as the target alone gave), the baseline of the speedups. Each pipeline
 answers a short request first (dropped), then each request once, in order, so a suffix store
@@ -34,7 +34,6 @@ from specdec.weights import models
 
 WORKLOADS = ("humaneval", "copy", "agent", "chat")
 DRAFTERS = ("model", "ngram", "suffix", "hybrid")
-PIPELINE_DRAFTER = {"model": "auto"}  # the default pair's model draft: llama.cpp's Q8_0 for the embedded default
 REWRITE = "Rewrite this Python function with type hints and a docstring. Reply with the code only.\n\n```python\n{}```"
 COPY = "Copy this Python function, renaming `{}` to `{}_v2`. Reply with the code only.\n\n```python\n{}```"
 
@@ -115,6 +114,7 @@ def run(config: WorkloadsConfig) -> dict:
     from bench import engines
     from bench.run import COLD, BenchConfig, _chat_ids, _specdec_generate
     from deploy.local import LocalPipeline, PipelineConfig
+    from draft_service import drafters
     from specdec.v1 import orchestrator_pb2_grpc
 
     sent = requests(config)
@@ -129,7 +129,7 @@ def run(config: WorkloadsConfig) -> dict:
         pipeline_config = PipelineConfig(
             target=config.target,
             draft=config.draft,
-            drafter=PIPELINE_DRAFTER.get(drafter, drafter),
+            drafter=drafters.runtime(config.draft) if drafter == "model" else drafter,
             session_limits=COLD,
         )
         with LocalPipeline(pipeline_config, log=bar.write) as pipeline:

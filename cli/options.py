@@ -122,13 +122,13 @@ def add_drafter_flag(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="auto",
         choices=DRAFTERS,
-        help="auto: llamacpp for the embedded default draft when llama-cpp-python is installed (its GGUF "
-        "requantised to Q8_0: the draft that pays on a CPU) and for a .gguf draft, else model (default); "
-        "model: a transformers draft model; ngram: model-free prompt lookup over the session's tokens (the "
-        "draft model only gives the tokenizer); llamacpp: a GGUF run by llama.cpp (needs llama-cpp-python; "
-        "the default alias runs the embedded GGUF requantised to Q8_0); suffix: model-free, the continuation "
-        "most frequent after the longest match in the session and in recent requests (text that copies); "
-        "hybrid: suffix's proposal where its match is strong, else the model draft's (auto's model)",
+        help="auto (default): hybrid. hybrid: suffix's proposal where its match is strong (text that copies), "
+        "else the draft model's, run by llama.cpp for the embedded default draft when llama-cpp-python is "
+        "installed (its GGUF requantised to Q8_0: the draft that pays on a CPU) and for a .gguf draft, else by "
+        "transformers; llamacpp: that GGUF run by llama.cpp alone (needs llama-cpp-python); model: a "
+        "transformers draft model alone; ngram: model-free prompt lookup over the session's tokens (the draft "
+        "model only gives the tokenizer); suffix: model-free, the continuation most frequent after the longest "
+        "match in the session and in this client's recent requests",
     )
 
 

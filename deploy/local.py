@@ -152,7 +152,11 @@ class LocalPipeline:
             models.resolve(derived)  # likewise (built from the conversion)
         if target.runtime == "llamacpp" and cfg.target.model in models.ALIASES:
             models.f32_gguf_path()  # likewise
-        if cfg.draft.model in models.ALIASES and cfg.drafter in ("auto", "llamacpp") and models.llamacpp_installed():
+        if (
+            cfg.draft.model in models.ALIASES
+            and cfg.drafter in ("auto", "hybrid", "llamacpp")
+            and models.llamacpp_installed()
+        ):
             models.draft_gguf_path()  # likewise (the llama.cpp drafter's default file)
         t0 = time.perf_counter()
         try:

@@ -6,13 +6,15 @@
   (specdec.runtime.llamacpp, shared with the llama.cpp target; needs the optional llama-cpp-python package);
 - suffix: model-free lookup of the longest suffix in the session's tokens and in a store of the
   service's recent sessions' (draft_service.suffix);
-- hybrid: the suffix index where its match is strong, else the model auto picks (llamacpp or
-  model); with its model on a CPU it rents the index's rounds before paying the model's catch-up
-  (suffix.HybridDrafter.choose), on an accelerator, whose prefill costs little beside a round, it
-  prefills every prompt at open and catches up at once;
-- auto (the default): llamacpp for the embedded default (its GGUF, requantised to Q8_0, drafts
-  several times faster than the bf16 copy on a CPU, which is what makes speculation pay there),
-  llamacpp for a .gguf path, model for anything else or without llama-cpp-python.
+- hybrid: the suffix index where its match is strong, else the draft model, run by `runtime`'s
+  drafter (llamacpp or model); with its model on a CPU it rents the index's rounds before paying the
+  model's catch-up (suffix.HybridDrafter.choose), on an accelerator, whose prefill costs little
+  beside a round, it prefills every prompt at open and catches up at once;
+- auto (the default): the hybrid. Its model runs on llamacpp for the embedded default (its GGUF,
+  requantised to Q8_0, drafts several times faster than the bf16 copy on a CPU, which is what makes
+  speculation pay there) and for a .gguf path, on model for anything else or without
+  llama-cpp-python. A stand-in draft (specdec.runtime.standin) runs the model drafter whatever the
+  method (deploy.hosting).
 """
 
 from __future__ import annotations
@@ -60,8 +62,6 @@ def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False, ac
 def make(method: str, spec, compile: bool | None = None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
     the model drafter's forwards as CUDA graphs (specdec.runtime.graphs.hf_backend; None: by device)."""
-    if method == "auto":
-        method = auto(spec)
     if method == "model":
         from specdec.runtime.graphs import hf_backend
 
@@ -72,8 +72,8 @@ def make(method: str, spec, compile: bool | None = None):
         backend = ngram.TokenizerBackend(spec)
         backend.name = f"suffix({spec.model})"
         return backend, suffix_drafter()
-    if method == "hybrid":
-        return make(auto(spec), spec, compile)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
+    if method in ("hybrid", "auto"):
+        return make(runtime(spec), spec, compile)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
     if method == "llamacpp":
         from specdec.runtime.llamacpp import LlamaCppBackend
 
@@ -81,9 +81,10 @@ def make(method: str, spec, compile: bool | None = None):
     raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")
 
 
-def auto(spec) -> str:
-    """The drafter `auto` stands for, given the draft model: a GGUF file is llama.cpp's to run
-    (without llama-cpp-python, its error says what to install)."""
+def runtime(spec) -> str:
+    """The model drafter that runs the hybrid's draft model (and so auto's): a GGUF file is
+    llama.cpp's to run (without llama-cpp-python, its error says what to install), as is the
+    embedded default where llama-cpp-python is installed; transformers runs anything else."""
     if spec.model.endswith(".gguf") or (spec.model in models.ALIASES and models.llamacpp_installed()):
         return "llamacpp"
     return "model"

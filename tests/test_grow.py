@@ -215,12 +215,12 @@ def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter
         assert ModelServiceConfig("target", spec).runtime == "torch"  # auto: transformers
         with pytest.raises(ValueError, match="llama.cpp has no GGUF of it"):
             ModelServiceConfig("target", spec, backend="llamacpp")
-        assert drafters.auto(spec) == "model"
+        assert drafters.runtime(spec) == "model"
     cmd = [sys.executable, "-m", "cli", "target-service", "--backend", "llamacpp", "--model", "smollm2-135m-x8"]
     out = subprocess.run([*cmd, "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("specdec: error:") and "no GGUF" in out.stderr, out.stderr
     expected = "llamacpp" if models.llamacpp_installed() else "model"
-    assert drafters.auto(models.ModelSpec(models.DEFAULT_ALIAS, dtype=models.DEFAULT_DRAFT_DTYPE)) == expected
+    assert drafters.runtime(models.ModelSpec(models.DEFAULT_ALIAS, dtype=models.DEFAULT_DRAFT_DTYPE)) == expected
     assert ModelServiceConfig("target", models.ModelSpec(), backend="llamacpp").backend == "llamacpp"
     assert models.resolve("some/hub-id") == "some/hub-id"
 

@@ -75,7 +75,7 @@ def test_backend_selection():
     assert ModelServiceConfig("target", backend="torch").runtime == "torch"
     assert ModelServiceConfig("draft").runtime == "torch"  # a draft's runtime is its drafter's
     assert ModelServiceConfig("target", models.ModelSpec("/m/x.gguf")).backend == "llamacpp"
-    assert drafters.auto(models.ModelSpec("/m/x.Q4_1.gguf")) == "llamacpp"
+    assert drafters.runtime(models.ModelSpec("/m/x.Q4_1.gguf")) == "llamacpp"
     assert ModelServiceConfig("target", backend="llamacpp").spec.model == models.DEFAULT_ALIAS
     for bad in (
         dict(role="target", spec=models.ModelSpec("org/model"), backend="llamacpp"),

@@ -176,6 +176,7 @@ def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
         addresses, infos = {}, {}
         for role in ("draft", "target"):
             args = [f"{role}-service", "--model", tiny_models[role]]
+            args += ["--drafter", "model"] if role == "draft" else []  # its forwards, timed (not an index's)
             _, addresses[role] = stack.enter_context(
                 cli_process(*args, ready_file=tmp_path / f"{role}.ready", log=tmp_path / f"{role}.log")
             )
