@@ -112,10 +112,10 @@ def open_overtaken_by_close(tiny_backends, close_first: bool):
     else:
         real_open = servicer.engine.open
 
-        def overtaken(*args):
+        def overtaken(*args, **options):
             with pytest.raises(NotFound):
                 servicer.CloseSession(close, Waiting())
-            return real_open(*args)
+            return real_open(*args, **options)
 
         servicer.engine.open = overtaken
     try:
