@@ -79,7 +79,7 @@ class Placement:
 class PipelineConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
-    drafter: str = "auto"  # auto | model | ngram | llamacpp (draft_service.drafters)
+    drafter: str = "auto"  # a method of draft_service.drafters (auto: the hybrid)
     target_backend: str = "auto"  # auto | torch | llamacpp (deploy.configs.ModelServiceConfig.backend)
     host: str = "127.0.0.1"
     port: int = 0  # orchestrator port; 0 picks a free one

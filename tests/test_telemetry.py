@@ -78,6 +78,7 @@ def observed(tiny_models):
             metrics_port=0,
             start_timeout=180,
             calibration_tokens=0,  # the services' metrics count this request's calls alone
+            drafter="model",  # a forward per draft token (the default hybrid's index rounds run none)
         )
         pipeline = LocalPipeline(config, log=lambda *_: None)
         try:
@@ -352,7 +353,8 @@ def test_services_as_ray_actors_join_the_trace(tiny_models, monkeypatch, tmp_pat
             from specdec.serving import telemetry
 
             self.telemetry = telemetry.setup(role, environ=os.environ)  # the actor's: OTEL_* from the runtime_env
-            config = ModelServiceConfig(role, ModelSpec(model, "cpu", "float32"))
+            drafter = {"drafter": "model"} if role == "draft" else {}  # a forward per draft token
+            config = ModelServiceConfig(role, ModelSpec(model, "cpu", "float32"), **drafter)
             self.server, self.port = hosting.start_model_service(config, telemetry=self.telemetry)
 
         def address(self) -> str:
