@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cli import options
+from draft_service import METHODS
 from orchestrator import RULES
 from specdec.weights import models
 
@@ -76,6 +77,23 @@ def _add_run_shape(p: argparse.ArgumentParser, max_tokens: int, repeats: int = 1
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
 
 
+def _add_drafters(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafters",
+        default=DRAFTERS,
+        help=f"comma list of --drafter's methods, a pipeline each ({', '.join(METHODS)}; auto is the hybrid; "
+        f"default {DRAFTERS})",
+    )
+
+
+def _drafters(args) -> tuple[str, ...]:
+    drafters = tuple(d for d in args.drafters.split(",") if d)
+    unknown = [d for d in drafters if d not in METHODS]
+    if not drafters or unknown:
+        raise SystemExit(f"specdec bench: --drafters takes a comma list of {', '.join(METHODS)}, not {args.drafters!r}")
+    return drafters
+
+
 def _add_ks(p: argparse.ArgumentParser, default: str, adaptive: bool = True) -> None:
     p.add_argument("--ks", default=default, help=f"comma list of fixed lookaheads to run (default {default})")
     if adaptive:
@@ -112,7 +130,7 @@ def _add_compare(names) -> None:
         "user would run instead: llama.cpp target-only (llamacpp-target) and llama.cpp's own speculative decoding "
         "(--llama-speculative). Prints a table, writes results.json and speedup.png.",
     )
-    p.add_argument("--drafters", default=DRAFTERS, help=f"comma list of model, ngram, llamacpp (default {DRAFTERS})")
+    _add_drafters(p)
     _add_ks(p, "2,4,8")
     p.add_argument(
         "--measured",
@@ -172,7 +190,7 @@ def compare(args) -> int:
     config = BenchConfig(
         target=options.model_spec(args, "target-"),
         draft=options.model_spec(args, "draft-"),
-        drafters=tuple(d for d in args.drafters.split(",") if d),
+        drafters=_drafters(args),
         ks=_ks(args),
         adaptive=not args.no_adaptive,
         measured=args.measured,
@@ -211,7 +229,7 @@ def _add_concurrency(names) -> None:
         "drafter, beside transformers' batched generate; aggregate tokens/s and p50/p99 latency per client count.",
     )
     p.add_argument("--clients", default="1,2,4,8", metavar="LIST", help="comma list of client counts (default 1,2,4,8)")
-    p.add_argument("--drafters", default=DRAFTERS, help=f"comma list of model, ngram, llamacpp (default {DRAFTERS})")
+    _add_drafters(p)
     _add_ks(p, "4")
     p.add_argument(
         "--measured",
@@ -242,7 +260,7 @@ def concurrency(args) -> int:
         raise SystemExit(f"specdec bench concurrency: --clients needs client counts >= 1, not {args.clients!r}")
     config = concurrency.ConcurrencyConfig(
         concurrency=clients,
-        drafters=tuple(d for d in args.drafters.split(",") if d),
+        drafters=_drafters(args),
         ks=_ks(args),
         adaptive=not args.no_adaptive,
         measured=args.measured,
