@@ -156,14 +156,19 @@ def hf_generate(model, ids, config: BenchConfig, temperature: float, one_core: b
 # -- specdec through gRPC (c) and (d) -----------------------------------------------------------
 def _specdec_generate(
     stub, ids, config: BenchConfig, temperature: float, k: str, overlap: bool = True, tree_nodes: int = 0,
-    constraint=None, cache: bool | None = None, sampling: dict | None = None,
+    constraint=None, cache: bool | None = None, sampling: dict | None = None, history: bool = False,
 ) -> dict:  # fmt: skip
     """One generation through the orchestrator (`constraint`: a model_pb2.Constraint, structured output;
     `cache`: the speculation cache on or off, None: the orchestrator's default; `sampling`: more
-    SamplingParams fields, e.g. a penalty)."""
+    SamplingParams fields, e.g. a penalty). `history`: it drafts from the store of earlier answers
+    (SpeculationParams.history); off by default, as the benches send one prompt in several rows and
+    repeats, and a later one would draft the answer an earlier one gave (the hybrid, the default, ran
+    2.99x llama.cpp alone on a chat prompt so, every draft accepted)."""
     from specdec.v1 import model_pb2, orchestrator_pb2
 
-    spec = orchestrator_pb2.SpeculationParams(disabled=k == "-", overlap=overlap, adaptive=k == "adaptive")
+    spec = orchestrator_pb2.SpeculationParams(
+        disabled=k == "-", overlap=overlap, adaptive=k == "adaptive", history=history
+    )
     if cache is not None:
         spec.cache = cache
     if k == "adaptive":

@@ -137,9 +137,9 @@ def run(config: WorkloadsConfig) -> dict:
             for method in ["off", drafter] if drafter == config.drafters[0] else [drafter]:
                 k = "-" if method == "off" else "measured"
                 warm = tokenizer.encode("Say hello.")  # a first request, apart from the workloads' (dropped)
-                _specdec_generate(stub, warm, bench, 0.0, k)
+                _specdec_generate(stub, warm, bench, 0.0, k, history=True)
                 for i, prompt_ids in enumerate(ids):
-                    run = _specdec_generate(stub, prompt_ids, bench, 0.0, k)
+                    run = _specdec_generate(stub, prompt_ids, bench, 0.0, k, history=True)  # the agent's resend
                     results[method][i] = {key: run[key] for key in ("tokens", "wall", "tokens_per_second")} | {
                         "acceptance_rate": run.get("acceptance_rate"),
                         "index_share": run.get("index_share"),
