@@ -121,6 +121,20 @@ GROUP = {module: group for group, modules in SHARED.items() for module in module
 RAY_CLUSTER = ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_telemetry.py")
 
 
+@pytest.fixture
+def draft_awaited(monkeypatch):
+    """Greedy and invariant rounds at a fixed k wait for the draft's session to open, as a Leviathan
+    sample's do: they go without drafts meanwhile (orchestrator.sessions: _waits_for_draft), and with
+    in-process stand-ins a 200-token greedy answer ended in 15 ms, before a loaded CI worker ran the
+    draft's open at all (no draft token: stop 78). For the tests that assert drafts were proposed."""
+    from orchestrator.sessions import GenerationSessions
+
+    def waits(loop) -> bool:
+        return not loop.config.adaptive and not loop._draft_was_lost
+
+    monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(waits))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Free what a module's fixtures left in reference cycles (a backend, a llama.cpp context) before

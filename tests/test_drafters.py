@@ -36,6 +36,7 @@ def test_ngram_lookup():
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 @pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.usefixtures("draft_awaited")
 def test_greedy_equals_target_only(drafter, adaptive):
     target_probs = random_markov(12, 31)
     draft, target = markov_pair(target_probs, random_markov(12, 32), DRAFTERS[drafter])

@@ -72,6 +72,7 @@ def test_loop_sampling_is_reproducible():
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.usefixtures("draft_awaited")
 def test_loop_greedy_is_target_argmax_chain(k):
     target_probs, draft_probs = random_markov(20, 3), random_markov(20, 4)
     draft, target, *_ = pair(target_probs, draft_probs)
@@ -126,8 +127,9 @@ def test_target_only_runs_several_steps_a_score_greedy(monkeypatch):
     draft, target, _, target_engine = pair(target_probs, random_markov(20, 4))
     tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
     assert tokens == argmax_chain(target_probs, 201)
-    # the stand-in's steps cost next to nothing beside the RPC: after the first PLAIN_STEPS, the most a Score
-    assert stats.rounds <= 2 + math.ceil((200 - PLAIN_STEPS) / MAX_PLAIN_STEPS)
+    # the stand-in's steps cost little beside the RPC: past the first PLAIN_STEPS, more steps a Score
+    # (up to MAX_PLAIN_STEPS: 14 rounds on a quiet machine, 17 on a loaded CI worker, stop 78)
+    assert 1 + math.ceil(200 / MAX_PLAIN_STEPS) <= stats.rounds < 1 + 200 // PLAIN_STEPS
     monkeypatch.setattr(speculative_loop, "MAX_PLAIN_STEPS", PLAIN_STEPS)
     tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
     assert stats.rounds == 1 + 200 // PLAIN_STEPS  # the first token alone, then PLAIN_STEPS a round

@@ -48,6 +48,7 @@ def run(draft, target, sampling, n, k=4, overlap=True, speculate=True, seed=3, a
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.usefixtures("draft_awaited")
 def test_greedy_equals_target_only(drafter, k):
     target_probs = random_markov(12, 31, alpha=0.2)  # peaked rows: long accepted runs
     draft, target = pair(target_probs, near(target_probs, 32), drafter)

@@ -387,6 +387,7 @@ def counting_backend(steps: list[int]) -> MarkovBackend:
     return backend
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_hybrid_rounds_are_the_index_s_or_the_model_s():
     """A hybrid proposal is the index's continuation (no model step) where the match is strong, the
     model's otherwise; the model's cache catches up on what the index's rounds committed."""

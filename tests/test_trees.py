@@ -220,6 +220,7 @@ def verified(target, verify: str):
 
 @pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
+@pytest.mark.usefixtures("draft_awaited")
 def test_greedy_trees_equal_the_target_alone(drafter, verify):
     target_probs = random_markov(12, 31, alpha=0.3)
     draft, target = pair(target_probs, near(target_probs, 32), drafter)
