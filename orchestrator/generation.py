@@ -305,12 +305,13 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     them faster than that k on its prompts (PairCosts.alone_gain below 1), else that k.
 
     Where its text does not depend on k, such a request also lets a drafter that sizes its chains
-    by its own score (the suffix drafter; the hybrid's index rounds) propose up to
-    MEASURED_LOOKAHEAD tokens a round (free_lookahead): they cost no forward, and its match knows
-    this text better than a k priced over every request (copied code: k = 2 ran 52 tok/s, 16 87)."""
+    by its own score (the suffix drafter; the hybrid's index rounds) propose up to MAX_LOOKAHEAD
+    tokens a round (free_lookahead; 16 until a chain is accepted whole, loop.FREE_START): they cost
+    no forward, and its match knows this text better than a k priced over every request (copied
+    code: k = 2 ran 52 tok/s, 16 87)."""
     if config.tree_nodes or not config.coupled or not config.speculate:
         return config
-    config = dataclasses.replace(config, free_lookahead=validation.MEASURED_LOOKAHEAD)
+    config = dataclasses.replace(config, free_lookahead=validation.MAX_LOOKAHEAD)
     if config.adaptive:
         return config
     if pair.costs.alone_gain is not None and pair.costs.alone_gain < 1 and RUNNING.count() == 0:

@@ -84,6 +84,13 @@ MAX_PLAIN_STEPS = 16
 # that many steps.
 MAX_UNARY_STEPS = 64
 ROUND_OVERHEAD_SHARE = 0.05
+# An index's chain sized by its own score (free_lookahead) holds at most FREE_START tokens, and up
+# to the request's free_lookahead (MAX_LOOKAHEAD) after a chain accepted whole: text being copied.
+# On a CPU a 17-token verify costs the F32 target 3.4 ms a token, a 33-token one 2.7: a 201-token
+# verbatim copy ran 14 rounds with chains of 16, 9 with up to 32. After a miss the next chain is
+# FREE_START again: a long one that misses early costs a wider verify for nothing (docs/models.md,
+# "How long a chain the index proposes").
+FREE_START = 16
 
 
 def decode_steps(overhead: float, step: float) -> int:
@@ -168,6 +175,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: Proposal | None = None  # the next round's drafts, from a continuation
+        self._free = min(config.free_lookahead, FREE_START)  # the next index chain's most tokens (FREE_START)
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
@@ -381,7 +389,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
                     noise_seed=self.config.noise_seed,
                     threads=self._threads(self.draft, concurrent),
                     alternatives=self._caching,
-                    free_lookahead=min(self.config.free_lookahead, room) if room > k else 0,
+                    free_lookahead=min(self._free, room) if room > k else 0,
                 ),
                 prefill=prefill,
             )
@@ -475,6 +483,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             target_row = wire.decode_row(scores.row)
         proposed = k
         committed = drafts.tokens[:accepted]
+        if indexed:
+            self._free = cfg.free_lookahead if accepted == k else min(cfg.free_lookahead, FREE_START)
         passed = tested = False
         if accepted == k and after is not None and after.tokens:
             first = after.tokens[0]

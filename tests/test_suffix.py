@@ -21,13 +21,13 @@ from draft_service.proposer import proposal_row
 from draft_service.server import DraftServicer
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
-from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.loop import FREE_START, LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import Session, SessionCall, SessionEngine
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from specdec.validation import MEASURED_LOOKAHEAD
+from specdec.validation import MAX_LOOKAHEAD
 from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer
 from target_service.server import serve as serve_target
@@ -360,6 +360,37 @@ def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     assert draft.servicer.engine.open_sessions == 0
 
 
+def test_index_chains_run_past_free_start_only_after_one_accepted_whole():
+    """free_lookahead is the most an index chain holds: FREE_START at first and after a chain the
+    target cut short, the request's whole free_lookahead after a chain accepted whole (copying)."""
+    target_probs = random_markov(12, 31, alpha=0.3)
+    asked = []  # the free_lookahead of each Propose
+    index = suffix_drafter()
+
+    def propose(engine, session, k, *args, free=0):
+        asked.append(free)
+        return index.propose(engine, session, k, *args, free=free)
+
+    drafter = Drafter(propose, proposal_row, index.propose_tree, free=True)
+    draft, target = loop_pair(target_probs, random_markov(12, 32), drafter)
+    # greedy text here loops (every chain accepted whole); a sample under the invariant rule also misses
+    sampling, rule = SamplingParams(temperature=0.5), "invariant"
+    config = LoopConfig(sampling, 400, seed=4, lookahead=2, free_lookahead=MAX_LOOKAHEAD, rule=rule)
+    loop = SpeculativeLoop(draft, target, [0, 1, 2], config)
+    first, *rounds = loop.rounds()  # the first token alone, then each round after its Propose
+    alone, _, _ = run(draft, target, sampling, 400, seed=4, speculate=False, rule=rule)
+    assert loop.generated == alone and len(asked) == len(rounds)
+    assert asked[0] == FREE_START and MAX_LOOKAHEAD in asked
+    wanted, done = FREE_START, len(first.token_ids)
+    for before, free in zip(rounds, asked[1:], strict=False):
+        done += len(before.token_ids)
+        if before.proposed:  # a round the index found no match for leaves it as it was
+            wanted = MAX_LOOKAHEAD if before.accepted == before.proposed else FREE_START
+        room = 400 - done - 1  # near the end, what is left
+        assert free == (min(wanted, room) if room > 2 else 0), (before, free)
+    assert any(0 < r.accepted < r.proposed for r in rounds)  # chains cut short too
+
+
 @pytest.mark.parametrize("kind,overlap,n", [("suffix", False, 6000), ("hybrid", True, 8000), ("renting", True, 8000)])
 def test_the_leviathan_rules_law_is_the_targets(kind, overlap, n):
     """Point-mass drafts (and, hybrid, rounds of the model's drafts between them, their rows
@@ -611,7 +642,8 @@ def test_only_a_seeded_leviathan_sample_opens_a_reproducible_draft_session(tiny_
 
 def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):
     """A greedy request that names no lookahead (nor does the server) lets the suffix drafter size its
-    chains up to MEASURED_LOOKAHEAD (ProposeRequest.free_lookahead), past the k the pair prices; a
+    chains up to MAX_LOOKAHEAD (ProposeRequest.free_lookahead; FREE_START until a chain is accepted
+    whole), past the k the pair prices; a
     Leviathan sample keeps k (its uniforms are k): the text is the target alone's either way."""
     asked = []  # (k, free_lookahead, tokens proposed)
     index = suffix_drafter()
@@ -636,7 +668,8 @@ def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models,
         on = stub.Generate(greedy)
         off = stub.Generate(request(ids(REPEATING), 80, disabled=True))
         assert list(on.token_ids) == list(off.token_ids) and on.stats.accepted_tokens > 0
-        assert {free for _, free, _ in asked} <= {0} | set(range(1, MEASURED_LOOKAHEAD + 1))
+        frees = [free for _, free, _ in asked if free]
+        assert frees[0] <= FREE_START and max(frees) <= MAX_LOOKAHEAD
         assert any(n > k for k, _, n in asked), asked  # chains past the priced k
         asked.clear()
         sampled = orchestrator_pb2.GenerateRequest(
