@@ -175,7 +175,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             )
         self._sampling = config.sampling.to_proto()  # what every Propose and Score carries
         self._carried: Proposal | None = None  # the next round's drafts, from a continuation
-        self._free = min(config.free_lookahead, FREE_START)  # the next index chain's most tokens (FREE_START)
+        self._copying = False  # the last index chain was accepted whole: the next may run past FREE_START
         self._stats_lock = threading.Lock()
         self._draft_opening = None  # the draft's OpenSession while it runs (adaptive: _draft_ready)
         self._draft_opened = False  # its OpenSession was sent (adaptive: once the policy speculates)
@@ -366,6 +366,11 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         """Whether the draft's next call carries a prefill: more pending commits than a round makes."""
         return len(self.draft.pending) > max(self.config.lookahead, self.config.free_lookahead) + 2
 
+    def _free_lookahead(self) -> int:
+        """The most tokens the next index chain may hold (FREE_START until one is accepted whole)."""
+        free = self.config.free_lookahead
+        return free if self._copying else min(free, FREE_START)
+
     def _wanted_k(self) -> int:
         return self.policy.next_k() if self.policy else self.config.lookahead
 
@@ -389,7 +394,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
                     noise_seed=self.config.noise_seed,
                     threads=self._threads(self.draft, concurrent),
                     alternatives=self._caching,
-                    free_lookahead=min(self._free, room) if room > k else 0,
+                    free_lookahead=min(self._free_lookahead(), room) if room > k else 0,
                 ),
                 prefill=prefill,
             )
@@ -484,7 +489,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         proposed = k
         committed = drafts.tokens[:accepted]
         if indexed:
-            self._free = cfg.free_lookahead if accepted == k else min(cfg.free_lookahead, FREE_START)
+            self._copying = accepted == k
         passed = tested = False
         if accepted == k and after is not None and after.tokens:
             first = after.tokens[0]

@@ -643,8 +643,8 @@ def test_only_a_seeded_leviathan_sample_opens_a_reproducible_draft_session(tiny_
 def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):
     """A greedy request that names no lookahead (nor does the server) lets the suffix drafter size its
     chains up to MAX_LOOKAHEAD (ProposeRequest.free_lookahead; FREE_START until a chain is accepted
-    whole), past the k the pair prices; a
-    Leviathan sample keeps k (its uniforms are k): the text is the target alone's either way."""
+    whole), past the k the pair prices; a Leviathan sample keeps k (its uniforms are k): the text is
+    the target alone's either way."""
     asked = []  # (k, free_lookahead, tokens proposed)
     index = suffix_drafter()
 
