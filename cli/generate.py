@@ -10,6 +10,7 @@ import sys
 
 from cli import options
 from deploy.local import LocalPipeline
+from specdec.limits import SessionLimits
 from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -52,8 +53,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--compare",
         action="store_true",
         help="then generate again with the target alone (--no-speculation, same services: locally, on every core "
-        "unless --target-cpus pins it) and print the speedup (tokens/s, prefill included: the second run reuses the "
-        "prompt's keys and values the first computed; --no-prefix-cache to prefill both)",
+        "unless --target-cpus pins it) and print the speedup (tokens/s, prefill included: the local services it "
+        "starts keep no prefix cache, so both runs prefill the prompt; with --address the second run may reuse the "
+        "prompt's keys and values the first computed, unless that server runs with --no-prefix-cache)",
     )
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
     options.add_prefix_cache_flag(g)
@@ -71,11 +73,15 @@ def run(args) -> int:
 
 
 def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -> LocalPipeline:
-    """The three services as local processes for this client; they require its token, if any."""
+    """The three services as local processes for this client; they require its token, if any.
+    With --compare they keep no prefix cache: the target alone's run would otherwise reuse the
+    prompt's prefill that the speculative run paid for, and the speedup would not be like for like."""
     if client.uses_tls:
         raise security.SecurityError("--tls* flags apply with --address; local services talk over loopback")
     log = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    return LocalPipeline(options.pipeline_config(args, auth_token=client.token), log=log)
+    prefix_cache = not (getattr(args, "no_prefix_cache", False) or getattr(args, "compare", False))
+    limits = SessionLimits(prefix_cache=prefix_cache)
+    return LocalPipeline(options.pipeline_config(args, auth_token=client.token, session_limits=limits), log=log)
 
 
 def request(args) -> orchestrator_pb2.GenerateRequest:

@@ -456,3 +456,23 @@ def test_no_prefix_cache_reaches_the_services(argv, tmp_path):
         if argv[0] in ("serve", "generate"):
             local = LocalPipeline(options.pipeline_config(args, session_limits=limits), workdir=tmp_path)
             assert ("--no-prefix-cache" in local._limit_args("target")) is not on
+
+
+def test_generate_compare_prefills_both_runs(tmp_path):
+    """`specdec generate --compare` starts its services without the prefix cache: the target alone's
+    run would otherwise reuse the prompt's keys and values the speculative run computed, and the
+    speedup it prints would weigh one prefill against none."""
+    import shutil
+
+    from cli.generate import local_pipeline
+    from cli.main import build_parser
+    from specdec.serving.security import ClientSecurity
+
+    parser = build_parser()
+    for argv, on in ((["generate", "hi"], True), (["generate", "hi", "--compare"], False)):
+        pipeline = local_pipeline(parser.parse_args(argv), ClientSecurity(), quiet=True)
+        try:
+            assert pipeline.config.session_limits.prefix_cache is on
+            assert ("--no-prefix-cache" in pipeline._limit_args("target")) is not on
+        finally:
+            shutil.rmtree(pipeline.workdir, ignore_errors=True)
