@@ -458,7 +458,7 @@ def test_no_prefix_cache_reaches_the_services(argv, tmp_path):
             assert ("--no-prefix-cache" in local._limit_args("target")) is not on
 
 
-def test_generate_compare_prefills_both_runs(tmp_path):
+def test_generate_compare_prefills_both_runs():
     """`specdec generate --compare` starts its services without the prefix cache: the target alone's
     run would otherwise reuse the prompt's keys and values the speculative run computed, and the
     speedup it prints would weigh one prefill against none."""
