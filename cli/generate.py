@@ -10,7 +10,6 @@ import sys
 
 from cli import options
 from deploy.local import LocalPipeline
-from specdec.limits import SessionLimits
 from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -79,9 +78,11 @@ def local_pipeline(args, client: security.ClientSecurity, quiet: bool = False) -
     if client.uses_tls:
         raise security.SecurityError("--tls* flags apply with --address; local services talk over loopback")
     log = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    prefix_cache = not (getattr(args, "no_prefix_cache", False) or getattr(args, "compare", False))
-    limits = SessionLimits(prefix_cache=prefix_cache)
-    return LocalPipeline(options.pipeline_config(args, auth_token=client.token, session_limits=limits), log=log)
+    config = options.pipeline_config(args, auth_token=client.token)
+    if getattr(args, "compare", False):
+        limits = dataclasses.replace(config.session_limits, prefix_cache=False)
+        config = dataclasses.replace(config, session_limits=limits)
+    return LocalPipeline(config, log=log)
 
 
 def request(args) -> orchestrator_pb2.GenerateRequest:
