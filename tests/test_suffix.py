@@ -360,6 +360,7 @@ def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     assert draft.servicer.engine.open_sessions == 0
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_index_chains_run_past_free_start_only_after_one_accepted_whole():
     """free_lookahead is the most an index chain holds: FREE_START at first and after a chain the
     target cut short, the request's whole free_lookahead after a chain accepted whole (copying)."""
