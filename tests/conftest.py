@@ -123,14 +123,15 @@ RAY_CLUSTER = ("test_ray.py", "test_ray_cli.py", "test_ray_serve.py", "test_tele
 
 @pytest.fixture
 def draft_awaited(monkeypatch):
-    """Greedy and invariant rounds at a fixed k wait for the draft's session to open, as a Leviathan
-    sample's do: they go without drafts meanwhile (orchestrator.sessions: _waits_for_draft), and with
-    in-process stand-ins a 200-token greedy answer ended in 15 ms, before a loaded CI worker ran the
-    draft's open at all (no draft token: stop 78). For the tests that assert drafts were proposed."""
+    """Greedy, invariant and adaptive rounds wait for the draft's session to open, as a Leviathan
+    sample's at a fixed k do: they go without drafts meanwhile (orchestrator.sessions: _waits_for_draft),
+    and with in-process stand-ins a 200-token greedy answer ended in 15 ms, before a loaded CI worker ran
+    the draft's open at all (no draft token: stops 78 and 84). For the tests that assert drafts were
+    proposed."""
     from orchestrator.sessions import GenerationSessions
 
     def waits(loop) -> bool:
-        return not loop.config.adaptive and not loop._draft_was_lost
+        return not loop._draft_was_lost
 
     monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(waits))
 

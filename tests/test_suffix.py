@@ -343,6 +343,7 @@ def drafter_of(kind: str) -> Drafter:
 
 
 @pytest.mark.parametrize("kind", ["suffix", "hybrid", "renting"])
+@pytest.mark.usefixtures("draft_awaited")
 def test_greedy_and_the_invariant_rule_equal_the_target_alone(kind):
     target_probs = random_markov(12, 31, alpha=0.3)
     draft, target = loop_pair(target_probs, random_markov(12, 32), drafter_of(kind))
