@@ -136,6 +136,15 @@ def draft_awaited(monkeypatch):
     monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(waits))
 
 
+@pytest.fixture
+def draft_always_awaited(monkeypatch):
+    """draft_awaited, and after the draft's session was lost too: the rounds wait for the session
+    it re-opens, for the tests that assert speculation resumed."""
+    from orchestrator.sessions import GenerationSessions
+
+    monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(lambda loop: True))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Free what a module's fixtures left in reference cycles (a backend, a llama.cpp context) before

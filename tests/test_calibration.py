@@ -76,6 +76,7 @@ def test_a_request_alone_runs_plain_rounds_where_the_start_timed_them_faster(slo
     assert first.token_ids == named.token_ids  # greedy: the target's text either way
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_drafter_with_index_drafts_is_not_timed_against_plain_rounds(backends):
     # the model drafter declaring index drafts (as ngram, suffix and hybrid do): priced by its
     # forwards, as a hybrid's model half is, and not timed (timed, its drafts pay: above 1)

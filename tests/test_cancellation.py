@@ -41,9 +41,10 @@ def slow(tiny_backends):
 
 
 def started(p, stream):
-    """The first chunk of a stream, once both services hold its session."""
+    """The first chunk of a stream, once both services hold its session (the first token is the
+    target's alone: the draft's open may still run)."""
     first = next(stream)
-    assert first.token_ids and p.open_sessions() == (1, 1)
+    assert first.token_ids and wait_until(lambda: p.open_sessions() == (1, 1), 30), p.open_sessions()
     return first
 
 
@@ -99,6 +100,7 @@ class Recording:
         return call
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_deadline_is_passed_on_to_the_model_services(slow):
     pair = connect(slow.addresses["draft"], slow.addresses["target"])
     draft, target = Recording(pair.draft), Recording(pair.target)

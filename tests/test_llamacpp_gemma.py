@@ -110,6 +110,7 @@ def until_eos(tokens: list[int], eos) -> list[int]:
     return tokens[: ends[0]] if ends else tokens
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_gemma3_gguf_as_the_target_decodes_as_llamacpp_alone(gemma, tiny):
     assert gemma.vocab_size == VOCAB
     slot = gemma.new_cache()
@@ -132,6 +133,7 @@ def test_gemma3_gguf_as_the_target_decodes_as_llamacpp_alone(gemma, tiny):
         assert gaps[first] < NEAR_TIE and first >= NEW_TOKENS // 2, (first, gaps[first])
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_gemma3_gguf_as_the_draft_keeps_the_targets_greedy_text(gemma, tiny):
     with torch.no_grad():
         out = tiny.model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)

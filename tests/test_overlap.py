@@ -271,6 +271,7 @@ def hopeless(n: int):
     return draft, target, plain, costs
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
     """On a pair where speculation does not pay (every draft rejected), a new adaptive generation
     opens no draft session: under such a load the draft prefilled every prompt for nothing, on
@@ -292,6 +293,7 @@ def test_adaptive_generation_opens_its_draft_only_when_it_speculates():
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("measured", [False, True], ids=["adaptive", "measured-default"])
 def test_under_load_plain_rounds_the_policy_chose_take_several_target_steps(measured):
     """Under load, where the pair's measured costs say no draft pays, an adaptive generation and

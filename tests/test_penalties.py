@@ -99,6 +99,7 @@ def penalised_argmax_decode(backend, params: SamplingParams, n: int) -> list[int
     return out
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_greedy_is_the_penalised_argmax_of_the_target_alone():
     target_kernel = random_markov(len(SUPPORT), 51, alpha=0.3)
     draft, target = pair(target_kernel, 0.7 * target_kernel + 0.3 * random_markov(len(SUPPORT), 52))

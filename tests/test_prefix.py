@@ -126,6 +126,7 @@ def conversation(pair: Pair, **config) -> list[tuple[list[int], list[int]]]:
     return done
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize(
     "config",
     [{}, {"overlap": True}, {"tree_nodes": 6}],
@@ -188,6 +189,7 @@ def test_a_session_from_a_hit_computes_what_a_prefill_does(tiny_models, tiny_bac
         torch.testing.assert_close(hit, cold, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_the_same_request_again_reuses_all_but_its_last_token_on_both_sides(pairs):
     pair = pairs()
     prompt = [*SYSTEM, *tokens(4, 30)]

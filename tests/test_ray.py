@@ -208,6 +208,7 @@ def driver_pair(packed):
     return connect(actor_endpoint(draft), actor_endpoint(target), security=INSECURE)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("trial", range(TRIALS))
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_killed_service_actor_mid_generation(packed, driver_pair, reference, role, trial):

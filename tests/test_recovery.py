@@ -70,6 +70,7 @@ def services(tiny_backends):
         side.stop()
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
 def test_restarted_target_gives_the_uninterrupted_output(services, sampling, overlap):
@@ -85,6 +86,7 @@ def test_restarted_target_gives_the_uninterrupted_output(services, sampling, ove
         assert loop.stats.recoveries == 1
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize(
     "sampling, rule", [(GREEDY, "leviathan"), (SAMPLING, "invariant"), (SAMPLING, "leviathan")],
     ids=["greedy", "invariant", "leviathan"],
@@ -156,6 +158,7 @@ def test_reopen_replaces_a_session_the_service_still_holds(services):
     target.CloseSession(model_pb2.CloseSessionRequest(session_id="kept"))
 
 
+@pytest.mark.usefixtures("draft_always_awaited")
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLING], ids=["greedy", "sampling"])
 def test_a_late_open_on_the_draft_costs_rounds_never_the_request(services, sampling):
     """An OpenSession sent on a link that was held reaches the draft after the generation's own:

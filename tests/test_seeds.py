@@ -135,6 +135,7 @@ SCHEDULES = [
 ]
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
 def test_seeded_output_is_the_target_alones_under_any_schedule(drafter):

@@ -145,6 +145,7 @@ def test_caches_hold_the_committed_prefix_after_each_round(stubs):
     assert len(checked) == loop.stats.rounds and loop.stats.accepted_tokens < loop.stats.draft_tokens
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_pipeline_equals_target_only(stubs, tiny_backends, k):
     draft, target = stubs

@@ -145,6 +145,7 @@ SCHEDULES = [
 ]
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("drafter", [MODEL, NGRAM], ids=["model", "ngram"])
 def test_greedy_is_the_masked_argmax_of_the_target_alone(drafter, markov_table):
     target_kernel = random_markov(len(SUPPORT), 31, alpha=0.3)
@@ -161,6 +162,7 @@ def test_greedy_is_the_masked_argmax_of_the_target_alone(drafter, markov_table):
     assert draft.servicer.engine.open_sessions == 0 == target.servicer.engine.open_sessions
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_the_invariant_rules_seeded_sample_is_the_target_alones():
     target_kernel = random_markov(len(SUPPORT), 41, alpha=0.4)
     draft, target = pair(target_kernel, random_markov(len(SUPPORT), 42))

@@ -306,6 +306,7 @@ def test_a_wrong_residual_through_the_services_fails_the_same_test(kernels, monk
     assert counts_chisquare(counts, support_kernel(target_kernel)) < 1e-3
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("verify", VERIFY)
 def test_the_invariant_rule_with_trees_gives_the_target_alones_text(verify):
     target_probs = random_markov(12, 61, alpha=0.3)
@@ -360,6 +361,7 @@ def test_an_adaptive_generation_takes_a_tree_only_while_trees_measure_faster():
     assert choice.tree(greedy=False)  # sampled rounds are measured apart, from scratch
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_adaptive_with_trees_stays_exact_and_uses_both_kinds():
     target_probs = random_markov(12, 71, alpha=0.3)
     draft, target = pair(target_probs, near(target_probs, 72))
