@@ -145,6 +145,39 @@ def draft_always_awaited(monkeypatch):
     monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(lambda loop: True))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--late-draft",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="delay every in-process generation's draft OpenSession this long (the other tasks run "
+        "meanwhile), as a loaded CI worker can: a test that asserts drafts were proposed must then "
+        "use draft_awaited (docs/testing.md)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _late_draft(request, monkeypatch):
+    """--late-draft: the draft's open comes that late (none by default)."""
+    delay = request.config.getoption("--late-draft")
+    if not delay:
+        return
+    import time
+
+    from orchestrator import scheduler
+    from orchestrator.sessions import GenerationSessions
+
+    opened = GenerationSessions._open
+
+    def late(loop, side, *args, **kwargs):
+        if side is loop.draft:
+            scheduler.offload(time.sleep, delay)
+        return opened(loop, side, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationSessions, "_open", late)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_after_module():
     """Free what a module's fixtures left in reference cycles (a backend, a llama.cpp context) before
