@@ -62,6 +62,7 @@ def slow_draft(tiny_models):
     return SlowBackend(hf_backend(spec), 0.03), hf_backend(spec)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_request_alone_runs_plain_rounds_where_the_start_timed_them_faster(slow_draft):
     with pipeline(*slow_draft, lookahead=None, calibration_tokens=30) as p:
         info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)

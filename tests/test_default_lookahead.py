@@ -71,6 +71,7 @@ def generate(stub, sampling=None, seed=None, **speculation) -> orchestrator_pb2.
     return stub.Generate(request, timeout=120)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_an_unset_lookahead_runs_at_the_measured_k(orchestrator):
     pair, stub = orchestrator
     reference = generate(stub, lookahead=4)  # the pair measures its rounds (and a request's own k stands)
@@ -86,6 +87,7 @@ def test_an_unset_lookahead_runs_at_the_measured_k(orchestrator):
     assert generate(stub, disabled=True).stats.lookahead == 0
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_leviathan_sample_keeps_the_fixed_default_and_its_seed_replays(orchestrator):
     pair, stub = orchestrator
     sampled = model_pb2.SamplingParams(temperature=0.8)

@@ -41,6 +41,7 @@ def request(**kw):
     return orchestrator_pb2.GenerateRequest(**kw)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_stream_equals_unary(pipeline):
     stub, _ = pipeline
     for sampling in (model_pb2.SamplingParams(), model_pb2.SamplingParams(temperature=0.9, top_p=0.95)):
@@ -65,6 +66,7 @@ def test_stream_equals_unary(pipeline):
             assert s.mean_accepted_length * s.rounds <= s.accepted_tokens + s.rounds
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_chunks_split_their_text_by_origin_and_count_their_rounds(pipeline):
     """TextSpan and RoundCounts: the spans cover each chunk's text; the counts add up to the stats."""
     stub, _ = pipeline

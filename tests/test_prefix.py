@@ -371,6 +371,7 @@ def test_the_law_through_the_services_with_the_cache_on():
         engine.stop()
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_describe_reports_the_prefix_cache_and_the_flag_turns_it_off(tiny_backends):
     """Through gRPC services: the same request twice, then with the cache off."""
     ask = [*SYSTEM, *tokens(80, 10)]

@@ -65,6 +65,7 @@ def test_the_flags_reach_the_orchestrator():
         options.request_defaults(parse(["serve", "--lookahead", "40"]))
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_served_default_lookahead_drafts_that_many(tiny_backends):
     draft_server, draft_port = serve_draft(tiny_backends["draft"])
     target_server, target_port = serve_target(tiny_backends["target"])

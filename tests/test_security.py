@@ -169,6 +169,7 @@ def test_the_right_credentials_pass_on_every_method(secured, pki):
         assert open_sessions(pki, secured, name) == 0
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_generation_through_the_secured_chain(secured, pki):
     """Client -mTLS+token-> orchestrator -mTLS+token-> draft and target."""
     from specdec.v1 import orchestrator_pb2_grpc

@@ -239,6 +239,7 @@ def speculation(i: int) -> orchestrator_pb2.SpeculationParams:
     return orchestrator_pb2.SpeculationParams(lookahead=kind)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_64_sessions_at_once_each_get_the_targets_greedy_text():
     draft, target = StandinBackend("standin:2:0.8"), StandinBackend("standin:5")
     with pipeline(draft, target, limits=LIMITS, admission=ADMISSION, lookahead=None) as p:

@@ -580,6 +580,7 @@ def ids(text: str) -> list[int]:
     return TOKENIZER(text)["input_ids"]
 
 
+@pytest.mark.usefixtures("draft_awaited")
 @pytest.mark.parametrize("kind", ["suffix", "hybrid"])
 def test_through_the_services(tiny_models, tiny_backends, kind):
     with services(tiny_models, tiny_backends, kind) as (stub, _):
@@ -599,6 +600,7 @@ def test_through_the_services(tiny_models, tiny_backends, kind):
                 assert list(out.token_ids) == list(alone.token_ids)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_seeded_leviathan_sample_replays_its_text_without_the_store(tiny_models, tiny_backends):
     """A Leviathan sample's text depends on its drafts: drafted from the store, a seed's second run
     would draft the first one's answer and sample other text. A seeded sample neither drafts from
@@ -642,6 +644,7 @@ def test_only_a_seeded_leviathan_sample_opens_a_reproducible_draft_session(tiny_
             assert seen or not wanted  # a Leviathan sample at a fixed k waits for its draft: it drafts
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models, tiny_backends):
     """A greedy request that names no lookahead (nor does the server) lets the suffix drafter size its
     chains up to MAX_LOOKAHEAD (ProposeRequest.free_lookahead; FREE_START until a chain is accepted
@@ -687,6 +690,7 @@ def test_a_request_that_names_no_lookahead_takes_the_index_s_chains(tiny_models,
             server.stop(None)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):
     """An agent resends its request with a little more: what the target wrote the first time,
     which the new session has not seen, is drafted from the store. (The tiny target's greedy
@@ -708,6 +712,7 @@ def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):
     assert again.stats.accepted_tokens > fresh.stats.accepted_tokens + 30, (again.stats, fresh.stats)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_earlier_answers_draft_only_the_same_clients_requests(tiny_models, tiny_backends):
     """The store is kept per client (credential and salt): the request resent under another salt
     drafts nothing from the first answer, under the same salt it does, and with history false it

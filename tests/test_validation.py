@@ -287,6 +287,7 @@ def test_cli_reports_bad_input_in_one_line(services, args, expected):
     assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
 
 
+@pytest.mark.usefixtures("draft_awaited")
 def test_unset_fields_take_their_defaults(services):
     """No max_new_tokens: 128; no lookahead: the server's (this pipeline's 4, reported in the stats;
     tests/test_default_lookahead.py has the measured one); no sampling: greedy; an explicit seed 0
