@@ -128,21 +128,21 @@ def draft_awaited(monkeypatch):
     and with in-process stand-ins a 200-token greedy answer ended in 15 ms, before a loaded CI worker ran
     the draft's open at all (no draft token: stops 78 and 84). For the tests that assert drafts were
     proposed."""
-    from orchestrator.sessions import GenerationSessions
-
-    def waits(loop) -> bool:
-        return not loop._draft_was_lost
-
-    monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(waits))
+    _rounds_wait_for_draft(monkeypatch, lambda loop: not loop._draft_was_lost)
 
 
 @pytest.fixture
 def draft_always_awaited(monkeypatch):
     """draft_awaited, and after the draft's session was lost too: the rounds wait for the session
     it re-opens, for the tests that assert speculation resumed."""
+    _rounds_wait_for_draft(monkeypatch, lambda loop: True)
+
+
+def _rounds_wait_for_draft(monkeypatch, waits) -> None:
+    """A loop's rounds wait for its draft's open where waits(loop) (orchestrator.sessions: _waits_for_draft)."""
     from orchestrator.sessions import GenerationSessions
 
-    monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(lambda loop: True))
+    monkeypatch.setattr(GenerationSessions, "_waits_for_draft", property(waits))
 
 
 def pytest_addoption(parser):
