@@ -57,9 +57,10 @@ def test_the_workloads_bench_on_tiny_models(tiny_models, tmp_path, monkeypatch):
     )
     result = workloads.run(config)
     rows = {(r["workload"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(w, m) for w in ("copy", "agent") for m in ("target alone", "suffix")}
+    assert set(rows) == {(w, m) for w in ("copy", "agent") for m in ("target alone", "suffix", "bound")}
     for row in rows.values():
         assert row["tokens_per_second"] > 0 and row["requests"] == (2 if row["workload"] == "copy" else 1)
         assert row["same_text"] == f"{row['requests']}/{row['requests']}"  # exact: the target alone's answers
     assert rows[("agent", "suffix")]["acceptance_rate"] is not None
+    assert rows[("copy", "bound")]["acceptance_rate"] is not None  # the resent requests drafted their own answers
     assert (tmp_path / "workloads.json").exists() and "x llama.cpp alone" in workloads.format_table(result)
