@@ -278,11 +278,13 @@ class AdaptiveLookahead:
         """One round (RoundReport): its acceptance to this generation's estimate, its costs to the
         pair's, its time against the price that chose it (see Calibration), and its committed
         tokens to the regime's rate (see Measured)."""
-        self.accepted = DECAY * self.accepted + report.accepted
-        self.rejections = DECAY * self.rejections + (1 if report.accepted < report.proposed else 0)
+        model = not (report.indexed and self.costs.index_apart)  # a hybrid's index round: not its model's
+        if model:
+            self.accepted = DECAY * self.accepted + report.accepted
+            self.rejections = DECAY * self.rejections + (1 if report.accepted < report.proposed else 0)
         with self.costs.lock:
             self.costs.update(report, self.load(), counted=not self.exploring)
-            if report.quiet and report.round_seconds and self.priced is not None and not self.exploring:
+            if model and report.quiet and report.round_seconds and self.priced is not None and not self.exploring:
                 spec_price, plain_price, load = self.priced
                 price = plain_price if report.proposed == 0 else spec_price  # None: drafts it did not choose (carried)
                 if price:

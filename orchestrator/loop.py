@@ -568,6 +568,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
                     target_threads=scores.threads,
                     committed=len(committed),
                     at=now,
+                    indexed=drafts.report is not None and drafts.report.steps == 0,  # proposed now, no forward
                 )
             )
             self._committed = (time.perf_counter(), self.policy.costs.quiet_since())

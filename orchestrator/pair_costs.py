@@ -123,8 +123,10 @@ class RoundReport:
     proposed + 1, as when no other session shares the target) and the sessions it ran; the seconds
     since its generation's last commit (None: not timed); whether no prefill ran on the pair
     meanwhile (one that did waited behind it: neither its wait nor its time is counted; see
-    Calibration); the threads the target's step ran with (0: not reported); and the tokens it
-    committed and when, on the loop's clock (None: not counted; see Measured)."""
+    Calibration); the threads the target's step ran with (0: not reported); the tokens it
+    committed and when, on the loop's clock (None: not counted; see Measured); and whether its
+    drafts came from the drafter's index, without a forward (`indexed`: a hybrid's index round, whose
+    drafts are not its model's: PairCosts.index_apart)."""
 
     proposed: int
     accepted: int
@@ -138,6 +140,7 @@ class RoundReport:
     target_threads: int = 0
     committed: int | None = None
     at: float | None = None
+    indexed: bool = False
 
     def draft_cost(self) -> DraftCost:
         return self.draft if isinstance(self.draft, DraftCost) else DraftCost(self.draft, self.proposed)
@@ -209,8 +212,17 @@ class PairCosts:
     load where speculation does not pay the explorations are paid once for all generations, not
     once by each. Updated and read under its lock (generations run on their own threads)."""
 
-    def __init__(self, draft_profile: dict[int, float] | None = None, sharing: Sharing | None = None):
+    def __init__(
+        self, draft_profile: dict[int, float] | None = None, sharing: Sharing | None = None, index_apart: bool = False
+    ):
         self.lock = threading.Lock()
+        # the draft has a model beside its index (the hybrid): its index rounds (RoundReport.indexed)
+        # count for the target's side only. Their drafts cost no forward and are accepted as a copy
+        # is, so counted as the model's they priced its rounds from no draft cost and a copy's
+        # acceptance: after 18 code requests the default pair priced k = 16 at 4.57x, a draft token
+        # at 0.1 ms, and its chat answers ran 1.05x llama.cpp alone against the model draft's 1.45x.
+        # A drafter that is an index alone (ngram, suffix) is priced by its index rounds.
+        self.index_apart = index_apart
         # the draft's batched step of n sessions as its service timed it at start (Describe's
         # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
         self.draft_profile = dict(draft_profile or {})
@@ -461,9 +473,11 @@ class PairCosts:
         if quiet:
             self.waits[proposed > 0].add(queued(report.target_seconds, target_compute), decay=d)
             self.waits[proposed == 0].fade(d)
-        self.accepted = d * self.accepted + accepted
-        self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
-        if draft.tokens:
+        model = not (report.indexed and self.index_apart)  # the draft's side: its model's rounds only
+        if model:
+            self.accepted = d * self.accepted + accepted
+            self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
+        if draft.tokens and model:
             # its queueing capped as the target's is (steps 0: no compute reported, all of it counts)
             seconds = draft.compute + queued(draft.seconds, draft.compute) if draft.steps else draft.seconds
             self.draft_seconds = d * self.draft_seconds + seconds

@@ -75,7 +75,7 @@ def connect(
     vocab_size = target_info.vocab_size
     shared_device = False  # a draft found after the start is taken as on its own device
     profile, sharing = {}, None  # the draft's batched step costs (adaptive lookahead's prior for its steps)
-    index_drafts = False
+    index_drafts = index_apart = False
     if draft_address:
         wait = min(wait_seconds, DRAFT_START_WAIT)
         draft = ResilientStub(draft_stub, draft_address, channel, "draft", recovery, wait, optional=True)
@@ -105,6 +105,7 @@ def connect(
             sharing = shared_cores(draft_info, target_info)
             shared_device = shared_accelerator(draft_info, target_info)
             index_drafts = draft_info.index_drafts
+            index_apart = index_drafts and draft_info.dtype not in ("", "none")  # a model beside it: the hybrid
     return ModelPair(
         draft=draft,
         target=target,
@@ -113,7 +114,7 @@ def connect(
         vocab_size=vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
-        costs=PairCosts(profile, sharing),
+        costs=PairCosts(profile, sharing, index_apart),
         tree_verify=target_info.tree_verify,
         shared_device=shared_device,
         health=(draft_health, target_health),

@@ -19,14 +19,23 @@ from specdec.validation import DEFAULT_LOOKAHEAD, MEASURED_LOOKAHEAD
 from target_service.server import serve as serve_target
 
 
-def learned(draft_per_token: float, accepted: float, rounds: int = 40) -> PairCosts:
+def learned(draft_per_token: float, accepted: float, rounds: int = 40, costs: PairCosts | None = None) -> PairCosts:
     """A pair's costs after rounds at k = 4 and 8 (a verify of 60 ms and 8 ms a token more), the draft
     costing `draft_per_token` a token, `accepted` of each round's drafts accepted (rounded down)."""
-    costs = PairCosts()
+    costs = costs if costs is not None else PairCosts()
     policy = AdaptiveLookahead(16, costs=costs)
     for i in range(rounds):
         k = (4, 8)[i % 2]
         policy.update(RoundReport(k, int(k * accepted), draft=draft_per_token * k, target_seconds=0.060 + 0.008 * k))
+    return costs
+
+
+def copied(costs: PairCosts, rounds: int = 200) -> PairCosts:
+    """Index rounds on top: chains of 16 accepted whole, no forward (a copy the index drafted)."""
+    policy = AdaptiveLookahead(16, costs=costs)
+    for _ in range(rounds):
+        draft = DraftCost(0.0002, 16)  # the Propose's wire, no step
+        policy.update(RoundReport(16, 16, draft=draft, target_seconds=0.060 + 0.008 * 16, indexed=True))
     return costs
 
 
@@ -43,6 +52,18 @@ def test_the_measured_k_is_the_price_of_the_pairs_costs():
     assert alone.next_k() == k
     hopeless = learned(0.060, 0.0)  # no draft pays: the smallest k, never none (it was asked to speculate)
     assert measured_lookahead(hopeless, MEASURED_LOOKAHEAD, overlap=False) == 1
+
+
+def test_a_hybrids_index_rounds_do_not_price_its_model():
+    """The hybrid's index rounds (free drafts, a copy's acceptance) leave its model's price as its
+    model rounds set it; a drafter that is an index alone is priced by them."""
+    model = measured_lookahead(learned(0.030, 0.5), MEASURED_LOOKAHEAD, overlap=False)
+    assert 1 <= model < 4
+    hybrid = copied(learned(0.030, 0.5, costs=PairCosts(index_apart=True)))
+    assert measured_lookahead(hybrid, MEASURED_LOOKAHEAD, overlap=False) == model
+    assert hybrid.verify.w > learned(0.030, 0.5).verify.w  # the target's verifies count all the same
+    index_alone = copied(learned(0.030, 0.5))
+    assert measured_lookahead(index_alone, MEASURED_LOOKAHEAD, overlap=False) == MEASURED_LOOKAHEAD
 
 
 @pytest.fixture

@@ -543,7 +543,9 @@ TOKENIZER = make_tokenizer()
 
 
 @contextlib.contextmanager
-def services(tiny_models, tiny_backends, kind: str):
+def services(tiny_models, tiny_backends, kind: str, pair_out: list | None = None, lookahead: int | None = 4):
+    """(stub, the draft's stores) of three services with the suffix or hybrid drafter, the server's
+    default `lookahead`; `pair_out` gets the orchestrator's ModelPair."""
     if kind == "suffix":
         backend = TokenizerBackend(ModelSpec(tiny_models["draft"], "cpu", "float32"))
     else:
@@ -552,7 +554,9 @@ def services(tiny_models, tiny_backends, kind: str):
     draft_server, draft_port = serve_draft(backend, drafter=drafter)
     target_server, target_port = serve_target(tiny_backends["target"])
     pair = connect(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_port}")
-    orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=4))
+    if pair_out is not None:
+        pair_out.append(pair)
+    orch_server, orch_port = serve_orchestrator(pair, defaults=RequestDefaults(lookahead=lookahead))
     try:
         stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orch_port}"))
         yield stub, drafter.propose.__self__.stores
@@ -598,6 +602,28 @@ def test_through_the_services(tiny_models, tiny_backends, kind):
             if rule == orchestrator_pb2.RULE_INVARIANT:
                 alone = stub.Generate(request(ids(REPEATING), 50, sampling, seed=7, rule=rule, disabled=True))
                 assert list(out.token_ids) == list(alone.token_ids)
+
+
+@pytest.mark.usefixtures("draft_awaited")
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_the_pair_prices_a_hybrids_model_by_its_model_rounds(tiny_models, tiny_backends, kind):
+    """The hybrid's index rounds (no forward; a copy's acceptance) count for the target's verify
+    only: its model's drafts are priced by the model's rounds, each token a step's (PairCosts
+    .index_apart; counted as the model's, 18 code requests priced the default pair's draft token
+    at 0.1 ms and k = 16). The suffix drafter, an index alone, is priced by its index rounds."""
+    pair = []
+    with services(tiny_models, tiny_backends, kind, pair, lookahead=None) as (stub, _):
+        index = 0
+        for prompt in (REPEATING, PLAIN, REPEATING):
+            unset = request(ids(prompt), 80)
+            unset.speculation.ClearField("lookahead")  # the measured default: its rounds price the pair
+            index += stub.Generate(unset).stats.index_proposals
+        costs = pair[0].costs
+        assert index > 0 and costs.index_apart == (kind == "hybrid")
+        if kind == "hybrid":  # the drafts priced are its model's: a token a forward, none free
+            assert 0 < costs.draft_tokens <= costs.draft_steps + 1e-9, (costs.draft_tokens, costs.draft_steps)
+        else:
+            assert costs.draft_steps == 0 and costs.draft_tokens > 0
 
 
 @pytest.mark.usefixtures("draft_awaited")
