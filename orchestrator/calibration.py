@@ -4,7 +4,8 @@ validation.MEASURED_LOOKAHEAD (so the target verifies blocks of several sizes an
 at several k). What they measure goes into the pair's shared costs (orchestrator.pair_costs), so a
 request that names no lookahead gets the k a warm server would give it, not DEFAULT_LOOKAHEAD.
 Then the same prompts run once at that k and once without speculation, interleaved (`alone_gain`):
-where speculation timed slower, a request alone that names no lookahead runs plain rounds
+where speculation timed clearly slower (pair_costs.ALONE_PLAIN), a request alone that names no
+lookahead runs plain rounds
 (generation.default_lookahead; docs/adaptive.md#the-default-k). Requests in service refine the
 prices as before.
 
@@ -63,7 +64,7 @@ def calibrate(
         pair.costs.alone_gain = priced.speedup
     else:
         try:
-            pair.costs.alone_gain = alone_gain(pair, each, chat, defaults)
+            pair.costs.alone_gain, pair.costs.alone_timed = alone_gain(pair, each, chat, defaults), True
         except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
             if log:
                 log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")

@@ -302,7 +302,7 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     replays whatever ran before it), draft trees and adaptive lookahead (its largest k). Under load
     such a generation runs that k or plain rounds, whichever the pair measures faster (`measured`:
     orchestrator.lookahead's Default k); alone, plain rounds where the start-up calibration timed
-    them faster than that k on its prompts (PairCosts.alone_gain below 1), else that k.
+    them clearly faster than that k on its prompts (PairCosts.alone_plain), else that k.
 
     Where its text does not depend on k, such a request also lets a drafter that sizes its chains
     by its own score (the suffix drafter; the hybrid's index rounds) propose up to MAX_LOOKAHEAD
@@ -314,7 +314,7 @@ def default_lookahead(pair: ModelPair, config: LoopConfig) -> LoopConfig:
     config = dataclasses.replace(config, free_lookahead=validation.MAX_LOOKAHEAD)
     if config.adaptive:
         return config
-    if pair.costs.alone_gain is not None and pair.costs.alone_gain < 1 and RUNNING.count() == 0:
+    if pair.costs.alone_plain() and RUNNING.count() == 0:
         return dataclasses.replace(config, speculate=False)
     k = measured_lookahead(pair.costs, validation.MEASURED_LOOKAHEAD, config.overlap)
     return dataclasses.replace(config, lookahead=k or config.lookahead, measured=True)

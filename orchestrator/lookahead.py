@@ -37,7 +37,7 @@ EXPLORE_EVERY steps off, backing off up to EXPLORE_MAX (docs/adaptive.md#load-hy
 
 Default k. measured_lookahead: the k in 1..MEASURED_LOOKAHEAD priced fastest for a generation
 alone (DEFAULT_LOOKAHEAD before any measurement), for greedy or invariant chains. `measured`:
-alone that k (or plain rounds where the start-up calibration timed them faster: PairCosts.alone_gain),
+alone that k (or plain rounds where the start-up calibration timed them clearly faster: PairCosts.alone_plain),
 under load that k or 0 as the regimes decide (docs/adaptive.md#the-default-k).
 """
 
@@ -306,9 +306,9 @@ class Price:
     plain_token_seconds: float  # a round without speculation (one token)
     speedup: float  # the formula's, over rounds without speculation
     # a generation alone: speculation's speed over plain rounds', as the start-up calibration timed
-    # both (or `speedup`, where that is below 1: not timed); below 1, a request alone that names no
-    # lookahead runs plain rounds; 0: not timed
+    # both (or `speedup`, where that is below 1: not timed); 0: not timed
     timed: float = 0.0
+    plain_alone: bool = False  # a request alone that names no lookahead runs plain rounds (PairCosts.alone_plain)
 
     def summary(self) -> str:
         kind = "overlapped" if self.overlapped else "sequential"
@@ -319,7 +319,7 @@ class Price:
         )
         if self.timed:
             line += f"; timed alone {self.timed:.2f}x plain rounds"
-            line += " (a request alone runs plain rounds)" if self.timed < 1 else ""
+            line += " (a request alone runs plain rounds)" if self.plain_alone else ""
         return line
 
 
@@ -348,6 +348,7 @@ def price(costs: PairCosts, k_max: int, overlap: bool) -> Price | None:
             t0,
             speedup(alpha, k, chosen, overlapped, t0),
             costs.alone_gain or 0.0,
+            costs.alone_plain(),
         )
 
 

@@ -23,6 +23,14 @@ REVISIT = 40.0  # seconds before the regime that measured slower runs again for 
 REVISIT_MAX = 320.0  # the longest wait, after revisits that found it slower still (doubling)
 RATE_WINDOW = 10.0  # seconds of a regime's run its rate weighs (older ones decay by e each)
 IDLE = 1.0  # seconds without a commit on the pair that are a pause, not a measurement
+# A generation alone runs plain rounds where the start-up calibration timed speculation below this
+# share of plain rounds' speed (PairCosts.alone_gain; where it priced it below 1, below 1). Not 1:
+# its answers of 40 tokens time within +-5% of 1 from start to start on the default pair (0.94-1.06
+# over four starts, the model draft alone), and a fixed cost a request (the draft's open and
+# prefill) weighs more on them than on most answers: warm, speculation ran 0.91-0.99x plain rounds
+# on those prompts at 40 tokens and 1.09-1.17x at 128. Below 1, half the starts served every
+# request alone plain rounds.
+ALONE_PLAIN = 0.9
 
 
 def load_class(load: int) -> int:
@@ -230,8 +238,9 @@ class PairCosts:
         # a generation alone: the measured default's speed over plain rounds', as the start-up
         # calibration timed both on its prompts, or its price where that is below 1
         # (orchestrator.calibration); None: neither (no calibration, or a drafter with index
-        # drafts). Below 1: alone, plain rounds (generation.default_lookahead)
+        # drafts). Below ALONE_PLAIN (timed) or 1 (priced): alone, plain rounds (alone_plain)
         self.alone_gain: float | None = None
+        self.alone_timed = False  # alone_gain is a timing's (else the price's)
         self.draft_scale = DecayedMean()  # measured / profiled step, FIT_DECAY
         self.target_scale = DecayedMean()  # the same for the target's steps on shared cores (target_step)
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
@@ -452,6 +461,10 @@ class PairCosts:
         elif decided.until is None and clock >= decided.due:
             decided.until = clock + MEASURED
         return decided.faster != (decided.until is not None)
+
+    def alone_plain(self) -> bool:
+        """Whether a generation alone that names no lookahead runs plain rounds (see ALONE_PLAIN)."""
+        return self.alone_gain is not None and self.alone_gain < (ALONE_PLAIN if self.alone_timed else 1.0)
 
     def update(self, report: RoundReport, sessions: int = 1, counted: bool = True) -> None:
         """One round of one of `sessions` generations running: each reports its rounds, so the

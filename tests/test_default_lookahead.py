@@ -11,7 +11,7 @@ import pytest
 from draft_service.server import serve as serve_draft
 from orchestrator.generation import RequestDefaults
 from orchestrator.lookahead import AdaptiveLookahead, measured_lookahead
-from orchestrator.pair_costs import MEASURED, DraftCost, PairCosts, RoundReport
+from orchestrator.pair_costs import ALONE_PLAIN, MEASURED, DraftCost, PairCosts, RoundReport
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -64,6 +64,17 @@ def test_a_hybrids_index_rounds_do_not_price_its_model():
     assert hybrid.verify.w > learned(0.030, 0.5).verify.w  # the target's verifies count all the same
     index_alone = copied(learned(0.030, 0.5))
     assert measured_lookahead(index_alone, MEASURED_LOOKAHEAD, overlap=False) == MEASURED_LOOKAHEAD
+
+
+def test_alone_plain_rounds_only_where_speculation_timed_clearly_slower():
+    """A start-up timing within its noise of plain rounds leaves a request alone speculating; one
+    clearly slower (below ALONE_PLAIN), or a price below 1, runs it plain rounds."""
+    costs = PairCosts()
+    assert not costs.alone_plain()  # not timed
+    for gain, timed, plain in ((0.95, True, False), (1.05, True, False), (0.85, True, True), (0.95, False, True)):
+        costs.alone_gain, costs.alone_timed = gain, timed
+        assert costs.alone_plain() == plain, (gain, timed)
+    assert ALONE_PLAIN < 1
 
 
 @pytest.fixture
