@@ -18,9 +18,9 @@ GGUF, as many tokens as the target alone gave), the baseline of the speedups. Ea
 answers a short request first (dropped), then each request once, in order, so a suffix store
 holds the earlier requests' answers as it would serving them. `bound` (with an index drafter:
 `suffix` or `hybrid`, in the first one's pipeline, after its pass): each timed request sent again,
-its own answer in the store, so every round proposes what the target then commits, chains as long
-as the loop allows, for no forward: what no drafter beats through these services on this machine
-(the prefill, the verifies and the rounds' overhead are what is left); per workload: tokens/s (median over
+its own answer in the store, so the index drafts the answer it is about to give (where no other
+occurrence matches as long), chains as long as the loop allows, for no forward: what is left is
+mostly the prefill, the verifies and the rounds' overhead; per workload: tokens/s (median over
 requests, client wall time), acceptance, the share of proposals the index made without a forward
 (`index`: the hybrid's split), the median per-request speedup over llama.cpp alone, and
 how many answers equal the target alone's. Writes workloads.json.
