@@ -188,7 +188,7 @@ def summarise(config: WorkloadsConfig, sent: list[dict], results: dict, alone: l
             rows.append(
                 {
                     "workload": workload,
-                    "method": {"off": "target alone"}.get(method, method),
+                    "method": "target alone" if method == "off" else method,
                     "requests": len(mine),
                     "tokens": statistics.median(r["tokens"] for r in mine) if mine else None,
                     "tokens_per_second": statistics.median(r["tokens_per_second"] for r in mine) if mine else None,

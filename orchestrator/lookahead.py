@@ -278,7 +278,7 @@ class AdaptiveLookahead:
         """One round (RoundReport): its acceptance to this generation's estimate, its costs to the
         pair's, its time against the price that chose it (see Calibration), and its committed
         tokens to the regime's rate (see Measured)."""
-        model = not (report.indexed and self.costs.index_apart)  # a hybrid's index round: not its model's
+        model = self.costs.drafted_by_model(report)  # a hybrid's index round: not its model's
         if model:
             self.accepted = DECAY * self.accepted + report.accepted
             self.rejections = DECAY * self.rejections + (1 if report.accepted < report.proposed else 0)

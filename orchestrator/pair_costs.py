@@ -462,6 +462,10 @@ class PairCosts:
             decided.until = clock + MEASURED
         return decided.faster != (decided.until is not None)
 
+    def drafted_by_model(self, report: RoundReport) -> bool:
+        """Whether a round's drafts count as the draft's: not a hybrid's index round (index_apart)."""
+        return not (report.indexed and self.index_apart)
+
     def alone_plain(self) -> bool:
         """Whether a generation alone that names no lookahead runs plain rounds (see ALONE_PLAIN)."""
         return self.alone_gain is not None and self.alone_gain < (ALONE_PLAIN if self.alone_timed else 1.0)
@@ -486,7 +490,7 @@ class PairCosts:
         if quiet:
             self.waits[proposed > 0].add(queued(report.target_seconds, target_compute), decay=d)
             self.waits[proposed == 0].fade(d)
-        model = not (report.indexed and self.index_apart)  # the draft's side: its model's rounds only
+        model = self.drafted_by_model(report)  # the draft's side: its model's rounds only
         if model:
             self.accepted = d * self.accepted + accepted
             self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
