@@ -13,7 +13,9 @@ client) send Generate back to back; after a warm-up, a cell is the tokens of the
 finished in its window over the window's length. Beside it: c x that method's one-client
 figure (linear scaling) and the ratio, and each process's CPU per generated token in µs (from
 /proc, the client's included). The methods of one c run one after another, in alternating
-order from one c to the next, so no method always runs last.
+order from one c (and one repeat) to the next, so no method always runs last. With `repeats`,
+each cell is run that many times and reports the medians (tokens/s, CPU per token) and the
+spread of its tokens/s: a 2-core VM moved one cell by 10-15% from run to run.
 
 Owns the load and the report; starts nothing but through deploy.local, and stops it however the
 run ends.
@@ -22,6 +24,7 @@ run ends.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,14 +51,15 @@ class ServingConfig:
     max_tokens: int = 64
     duration: float = 15.0  # seconds measured per cell
     warmup: float = 3.0  # seconds of load before each cell's window
+    repeats: int = 1  # runs of each cell; it reports their medians
 
     def __post_init__(self):
         if not self.clients or min(self.clients) < 1:
             raise ValueError(f"--clients needs client counts >= 1, got {self.clients}")
         for method in self.methods:
             request(method, 1)  # raises on an unknown one
-        if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1:
-            raise ValueError("--duration > 0, a warm-up >= 0 and --max-tokens >= 1")
+        if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1 or self.repeats < 1:
+            raise ValueError("--duration > 0, a warm-up >= 0, --max-tokens >= 1 and --repeats >= 1")
         if not 0 <= self.agreement <= 1 or self.target_ms < 0 or self.draft_ms < 0:
             raise ValueError("stand-ins: forwards of >= 0 ms, an agreement in [0, 1]")
 
@@ -68,6 +72,7 @@ class Cell:
     requests: int  # finished in the window
     errors: dict[str, int] = field(default_factory=dict)  # status code name -> calls
     cpu_us_per_token: dict[str, float] = field(default_factory=dict)  # process -> µs of CPU a generated token
+    samples: list[float] = field(default_factory=list)  # tokens/s of each run (repeats), in the order they ran
 
 
 def request(method: str, max_tokens: int) -> orchestrator_pb2.GenerateRequest:
@@ -102,13 +107,35 @@ def run(config: ServingConfig, log=print) -> list[Cell]:
         channel = grpc.insecure_channel(pipeline.address)
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         pids = {name: proc.pid for name, proc in pipeline.procs.items()}
-        for i, c in enumerate(sorted(config.clients)):
-            for method in config.methods[:: 1 if i % 2 == 0 else -1]:
-                cell = _cell(stub, request(method, config.max_tokens), method, c, config, pids)
-                log(_line(cell))
-                cells.append(cell)
+        turn = 0
+        for c in sorted(config.clients):
+            runs: dict[str, list[Cell]] = {method: [] for method in config.methods}
+            for _ in range(config.repeats):
+                for method in config.methods[:: 1 if turn % 2 == 0 else -1]:
+                    cell = _cell(stub, request(method, config.max_tokens), method, c, config, pids)
+                    log(_line(cell))
+                    runs[method].append(cell)
+                turn += 1
+            cells += [merged(runs[method]) for method in config.methods]
         channel.close()
     return cells
+
+
+def merged(runs: list[Cell]) -> Cell:
+    """One cell from its runs: the median tokens/s and CPU per token, the requests and errors summed."""
+    errors: dict[str, int] = {}
+    for run in runs:
+        for code, n in run.errors.items():
+            errors[code] = errors.get(code, 0) + n
+    return Cell(
+        runs[0].method,
+        runs[0].clients,
+        statistics.median(r.tokens_per_second for r in runs),
+        sum(r.requests for r in runs),
+        errors,
+        {p: statistics.median(r.cpu_us_per_token[p] for r in runs) for p in runs[0].cpu_us_per_token},
+        [r.tokens_per_second for r in runs],
+    )
 
 
 def _cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dict[str, int]) -> Cell:
@@ -151,7 +178,8 @@ def _cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dic
         requests = sum(1 for at, _ in finished if t0 <= at < t1)
     per_token = {name: (cpu1[name] - cpu0[name]) / max(tokens, 1) * 1e6 for name in pids}
     per_token["client"] = (own1 - own0) / max(tokens, 1) * 1e6
-    return Cell(method, clients, tokens / (t1 - t0), requests, dict(errors), per_token)
+    rate = tokens / (t1 - t0)
+    return Cell(method, clients, rate, requests, dict(errors), per_token, [rate])
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -180,6 +208,8 @@ def table(cells: list[Cell], config: ServingConfig) -> str:
         f"Stand-ins {config.target_ms:g} ms / {config.draft_ms:g} ms at {config.agreement:g}, "
         f"{config.max_tokens}-token answers, {config.duration:g} s a cell: tokens/s (/ c x one client)"
     )
+    if config.repeats > 1:
+        head += f"; medians of {config.repeats} runs a cell [their range]"
     lines = [head, "", "| method | " + " | ".join(f"c = {c}" for c in clients) + " |"]
     lines.append("|---|" + "---:|" * len(clients))
     for method in config.methods:
@@ -190,7 +220,8 @@ def table(cells: list[Cell], config: ServingConfig) -> str:
                 row.append("")
                 continue
             ratio = f" ({cell.tokens_per_second / (c * one[method]):.2f})" if one.get(method) else ""
-            row.append(f"{cell.tokens_per_second:,.0f}{ratio}")
+            spread = f" [{min(cell.samples):,.0f}-{max(cell.samples):,.0f}]" if len(cell.samples) > 1 else ""
+            row.append(f"{cell.tokens_per_second:,.0f}{ratio}{spread}")
         lines.append(f"| {method} | " + " | ".join(row) + " |")
     lines += ["", "CPU per generated token (µs): " + ", ".join(PROCESSES) + ", client", ""]
     lines.append("| method | " + " | ".join(f"c = {c}" for c in clients) + " |")

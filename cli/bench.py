@@ -445,6 +445,12 @@ def _add_serving(names) -> None:
     )
     p.add_argument("--duration", type=float, default=15.0, help="seconds measured a cell (default 15)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens an answer (default 64)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each cell, methods alternating; the table gives their medians and range (default 1)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
 
 
@@ -461,6 +467,7 @@ def serving(args) -> int:
             agreement=agreement,
             max_tokens=args.max_tokens,
             duration=args.duration,
+            repeats=args.repeats,
         )
     except ValueError as err:
         raise SystemExit(f"specdec bench serving: {err}") from None

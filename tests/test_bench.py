@@ -351,3 +351,24 @@ def test_the_serving_bench_refuses_bad_flags(flags):
     cmd = [sys.executable, "-m", "cli", "bench", "serving", *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "specdec bench serving" in run.stderr
+
+
+def test_the_serving_bench_reports_the_median_of_its_repeats():
+    """--repeats: a cell is the median of its runs (tokens/s, each process's CPU per token), its
+    requests and errors summed, and the table shows the runs' range beside the median."""
+    from bench import serving
+
+    def run(rate, orchestrator, errors=None):
+        cpu = {"orchestrator": orchestrator, "draft": 5.0, "target": 4.0, "client": 1.0}
+        return serving.Cell("k4", 2, rate, 10, errors or {}, cpu, [rate])
+
+    cell = serving.merged([run(90.0, 30.0), run(120.0, 10.0, {"UNAVAILABLE": 1}), run(100.0, 20.0, {"UNAVAILABLE": 2})])
+    assert cell.tokens_per_second == 100.0 and cell.samples == [90.0, 120.0, 100.0]
+    assert cell.cpu_us_per_token == {"orchestrator": 20.0, "draft": 5.0, "target": 4.0, "client": 1.0}
+    assert cell.requests == 30 and cell.errors == {"UNAVAILABLE": 3}
+    one = serving.merged([serving.Cell("k4", 1, 60.0, 5, {}, dict(cell.cpu_us_per_token), [60.0])])
+    config = serving.ServingConfig(clients=(1, 2), methods=("k4",), repeats=3)
+    table = serving.table([one, cell], config)
+    assert "| k4 | 60 (1.00) | 100 (0.83) [90-120] |" in table and "medians of 3 runs" in table
+    with pytest.raises(ValueError, match="--repeats"):
+        serving.ServingConfig(repeats=0)
