@@ -346,7 +346,7 @@ def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
     assert "| off | " in out and "| k2 | " in out
 
 
-@pytest.mark.parametrize("flags", [["--clients", "0"], ["--clients", "2", "--methods", "k0"]])
+@pytest.mark.parametrize("flags", [["--clients", "0"], ["--clients", "2", "--methods", "k0"], ["--repeats", "0"]])
 def test_the_serving_bench_refuses_bad_flags(flags):
     cmd = [sys.executable, "-m", "cli", "bench", "serving", *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
