@@ -120,6 +120,7 @@ class ResilientStub:
             return getattr(stub, method).future(request, **kwargs)
 
         call.future = future
+        self.__dict__[method] = call  # found here from now on (it reads the stub in use at each call)
         return call
 
     def probe(self, timeout: float) -> model_pb2.ModelInfo:

@@ -236,7 +236,9 @@ class StepLink:
         span, carrier = None, None
         if self.telemetry is not None:
             span, carrier = self.telemetry.step_client(f"/{self.service}/{method}")
-        call = model_pb2.StepCall(timeout=timeout or 0.0, trace=carrier or {})
+        call = model_pb2.StepCall(timeout=timeout or 0.0)
+        if carrier:
+            call.trace.update(carrier)
         getattr(call, field).CopyFrom(request)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -295,7 +297,7 @@ class _StepMethod:
     def __call__(self, request, timeout: float | None = None, **kwargs):
         if self._stays_unary(request):
             return scheduler.call(self._unary, request, timeout=timeout, **kwargs)
-        return self.future(request, timeout).result()
+        return self._link.future(self._method, self._field, request, timeout).result()
 
     def future(self, request, timeout: float | None = None, **kwargs):
         if self._stays_unary(request):

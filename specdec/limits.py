@@ -122,6 +122,8 @@ class KVBudget:
 
     def reserve(self, session, tokens: int) -> None:
         """Let `session` hold up to `tokens`, or refuse (and change nothing but what reclaim freed)."""
+        if tokens <= session.kv_tokens:  # held already (a session's step: most of them)
+            return
         while True:
             with self._lock:
                 grow = tokens - session.kv_tokens
