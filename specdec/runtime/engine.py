@@ -491,15 +491,13 @@ class SessionEngine:
         Afterwards the cache holds tokens + speculative (a speculative tail that a later
         commit keeps where it matches and truncates where it does not).
         """
-        if session.tree is not None:
-            self._settle_tree(session)
+        self._settle_tree(session)
         sequence = session.tokens + speculative
         self.reserve(session, len(sequence))
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
         fed = len(sequence) - n_logits
-        cached = session.cached
-        self._crop(session, common_prefix(cached, sequence, min(len(cached), len(session.tokens), fed), fed))
+        self._crop(session, common_prefix(session.cached, sequence, min(_agreed(session), fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
         return Forward(session, pending, n_logits, sequence, threads=session.threads, greedy=greedy)
