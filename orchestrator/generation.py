@@ -59,6 +59,22 @@ def decode(tok, ids: list[int]) -> str:
     return fast(tok, ids, skip_special_tokens=True) if fast is not None else tok.decode(ids, skip_special_tokens=True)
 
 
+def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
+    """tok.encode(text, add_special_tokens=...) for one string. transformers' encode runs the backend's
+    encode_batch, which lets go of the interpreter's lock while it runs: on the scheduler's thread
+    under load, taking it back waited for another thread's switch interval (5 ms) a prompt, and 256
+    clients' requests queued behind it. The backend's own encode of one string (the same ids, where
+    no truncation or padding is set on it) keeps the lock; a tokenizer without a backend is asked
+    as before."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or backend.truncation or backend.padding:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    split = bool(getattr(tok, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:  # as transformers sets it before each call
+        backend.encode_special_tokens = split
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 @dataclass(frozen=True)
 class ModelPair:
     """What the orchestrator knows of the two services after checking them at startup."""
@@ -130,7 +146,7 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
         if request.chat_template and tok.chat_template:
             ids = _chat_ids(tok, [{"role": "user", "content": request.prompt}])
         else:
-            ids = tok.encode(request.prompt, add_special_tokens=True)
+            ids = encode(tok, request.prompt)
     else:
         raise InvalidArgument("one of prompt, messages or token_ids must be set")
     if not ids:
@@ -185,10 +201,8 @@ def _chat_ids(tok, messages, tools=None) -> list[int]:
             else:
                 messages = [{"role": "system", "content": listed}, *messages]
         tools = None
-    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return encode(tok, text, add_special_tokens=False)  # as apply_chat_template's tokenize does
 
 
 @dataclass(frozen=True)

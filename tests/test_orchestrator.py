@@ -209,3 +209,25 @@ def test_a_connection_that_never_comes_up_leaves_no_thread_behind():
         with pytest.raises(ConnectionError, match="no service answered"):
             _channel(address, 0.2, ClientSecurity())
     assert wait_until(lambda: threading.active_count() <= before, 5)
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_prompts_tokenise_as_the_tokenizer_does(which):
+    """generation.encode (the backend's own encode, which keeps the interpreter's lock) gives
+    transformers' ids, for prompts and chat templates, special tokens' text included."""
+    from transformers import AutoTokenizer
+
+    from orchestrator import generation
+    from specdec.weights import models
+
+    tok = make_tokenizer() if which == "tiny" else AutoTokenizer.from_pretrained(models.resolve(models.DEFAULT_ALIAS))
+    texts = ["the quick brown fox", "<s> a special token's text </s>", "<|im_start|>user\nhi", "café 日本", " a\n\nb "]
+    for text in texts:
+        for special in (True, False):
+            assert generation.encode(tok, text, special) == tok.encode(text, add_special_tokens=special), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<|im_end|> <s> hi"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert generation._chat_ids(tok, messages) == expected
+    tok.backend_tokenizer.enable_truncation(3)  # set on the backend: transformers' own encode is asked
+    assert generation.encode(tok, texts[0]) == tok.encode(texts[0], add_special_tokens=True)
