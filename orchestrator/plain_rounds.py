@@ -22,6 +22,9 @@ class PlainRounds:
         """Several plain rounds in one Score (_plain_steps): the target chooses each token as a
         plain round's last one is chosen (greedy, the invariant rule, or the draws' step uniforms)."""
         cfg = self.config
+        # Every token left: the generation ends with this round (its length, or a stop token), and
+        # the target closes the session with it, without a CloseSession's step after it.
+        last = steps >= cfg.max_new_tokens - len(self.generated)
         scores, target_time = self._call(
             self.target.stub.Score,
             model_pb2.ScoreRequest(
@@ -34,10 +37,11 @@ class PlainRounds:
                 decode_steps=steps,
                 stop_token_ids=sorted(cfg.stop_token_ids),
                 step_uniforms=draws.steps,
+                close_session=last,
             ),
         )
         self.stats.add_scores(scores)
-        self.target.length, self.target.pending = scores.length, []
+        self.target.length, self.target.pending, self.target.closed = scores.length, [], last
         self.stats.target_seconds += target_time
         seconds = time.perf_counter() - start
         self.stats.round_seconds += seconds

@@ -121,6 +121,7 @@ class Side:
     session_id: str
     length: int = 0  # committed length the service has applied
     pending: list[int] = field(default_factory=list)  # committed here, not yet sent
+    closed: bool = False  # its service closed it (a Score that ended the generation: close_session)
 
     def ref(self) -> model_pb2.SessionRef:
         return model_pb2.SessionRef(session_id=self.session_id, expected_length=self.length)
@@ -133,6 +134,8 @@ class GenerationSessions:
     services' health, and calls its _call, _threads and _timeout."""
 
     def _close(self, side: Side) -> None:
+        if side.closed:
+            return
         if not close_once(side):
             CLOSER.add(side)
 

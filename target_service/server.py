@@ -89,7 +89,7 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
                     response.row_logprobs.add(own_token=token, own_logprob=logprob, top_ids=ids, top_logprobs=values)
             return response
 
-        return SessionCall(ref.session_id, ref.expected_length, run, validation.threads(request))
+        return SessionCall(ref.session_id, ref.expected_length, run, validation.threads(request), request.close_session)
 
     def step_calls(self) -> dict[str, StepMethod]:
         score = StepMethod("Score", lambda request, deadline: self.engine.item(self.score_call(request), deadline))

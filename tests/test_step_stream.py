@@ -134,6 +134,36 @@ def test_each_call_keeps_its_own_status(target_service):
     assert again[1].code == 0 and again[1].score.length == 5
 
 
+def test_a_score_that_ends_its_session_closes_it(target_service):
+    """ScoreRequest.close_session: the session is gone once the Score answers (on the stream and
+    unary); a Score that fails leaves it open; the tokens are those of the same Score without it."""
+    address, _ = target_service
+    kept, ended, failed = open_sessions(address, 3)
+    calls = [
+        score(kept, decode_steps=4),
+        score(ended, decode_steps=4, close_session=True),
+        score(failed, length=9, decode_steps=4, close_session=True),  # a length it does not have
+    ]
+    results = send(address, [calls], 3)
+    assert [results[i].code for i in (1, 2)] == [0, 0]
+    assert results[3].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert list(results[2].score.argmax_token_ids) == list(results[1].score.argmax_token_ids)  # the same prompt
+    stub = model_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))
+
+    def is_open(sid: str) -> bool:
+        try:
+            stub.GetSession(model_pb2.GetSessionRequest(session_id=sid), timeout=10)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            return False
+        return True
+
+    assert [is_open(sid) for sid in (kept, ended, failed)] == [True, False, True]
+    last = model_pb2.ScoreRequest(session=model_pb2.SessionRef(session_id=kept, expected_length=3), close_session=True)
+    assert stub.Score(last, timeout=10).length == 3  # the decode's tokens were never committed
+    assert not is_open(kept)
+
+
 def test_a_call_past_its_timeout_or_cancelled_is_dropped():
     slow, port = hosting.serve_model(
         ModelServiceConfig("target", limits=LIMITS), SlowBackend(StandinBackend("standin:0"), 0.5)

@@ -116,12 +116,14 @@ class Session:
 class SessionCall:
     """A request on one session, validated and ready for the worker (SessionEngine.call's arguments):
     `run(session)`, a function or a generator function of Forwards, once the session's committed
-    length is found to be `expected_length` (None: not checked); its forwards use at most `threads`."""
+    length is found to be `expected_length` (None: not checked); its forwards use at most `threads`;
+    `final`: the call ends the session, closed once `run` returns (ScoreRequest.close_session)."""
 
     session_id: str
     expected_length: int | None
     run: Callable
     threads: int | None = None
+    final: bool = False
 
 
 @dataclass(slots=True)
@@ -189,16 +191,20 @@ class SessionEngine:
 
     def run_call(self, call: SessionCall, context=None):
         """Run `call` on the worker and return its result; `context` (gRPC) cancels it."""
-        return self.call(call.session_id, call.expected_length, call.run, context, threads=call.threads)
+        start = lambda: self._on_session(call.session_id, call.expected_length, call.run, call.threads, call.final)  # noqa: E731
+        return self.worker.wait(Item(call.session_id, start, call.final), context)
 
     def item(self, call: SessionCall, deadline: float | None = None) -> Item:
         """`call` as a worker item, for worker.submit_all (which queues several at once and returns;
         each item's `future` resolves with its result, `worker.cancel(item)` drops it); `deadline`
         (time.monotonic()) drops it past it. It runs in the context it is made in (its trace span)."""
-        start = lambda: self._on_session(call.session_id, call.expected_length, call.run, call.threads)  # noqa: E731
-        return Item(call.session_id, start, deadline=deadline)
+        start = lambda: self._on_session(call.session_id, call.expected_length, call.run, call.threads, call.final)  # noqa: E731
+        return Item(call.session_id, start, call.final, deadline=deadline)
 
-    def _on_session(self, session_id: str, expected_length: int | None, request: Callable, threads=None) -> Generator:
+    def _on_session(
+        self, session_id: str, expected_length: int | None, request: Callable, threads=None, final: bool = False
+    ) -> Generator:
+        """request(session) on the worker; `final`: the session is closed once it returns."""
         session = self._get(session_id)
         if expected_length is not None and expected_length != len(session.tokens):
             raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
@@ -207,6 +213,8 @@ class SessionEngine:
             result = request(session)
             if inspect.isgenerator(result):
                 result = yield from result
+            if final:
+                self._retire(session_id, session)
             return result
         finally:
             session.last_used, session.claimed = time.monotonic(), True

@@ -170,7 +170,7 @@ class ProposalRowRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads", "logprobs", "decode_steps", "stop_token_ids", "step_uniforms")
+    __slots__ = ("session", "append_tokens", "draft_token_ids", "sampling", "draft_token_probs", "accept_uniforms", "noise_seed", "draft_parent_ids", "draft_rows", "draft_row_nodes", "final_uniform", "threads", "logprobs", "decode_steps", "stop_token_ids", "step_uniforms", "close_session")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class ScoreRequest(_message.Message):
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -203,7 +204,8 @@ class ScoreRequest(_message.Message):
     decode_steps: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     step_uniforms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ..., logprobs: _Optional[int] = ..., decode_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., step_uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
+    close_session: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_token_probs: _Optional[_Iterable[float]] = ..., accept_uniforms: _Optional[_Iterable[float]] = ..., noise_seed: _Optional[int] = ..., draft_parent_ids: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[_Iterable[_Union[ProbRow, _Mapping]]] = ..., draft_row_nodes: _Optional[_Iterable[int]] = ..., final_uniform: _Optional[float] = ..., threads: _Optional[int] = ..., logprobs: _Optional[int] = ..., decode_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., step_uniforms: _Optional[_Iterable[float]] = ..., close_session: _Optional[bool] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("own_token", "own_logprob", "top_ids", "top_logprobs")
