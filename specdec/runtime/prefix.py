@@ -300,6 +300,8 @@ def common_prefix(a: list[int], b: list[int], start: int = 0, end: int | None = 
     (compared from there on: a session's committed prefix is not walked on every step, which
     made a step O(session length) and a long generation quadratic)."""
     n = min(len(a), len(b) if end is None else min(end, len(b)))
+    if a[start:n] == b[start:n]:  # the usual case (a decode's tail, a chain the cache holds), compared in C
+        return n
     for i in range(start, n):
         if a[i] != b[i]:
             return i
