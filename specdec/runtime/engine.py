@@ -177,22 +177,17 @@ class SessionEngine:
         expected_length: int | None,
         request: Callable,
         context=None,
-        final=False,
         threads: int | None = None,
     ):
         """Run request(session) on the worker and return its result. `request` is a plain
         function or a generator function yielding Forwards; the session is checked first
         against the caller's view of its committed length. `context` (gRPC) cancels it;
-        `final`: the request ends the session (the worker waits for no later one); `threads`:
-        the most its forwards may use (None: the service's)."""
-        return self.worker.call(
-            session_id, lambda: self._on_session(session_id, expected_length, request, threads), context, final
-        )
+        `threads`: the most its forwards may use (None: the service's)."""
+        return self.run_call(SessionCall(session_id, expected_length, request, threads), context)
 
     def run_call(self, call: SessionCall, context=None):
         """Run `call` on the worker and return its result; `context` (gRPC) cancels it."""
-        start = lambda: self._on_session(call.session_id, call.expected_length, call.run, call.threads, call.final)  # noqa: E731
-        return self.worker.wait(Item(call.session_id, start, call.final), context)
+        return self.worker.wait(self.item(call), context)
 
     def item(self, call: SessionCall, deadline: float | None = None) -> Item:
         """`call` as a worker item, for worker.submit_all (which queues several at once and returns;
