@@ -381,12 +381,9 @@ class SessionEngine:
         """close()'s request as a worker item (the session's last); `unknown(session_id)` where it
         finds no such session (then NotFound)."""
 
-        def close(session):
-            self._retire(session_id, session)
-
         def start():
             try:
-                yield from self._on_session(session_id, None, close)
+                yield from self._on_session(session_id, None, lambda _: None, final=True)  # a call that only ends it
             except NotFound:
                 unknown(session_id)
                 raise
