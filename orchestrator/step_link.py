@@ -266,10 +266,15 @@ class StepLink:
             self._cond.notify_all()
 
     def cancel(self, future: StepFuture) -> None:
-        """Forget `future` here and drop its call on the service."""
+        """Forget `future` here and drop its call on the service; a call still held for the flush is
+        never sent (its cancel would leave first, find nothing to cancel, and the call would run)."""
         with self._cond:
             stream = future.stream
             if stream.closed or stream.pending.pop(future.id, None) is None:
+                return
+            held = len(self._held)
+            self._held = [(s, call) for s, call in self._held if call.id != future.id]
+            if len(self._held) < held:
                 return
             stream.outbox.append(model_pb2.StepCall(id=future.id, cancel=True))
             self._cond.notify_all()

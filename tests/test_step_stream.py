@@ -20,6 +20,7 @@ import pytest
 
 from deploy import hosting
 from deploy.configs import ModelServiceConfig
+from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import StepError, StepLink
 from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.runtime.standin import StandinBackend
@@ -179,6 +180,33 @@ def test_a_call_past_its_timeout_or_cancelled_is_dropped():
         assert results[2].code == 0
     finally:
         slow.stop(None)
+
+
+def test_a_call_cancelled_before_its_message_left_never_runs(target_service):
+    """A scheduler task's call waits for the step's flush; cancelled before it (a speculation-cache
+    branch no longer wanted), it is never sent: its cancel must not leave alone, find nothing on the
+    service and let the call run when it comes (which took the draft for a whole proposal)."""
+    address, _ = target_service
+    [sid] = open_sessions(address, 1)
+    link = StepLink(grpc.insecure_channel(address), TARGET)
+
+    def appending(token: int) -> model_pb2.ScoreRequest:
+        return model_pb2.ScoreRequest(
+            session=model_pb2.SessionRef(session_id=sid, expected_length=3), append_tokens=[token]
+        )
+
+    def task():
+        dropped = link.future("Score", "score", appending(8), timeout=10)
+        dropped.cancel()
+        time.sleep(0.3)  # whatever the link sends alone meanwhile has left
+        return dropped.cancelled(), link.future("Score", "score", appending(9), timeout=10).result()
+
+    try:
+        cancelled, after = SCHEDULER.run(task)
+        assert cancelled
+        assert after.length == 4  # the session held 3 tokens when it came: the cancelled one never ran
+    finally:
+        link.close()
 
 
 def test_a_close_leaves_before_the_next_step():
