@@ -272,10 +272,10 @@ class StepLink:
             stream = future.stream
             if stream.closed or stream.pending.pop(future.id, None) is None:
                 return
-            held = len(self._held)
-            self._held = [(s, call) for s, call in self._held if call.id != future.id]
-            if len(self._held) < held:
-                return
+            for i, (_, call) in enumerate(self._held):
+                if call.id == future.id:
+                    del self._held[i]
+                    return
             stream.outbox.append(model_pb2.StepCall(id=future.id, cancel=True))
             self._cond.notify_all()
 
