@@ -48,8 +48,12 @@ def propose(
     rows = []
     grammar = session.constraint  # structured output: each row masked, each drafted token advancing it
     try:
-        if grammar is None or grammar.push(assumed) == len(assumed):  # else: nothing the grammar allows
-            plain = params.raw_greedy and grammar is None  # the rows as they come
+        plain = params.raw_greedy and grammar is None  # the rows as they come
+        if plain and alternatives is None:  # a greedy chain, on the worker (engine.Forward.chain)
+            forward = engine.forward(session, assumed, 1, greedy=True, chain=k)
+            yield forward
+            drafts = list(forward.argmax)
+        elif grammar is None or grammar.push(assumed) == len(assumed):  # else: nothing the grammar allows
             for i in range(k):
                 forward = engine.forward(session, assumed + drafts, 1, greedy=plain)
                 logits = (yield forward)[0]

@@ -92,7 +92,7 @@ class DraftServicer(SessionServicer, model_pb2_grpc.DraftServiceServicer):
                 length=len(session.tokens),
                 # less its waits for the other service's steps on shared cores: not its compute
                 compute_seconds=time.perf_counter() - start - sum(f.waited for f in steps),
-                steps=len(steps),
+                steps=sum(f.steps for f in steps),
                 step_tokens=sum(f.step_tokens for f in steps),
                 threads=min((f.step_threads for f in steps), default=0),
                 forward_seconds=sum(f.seconds for f in steps),

@@ -130,7 +130,8 @@ def decode(
     sample of its row with its one of `uniforms`, as the orchestrator samples a plain round's
     row, rule.final_token), stopping after a stop token. `argmax` holds the tokens; the session
     keeps all but the last as a speculative tail (accepted drafts, for the next commit). The
-    steps' figures are summed (step_tokens and step_sessions: the largest)."""
+    steps' figures are summed (step_tokens and step_sessions: the largest; a chain's tokens: its
+    steps' mean)."""
     assert params.greedy or noise_seed is not None or len(uniforms) == steps, (steps, len(uniforms))
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
@@ -138,10 +139,11 @@ def decode(
     scores = Scores([], [], 0, None)
     chosen = scores.argmax
     while len(chosen) < steps and not (chosen and chosen[-1] in stop_token_ids):
-        forward = engine.forward(session, chosen, 1, greedy=plain)
+        # plain: one greedy chain of them all, on the worker (engine.Forward.chain)
+        forward = engine.forward(session, chosen, 1, greedy=plain, chain=steps if plain else 1, stop=stop_token_ids)
         if plain:
             yield forward
-            token = forward.argmax[0]
+            chosen += forward.argmax
         else:
             mask = grammar.masks(chosen)[-1:] if grammar is not None else None
             logits = apply(grammar, (yield forward), mask)  # [1, vocab]
@@ -154,8 +156,8 @@ def decode(
                 token = rule.coupled_tokens(probs_from_logits(logits, params), noise_seed, [position])[0]
             else:
                 token = rule.sample(probs_from_logits(logits, params)[0].cpu().numpy(), uniforms[len(chosen)])
-        chosen.append(token)
-        scores.step_tokens = max(scores.step_tokens, forward.step_tokens)
+            chosen.append(token)
+        scores.step_tokens = max(scores.step_tokens, -(-forward.step_tokens // forward.steps))
         scores.step_sessions = max(scores.step_sessions, forward.step_sessions)
         scores.step_threads = forward.step_threads
         scores.waited += forward.waited

@@ -380,6 +380,56 @@ def test_a_step_finds_its_greedy_forwards_argmax_at_once():
     assert forwards[2].argmax == torch.argmax(logits[2], dim=-1).tolist()
 
 
+def test_a_greedy_chain_is_its_one_token_steps_run_by_the_worker():
+    """Forward.chain (a draft's greedy proposal, a target's decode steps): the worker runs its k
+    one-token steps itself, each feeding the last one's argmax, and wakes the request once: the
+    same tokens and cache as k forwards yielded one by one, its steps shared with another
+    session's forwards; with stop tokens it ends after the first it draws."""
+    backend = Held(BatchingMarkov(random_markov(10, 3)))
+    engine = SessionEngine(backend, "draft")
+    engine.start()
+    try:
+        for sid in ("blocker", "a", "b", "c"):
+            engine.open(sid, [0, 1, 2])
+        results, woken = {}, []
+
+        def one_by_one(session):
+            tokens = []
+            for _ in range(6):
+                forward = engine.forward(session, tokens, 1, greedy=True)
+                yield forward
+                tokens += forward.argmax
+            return tokens, list(session.cached), 6
+
+        def chained(stop):
+            def run(session):
+                forward = engine.forward(session, [], 1, greedy=True, chain=6, stop=stop)
+                woken.append((yield forward))
+                return forward.argmax, list(session.cached), forward.steps
+
+            return run
+
+        def call(sid, request):
+            results[sid] = engine.call(sid, 3, request)
+
+        blocker = threading.Thread(target=call, args=("blocker", one_by_one), name="blocker")
+        both = [
+            threading.Thread(target=call, args=("a", one_by_one), name="a"),
+            threading.Thread(target=call, args=("b", chained(frozenset())), name="b"),
+        ]
+        queue_behind_a_running_step(engine, backend, blocker, *both)
+        tokens, cached, _ = results["a"]
+        assert results["b"] == (tokens, cached, 6) and len(woken) == 1
+        assert cached == [0, 1, 2, *tokens[:-1]]  # the chain's last token is drawn, not fed
+        assert backend._backend.rows.count(3) >= 5  # its steps ran beside the others' forwards
+        stop = tokens[2]
+        n = tokens.index(stop) + 1
+        call("c", chained(frozenset({stop})))
+        assert results["c"] == (tokens[:n], [0, 1, 2, *tokens[: n - 1]], n)
+    finally:
+        engine.stop()
+
+
 def test_a_wave_of_prompts_prefills_within_the_budget_beside_the_decodes():
     """Six 300-token prompts arrive together while a session decodes: each step takes prompt
     chunks up to PREFILL_BUDGET tokens and the decoding session's forward rides in the steps

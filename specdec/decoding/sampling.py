@@ -54,7 +54,7 @@ class SamplingParams:
             frequency_penalty=msg.frequency_penalty,
             presence_penalty=msg.presence_penalty,
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-            logit_bias=tuple(sorted((t, b) for t, b in msg.logit_bias.items() if b)),
+            logit_bias=tuple(sorted((t, b) for t, b in msg.logit_bias.items() if b)) if msg.logit_bias else (),
         )
 
     def to_proto(self) -> model_pb2.SamplingParams:

@@ -66,7 +66,7 @@ from specdec.limits import KVBudget, SessionLimits
 from specdec.runtime import placement
 from specdec.runtime.kvcache import Tree
 from specdec.runtime.prefix import PrefixCache, common_prefix
-from specdec.runtime.worker import Item, Worker
+from specdec.runtime.worker import AGAIN, Item, Worker
 
 # Prompt tokens a session feeds per worker step, where its backend does not say (`prefill_chunk`: the
 # torch backend feeds PREFILL_BUDGET, one forward costing less than the same tokens in four; a llama.cpp
@@ -137,16 +137,23 @@ class Forward:
     cached: list[int]
     prefill: bool = False  # a prompt's chunk: counts against a step's prefill budget
     threads: int | None = None  # the most threads it may run with (None: the service's)
-    step_tokens: int = 0  # once run: the tokens of the batched forward it ran in, all sessions'
-    step_sessions: int = 0  # ... and the sessions it ran
-    step_threads: int = 0  # ... the threads it ran with
-    waited: float = 0.0  # ... the seconds it waited for the machine's core lock
-    seconds: float = 0.0  # ... and the seconds of the batched forward (on a GPU: its launch)
+    steps: int = 0  # once run: the batched forwards it ran in (a chain's: one a token)
+    step_tokens: int = 0  # ... their tokens, all sessions', summed
+    step_sessions: int = 0  # ... the most sessions one of them ran
+    step_threads: int = 0  # ... the threads the last ran with
+    waited: float = 0.0  # ... the seconds they waited for the machine's core lock
+    seconds: float = 0.0  # ... and the seconds of the batched forwards (on a GPU: their launch)
     tree: Tree | None = None  # the block extends a draft tree (forward_tree)
     # greedy: the request reads each row's argmax (`argmax`, once run), which the step finds for all
     # its greedy forwards at once (step_argmax): on a GPU one device sync a step, not one a session
     greedy: bool = False
     argmax: list[int] | None = None
+    # A greedy chain of `chain` one-token steps (a draft's proposal, a target's decode steps): each
+    # after the first feeds the last one's argmax, on the worker, the request not woken between
+    # them; it ends after a token in `stop`. `argmax` holds the chain's tokens, the logits the
+    # request gets are its last step's. Between its steps the session's cache holds `cached`.
+    chain: int = 1
+    stop: frozenset[int] = frozenset()
 
 
 class SessionEngine:
@@ -249,13 +256,24 @@ class SessionEngine:
         greedy = [i for i, f in enumerate(forwards) if f.greedy]
         if greedy:
             for i, tokens in zip(greedy, step_argmax([logits[i] for i in greedy]), strict=True):
-                forwards[i].argmax = tokens
-        step = sum(len(f.tokens) for f in forwards)
-        for f in forwards:
-            f.session.cached, f.step_tokens, f.step_sessions = f.cached, step, len(forwards)
-            f.step_threads, f.waited, f.seconds = threads, waited, seconds
-            f.session.tree = f.tree
-        return logits
+                f = forwards[i]
+                if f.chain == 1 or f.argmax is None:
+                    f.argmax = tokens
+                else:
+                    f.argmax += tokens
+        step, results = sum(len(f.tokens) for f in forwards), []
+        for f, rows in zip(forwards, logits, strict=True):
+            if f.steps and f.chain > 1:  # a chain's next step: its cache now holds the token it fed
+                f.cached.append(f.tokens[0])
+            f.session.cached, f.session.tree = f.cached, f.tree
+            f.steps, f.step_tokens, f.step_threads = f.steps + 1, f.step_tokens + step, threads
+            f.step_sessions = max(f.step_sessions, len(forwards))
+            f.waited, f.seconds = f.waited + waited, f.seconds + seconds
+            if f.steps < f.chain and f.argmax[-1] not in f.stop:
+                f.tokens = f.argmax[-1:]  # the next step feeds this one's token
+                rows = AGAIN
+            results.append(rows)
+        return results
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(
@@ -483,24 +501,37 @@ class SessionEngine:
         self._settle_tree(session)
         self._crop(session, to_length - 1)  # the last one is fed again
 
-    def forward(self, session: Session, speculative: list[int], n_logits: int, greedy: bool = False) -> Forward:
+    def forward(
+        self,
+        session: Session,
+        speculative: list[int],
+        n_logits: int,
+        greedy: bool = False,
+        chain: int = 1,
+        stop: frozenset[int] = frozenset(),
+    ) -> Forward:
         """What to feed so the cache holds tokens + speculative, wanting the logits of the last
         n_logits positions: yield it from a request to get them ([n_logits, vocab]). `greedy`:
         the Forward's `argmax` then holds each of those rows' argmax (found with the step's others).
+        `chain` > 1 (greedy, one row): a greedy chain of that many tokens, ending after one in
+        `stop` (Forward.chain); the cache then holds tokens + speculative + all its tokens but the last.
 
         Afterwards the cache holds tokens + speculative (a speculative tail that a later
         commit keeps where it matches and truncates where it does not).
         """
         self._settle_tree(session)
+        assert chain == 1 or (greedy and n_logits == 1), (chain, greedy, n_logits)
         sequence = session.tokens + speculative
-        self.reserve(session, len(sequence))
+        self.reserve(session, len(sequence) + chain - 1)
         # Keep what the cache holds of this sequence, short of the positions whose logits are
         # wanted: a draft step feeds only its newest token, not the tail proposed before it.
         fed = len(sequence) - n_logits
         self._crop(session, common_prefix(session.cached, sequence, min(_agreed(session), fed), fed))
         pending = sequence[len(session.cached) :]
         assert len(pending) >= n_logits, (len(pending), n_logits)
-        return Forward(session, pending, n_logits, sequence, threads=session.threads, greedy=greedy)
+        return Forward(
+            session, pending, n_logits, sequence, threads=session.threads, greedy=greedy, chain=chain, stop=stop
+        )
 
     def forward_tree(self, session: Session, tokens: list[int], parents: list[int]) -> Forward:
         """What to feed so the cache holds the committed tokens and then a draft tree (tokens[i]

@@ -25,7 +25,9 @@ second lost up to GATHER_MAX, 10 ms a round of a generation that followed anothe
 An error raised by an item fails that item only; when a batched forward fails, its items
 run again one by one, so only those that fail alone get the error. Continuous batching:
 items join and leave between any two steps, so a session's k-step proposal or a chunked
-prefill never waits for the others to finish.
+prefill never waits for the others to finish. A forward that `run_batch` answers with AGAIN
+runs again in the next step without its item being woken (a greedy chain: the engine feeds each
+step's token itself, specdec.runtime.engine.Forward.chain).
 
 The worker's thread is the one thread that does a service's device work: its forwards, and
 before it serves, the backend's start-up (`run`: the KV cache's allocation, CUDA graph capture,
@@ -52,6 +54,7 @@ log = logging.getLogger("specdec")
 GATHER_MAX = 0.010  # seconds a step waits, at most, for callers it has just served
 GATHER_SHARE = 0.25  # ... and at most this share of the last step's time
 FORGET = 1.0  # seconds after which a served key that did not come back is no longer expected
+AGAIN = object()  # run_batch's result for a forward that runs again next step, its item not woken
 
 
 _CALLBACKS = threading.Lock()  # an Outcome's callbacks and its setting (held for microseconds)
@@ -287,7 +290,8 @@ class Worker:
                     self._run_alone(item)
                 continue
             for item, result in zip(batch, results, strict=True):
-                self._advance(item, result)
+                if result is not AGAIN:
+                    self._advance(item, result)
             # After the items took their results: on a GPU the forward only launches its kernels,
             # and the step's time is spent at the items' first read of the logits.
             self._last_step = time.perf_counter() - started
@@ -315,7 +319,8 @@ class Worker:
             log.exception("a forward failed")
             self._fail(item, err)
             return
-        self._advance(item, result)
+        if result is not AGAIN:
+            self._advance(item, result)
 
     def _admit(self) -> list[Item]:
         """Move queued items whose key is free to the active set (caller holds the lock)."""
