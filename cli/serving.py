@@ -208,6 +208,9 @@ def serve_until_signal(
     if telemetry is not None and telemetry.metrics_address:
         ready["metrics_address"] = telemetry.metrics_address
         _log(f"specdec: {what} metrics on http://{telemetry.metrics_address}/metrics")
+    from specdec.serving import lifecycle  # loaded by now: the server's
+
+    lifecycle.freeze_heap()
     write_ready(ready_file, ready)
     _log(f"specdec: {what} serving on {address}")
     wait(stop)

@@ -57,11 +57,12 @@ class ModelServiceHost(_Host):
 
     def __init__(self, config: ModelServiceConfig, security: ServerSecurity, loopback: bool):
         from deploy import hosting
-        from specdec.serving import telemetry
+        from specdec.serving import lifecycle, telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
         self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
+        lifecycle.freeze_heap()
 
 
 class OrchestratorHost(_Host):
@@ -78,7 +79,7 @@ class OrchestratorHost(_Host):
         loopback: bool,
     ):
         from deploy import hosting
-        from specdec.serving import telemetry
+        from specdec.serving import lifecycle, telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup("orchestrator", environ=worker_environment())
@@ -93,6 +94,7 @@ class OrchestratorHost(_Host):
             self.telemetry,
         )
         self.server, self.port, self.pair = self.orchestrator.server, self.orchestrator.port, self.orchestrator.pair
+        lifecycle.freeze_heap()
 
     def where(self) -> dict:
         http = self.orchestrator.http
