@@ -33,6 +33,8 @@ def sampling(msg, field: str = "sampling") -> None:
     top_k >= 1; min_p in [0, 1]; frequency and presence penalties in [-2, 2]; repetition_penalty > 0;
     logit_bias's biases in [-100, 100] (its token ids against a vocabulary: token_ids). Unset fields
     take their defaults (specdec.decoding.sampling.SamplingParams.from_proto)."""
+    if not msg.ByteSize():  # all unset (greedy, as the orchestrator sends it): nothing to check
+        return
     if msg.HasField("temperature") and not (math.isfinite(msg.temperature) and msg.temperature >= 0):
         raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature}")
     if msg.HasField("top_p") and not (math.isfinite(msg.top_p) and 0.0 < msg.top_p <= 1.0):
@@ -56,6 +58,8 @@ def sampling(msg, field: str = "sampling") -> None:
 
 
 def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # the usual case, in C
+        return
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidArgument(f"{field}: token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")

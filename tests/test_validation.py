@@ -10,6 +10,9 @@ import sys
 import grpc
 import pytest
 
+from specdec import validation
+from specdec.decoding.sampling import SamplingParams
+from specdec.errors import InvalidArgument
 from specdec.v1 import model_pb2, orchestrator_pb2
 from tests.harness import NO_EOS_PROMPT, pipeline, status_of
 
@@ -325,3 +328,31 @@ def assert_one_line_error(out: subprocess.CompletedProcess, expected: str) -> No
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"specdec: error: {expected}"), out.stderr
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.75, top_k=5, top_p=0.875, min_p=0.0625, frequency_penalty=0.5),  # float32's
+        SamplingParams(temperature=1.0, presence_penalty=-0.5, repetition_penalty=1.25, logit_bias=((3, -2.0),)),
+        SamplingParams(logit_bias=((7, 5.0),)),  # greedy with a bias: not the empty message
+    ],
+    ids=["greedy", "filters", "penalties", "greedy-biased"],
+)
+def test_sampling_params_cross_the_wire_unchanged(params):
+    """What a service reads is what the orchestrator sent; greedy's message is empty (its checks and
+    its reading skipped on every call), and an empty message reads as greedy."""
+    proto = model_pb2.SamplingParams.FromString(params.to_proto().SerializeToString())
+    validation.sampling(proto)
+    assert SamplingParams.from_proto(proto) == params
+    assert (proto.ByteSize() == 0) == (params == SamplingParams())
+
+
+@pytest.mark.parametrize("ids, bad", [([0, 5, 44], None), ([], None), ([3, 45, -1], 45), ([-2, 7], -2)])
+def test_token_ids_outside_the_vocabulary_are_named(ids, bad):
+    if bad is None:
+        validation.token_ids(ids, VOCAB, "append_tokens")
+        return
+    with pytest.raises(InvalidArgument, match=rf"append_tokens: token id {bad} is outside the vocabulary 0\.\.44"):
+        validation.token_ids(ids, VOCAB, "append_tokens")

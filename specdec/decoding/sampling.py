@@ -46,6 +46,8 @@ class SamplingParams:
     @classmethod
     def from_proto(cls, msg: model_pb2.SamplingParams) -> SamplingParams:
         """From a validated proto message (specdec.validation.sampling); unset fields: the defaults."""
+        if not msg.ByteSize():  # all unset: greedy, every transform off
+            return GREEDY
         return cls(
             temperature=msg.temperature,  # unset reads as 0
             top_k=msg.top_k if msg.HasField("top_k") else 0,
@@ -58,8 +60,11 @@ class SamplingParams:
         )
 
     def to_proto(self) -> model_pb2.SamplingParams:
-        """Only what differs from the defaults is set: an explicit top_k 0 or top_p 1 is refused."""
-        msg = model_pb2.SamplingParams(temperature=self.temperature, logit_bias=dict(self.logit_bias))
+        """Only what differs from the defaults is set: an explicit top_k 0 or top_p 1 is refused
+        (greedy's is an empty message)."""
+        msg = model_pb2.SamplingParams(logit_bias=dict(self.logit_bias))
+        if self.temperature:
+            msg.temperature = self.temperature
         if self.top_k:
             msg.top_k = self.top_k
         if self.top_p < 1.0:
@@ -70,6 +75,9 @@ class SamplingParams:
         if self.repetition_penalty != 1.0:
             msg.repetition_penalty = self.repetition_penalty
         return msg
+
+
+GREEDY = SamplingParams()  # what an empty SamplingParams message means
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -74,6 +74,9 @@ class PrefixIndex:
     def index(self, holder, tokens: list[int], length: int) -> None:
         """Index `holder` as holding tokens[:length] (its whole blocks): its chain extended from
         where it stopped, or cut where it holds less now."""
+        entry = self._chains.get(id(holder))
+        if entry is not None and len(entry[1]) == length // self.block:  # the same whole blocks (most steps)
+            return
         self.truncate(holder, length)
         _, chain = self._chains.setdefault(id(holder), (holder, []))
         h = chain[-1] if chain else _ROOT
