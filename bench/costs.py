@@ -57,7 +57,7 @@ def _backend(config: ModelServiceConfig):
     from draft_service import drafters
 
     if config.role == "draft":
-        return drafters.make(config.drafter, config.spec, config.compile)[0]
+        return drafters.make(config.drafter, config.spec, config.compile, config.limits)[0]
     return target_backend(config)
 
 

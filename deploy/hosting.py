@@ -51,7 +51,7 @@ def start_model_service(
     shared = config.cpus is None and config.spec.device == "cpu" and len(usable) > 1
     cores = placement.Cores(config.role, threads, shared)
     if config.role == "draft":
-        backend, drafter = drafters.make(config.drafter, config.spec, config.compile)
+        backend, drafter = drafters.make(config.drafter, config.spec, config.compile, config.limits)
     else:
         backend, drafter = target_backend(config), None
     return serve_model(config, backend, host, port, drafter, security, telemetry, cores)
@@ -63,9 +63,9 @@ def target_backend(config: ModelServiceConfig):
     resolved where the service runs (deploy.configs.target_runtime)."""
     if config.runtime == "torch":
         return hf_backend(config.spec, config.compile)
-    from specdec.runtime.llamacpp import LlamaCppBackend  # llama-cpp-python: only when asked for
+    from specdec.runtime.llamacpp import LlamaCppBackend, sessions_for  # llama-cpp-python: only when asked for
 
-    return LlamaCppBackend(config.spec, models.f32_gguf_path)
+    return LlamaCppBackend(config.spec, models.f32_gguf_path, sessions=sessions_for(config.limits))
 
 
 def serve_model(
@@ -132,6 +132,11 @@ def start_orchestrator(
     )
     defaults = request_defaults(config)
     calibrate(pair, config.calibration_tokens, defaults, log=_log)  # before it serves: the first request priced
+    if 0 < pair.max_sessions < config.admission.max_concurrent:
+        _log(
+            f"runs {pair.max_sessions} generations at once, the sessions its target service holds "
+            f"(--max-concurrent {config.admission.max_concurrent}); the rest queue"
+        )
     server, bound = serve_orchestrator(
         pair,
         host,

@@ -59,9 +59,10 @@ def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False, ac
     return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True, prefill_at_open=prefill)
 
 
-def make(method: str, spec, compile: bool | None = None):
+def make(method: str, spec, compile: bool | None = None, limits=None):
     """(backend, Drafter) for a method name; raises ValueError on an unknown one. `compile`:
-    the model drafter's forwards as CUDA graphs (specdec.runtime.graphs.hf_backend; None: by device)."""
+    the model drafter's forwards as CUDA graphs (specdec.runtime.graphs.hf_backend; None: by device);
+    `limits`: the service's SessionLimits, which size a llama.cpp context (llamacpp.sessions_for)."""
     if method == "model":
         from specdec.runtime.graphs import hf_backend
 
@@ -73,11 +74,11 @@ def make(method: str, spec, compile: bool | None = None):
         backend.name = f"suffix({spec.model})"
         return backend, suffix_drafter()
     if method in ("hybrid", "auto"):
-        return make(runtime(spec), spec, compile)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
+        return make(runtime(spec), spec, compile, limits)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
     if method == "llamacpp":
-        from specdec.runtime.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend, sessions_for
 
-        return LlamaCppBackend(spec), MODEL
+        return LlamaCppBackend(spec, sessions=sessions_for(limits)), MODEL
     raise ValueError(f"unknown drafter {method!r}: choose one of {', '.join(METHODS)}")
 
 

@@ -102,6 +102,9 @@ class ModelPair:
     draft_timeout: float | None = None  # seconds a draft call may take (RecoveryConfig.draft_timeout)
     # the draft proposes some chains from an index, without a forward (ModelInfo.index_drafts, at connect)
     index_drafts: bool = False
+    # Sessions the target holds open at once (ModelInfo.max_sessions, at connect; 0: it does not say):
+    # the orchestrator admits no more generations (lifecycle.Admission), the rest queue.
+    max_sessions: int = 0
     # What the generations on the pair measure for the speculation cache (orchestrator.speculation_cache).
     cache_rates: CacheRates = field(default_factory=CacheRates, compare=False)
 

@@ -120,6 +120,7 @@ def connect(
         health=(draft_health, target_health),
         draft_timeout=recovery.draft_timeout,
         index_drafts=index_drafts,
+        max_sessions=target_info.max_sessions,
     )
 
 
@@ -288,7 +289,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         info = describe(self.pair, self.defaults)
         if self.admission is not None:
             a = self.admission
-            info.max_concurrent, info.max_queue = a.limits.max_concurrent, a.limits.max_queue
+            info.max_concurrent, info.max_queue = a.max_concurrent, a.limits.max_queue
             info.queued, info.refused = a.waiting, a.refused
         return info
 
@@ -359,7 +360,7 @@ def serve(
     telemetry = telemetry or disabled()
     mtls = security is not None and security.client_ca is not None
     limits = admission or AdmissionLimits()
-    admission = lifecycle.Admission(limits)
+    admission = lifecycle.Admission(limits, pair.max_sessions)
     draft_health, target_health = pair.health
     telemetry.watch_services({"target": target_health, **({"draft": draft_health} if pair.draft else {})})
     telemetry.watch_admission(admission)

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from specdec.limits import AdmissionLimits, SessionLimits
+from specdec.runtime.llamacpp import LLAMA_MAX_SEQ, SEQUENCE_CELLS, sessions_for
 from specdec.v1 import model_pb2, orchestrator_pb2
 from tests.harness import long_request, pipeline, slow_pipeline, status_of, wait_until
 
@@ -68,6 +69,31 @@ def test_kv_token_cap(tiny_backends):
         assert err.code() == Code.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.details()
         assert p.open_sessions() == (0, 0)
         assert p.orchestrator.Generate(long_request(30)).finish_reason == "length"
+
+
+def test_the_orchestrator_runs_the_generations_its_target_holds_and_queues_the_rest(tiny_backends):
+    """A target that holds 2 sessions under an orchestrator whose own limit is 64: it says so
+    (Describe, `specdec status`), and 5 generations at once all finish with the target's greedy
+    text, 2 at a time, the rest queued; before, the third failed RESOURCE_EXHAUSTED from the target."""
+    with slow_pipeline(tiny_backends, limits=SessionLimits(max_sessions=2)) as p:
+        assert p.target.Describe(model_pb2.DescribeRequest()).max_sessions == 2
+        info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)
+        assert (info.max_concurrent, info.max_queue) == (2, AdmissionLimits().max_queue)
+        alone = p.orchestrator.Generate(long_request(24, speculation=orchestrator_pb2.SpeculationParams(disabled=True)))
+        calls = [p.orchestrator.Generate.future(long_request(24)) for _ in range(5)]
+        assert [c.result(timeout=120).token_ids for c in calls] == [alone.token_ids] * 5
+        assert p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10).refused == 0
+        assert p.sessions_freed_within(10)
+
+
+def test_a_llamacpp_context_holds_the_sessions_its_kv_budget_fills():
+    """A llama.cpp context gives each session a stream of SEQUENCE_CELLS cells, allocated at start:
+    it holds --max-sessions of them, no more than --max-kv-tokens fills, at most llama.cpp's bound."""
+    assert sessions_for(SessionLimits()) == 65_536 // SEQUENCE_CELLS == 16
+    assert sessions_for(SessionLimits(max_sessions=4)) == 4
+    assert sessions_for(SessionLimits(max_sessions=64, max_kv_tokens=64 * SEQUENCE_CELLS)) == 64
+    assert sessions_for(SessionLimits(max_sessions=64, max_kv_tokens=SEQUENCE_CELLS // 2)) == 1
+    assert sessions_for(SessionLimits(max_sessions=1000, max_kv_tokens=0)) == LLAMA_MAX_SEQ
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from draft_service.drafters import MODEL
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.decoding.sampling import SamplingParams
+from specdec.errors import ResourceExhausted
 from specdec.runtime.backend import HFBackend
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.llamacpp import LlamaCppBackend
@@ -177,3 +178,17 @@ def test_a_prompt_is_prefilled_one_ubatch_a_step(llama_draft, monkeypatch):
         engine.close("long")
         engine.stop()
     assert fed[:4] == [[32], [32], [32], [3]]
+
+
+def test_a_service_opens_no_more_sessions_than_its_context_holds():
+    """A context sized for 2 sessions (llamacpp.sessions_for: --max-kv-tokens / 4,096) under the
+    default limits (64): the service says 2 (Describe, which the orchestrator's admission follows)
+    and refuses a third open with its limit, opening nothing."""
+    backend = LlamaCppBackend(models.ModelSpec(models.DEFAULT_ALIAS), sessions=2)
+    draft = Direct(DraftServicer(SessionEngine(backend, "draft"), MODEL))
+    assert draft.Describe(model_pb2.DescribeRequest()).max_sessions == 2
+    for sid in ("one", "two"):
+        draft.OpenSession(model_pb2.OpenSessionRequest(session_id=sid, prompt_token_ids=[1, 2, 3]))
+    with pytest.raises(ResourceExhausted, match="max_sessions 2"):
+        draft.OpenSession(model_pb2.OpenSessionRequest(session_id="three", prompt_token_ids=[1, 2, 3]))
+    assert draft.Describe(model_pb2.DescribeRequest()).open_sessions == 2

@@ -46,7 +46,7 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -164,6 +164,9 @@ class SessionEngine:
         self.step_profile: dict[tuple[int, int, int], float] = dict(step_profile or {})
         self.cores: placement.Cores | None = cores  # threads per step and the core lock; None: neither
         self.limits = limits or SessionLimits()
+        held = getattr(backend, "max_sessions", None)  # a backend whose KV holds fewer (llama.cpp's streams)
+        if held is not None and held < self.limits.max_sessions:
+            self.limits = replace(self.limits, max_sessions=held)
         # The longest prompt OpenSession prefills (None: any); a longer one it registers and feeds
         # none of, `catch_up` feeding it before a forward needs it (the hybrid's index rounds need none)
         self.prefill_at_open: int | None = None

@@ -48,13 +48,18 @@ import numpy as np
 import torch
 
 from specdec.errors import ResourceExhausted
+from specdec.limits import SessionLimits
 from specdec.runtime import placement
 from specdec.runtime.backend import Tokenized
 from specdec.runtime.kvcache import Slot
 from specdec.weights import models
 
 SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
-MAX_SEQUENCES = 16  # sessions one context holds; more: RESOURCE_EXHAUSTED (the KV of all, allocated at start)
+# Sessions one context holds (its streams, the KV of all allocated at start): the service's --max-sessions,
+# as many as its KV budget holds at SEQUENCE_CELLS each (sessions_for), at most llama.cpp's LLAMA_MAX_SEQ;
+# the engine admits no more (SessionEngine: the backend's max_sessions), and neither does the orchestrator.
+MAX_SEQUENCES = 16  # a backend built without limits (scripts, tests): the default limits' 65,536 / 4,096
+LLAMA_MAX_SEQ = 256  # llama.cpp's own bound on a context's sequences (src/llama-cparams.h)
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 # A gap of at most this many stream ids in a step is filled (module docstring): while its fillers cost
 # less than the second ubatch. A filler costs a token's share of a batched step (the F32 target: 3.5 ms,
@@ -70,6 +75,18 @@ GGML_TYPE_F32 = 0
 FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # llama_ftype -> the torch dtype's name
 
 
+def sessions_for(limits: SessionLimits | None) -> int:
+    """The sessions a context of SEQUENCE_CELLS-cell streams holds under a service's `limits`: its
+    max_sessions, no more than its KV budget fills (max_kv_tokens; 0: no cap), at most LLAMA_MAX_SEQ.
+    The default limits: 65,536 / 4,096 = 16 sessions (~3 GB of F32 keys and values for the target)."""
+    if limits is None:
+        return MAX_SEQUENCES
+    n = limits.max_sessions
+    if limits.max_kv_tokens:
+        n = min(n, limits.max_kv_tokens // SEQUENCE_CELLS)
+    return max(1, min(n, LLAMA_MAX_SEQ))
+
+
 class LlamaCppBackend(Tokenized):
     kind = "llamacpp"  # Describe's `backend`
 
@@ -78,6 +95,7 @@ class LlamaCppBackend(Tokenized):
         spec: models.ModelSpec,
         default_file: Callable[[], Path] = models.draft_gguf_path,
         n_ctx: int = SEQUENCE_CELLS,
+        sessions: int = MAX_SEQUENCES,
     ):
         """`spec.model`: a .gguf file, or the default alias, which runs `default_file()` (the
         embedded GGUF requantised to Q8_0 by default, models.draft_gguf_path; the target passes
@@ -109,9 +127,12 @@ class LlamaCppBackend(Tokenized):
         self.dtype = FILE_TYPES.get(file_type) or self._model.desc().split(" ", 2)[-1]
         params = llama_cpp.llama_context_default_params()
         # A stream of n_ctx cells per session, so a session's logits are its own (module docstring).
-        params.n_ctx = MAX_SEQUENCES * n_ctx
-        params.n_batch = BATCH_TOKENS + MAX_SEQUENCES  # a step's tokens and its fillers
-        params.n_seq_max = MAX_SEQUENCES
+        if not 1 <= sessions <= LLAMA_MAX_SEQ:
+            raise ValueError(f"a llama.cpp context holds 1 to {LLAMA_MAX_SEQ} sessions, not {sessions}")
+        self.max_sessions = sessions  # the engine's and so the orchestrator's bound (SessionEngine)
+        params.n_ctx = sessions * n_ctx
+        params.n_batch = BATCH_TOKENS + sessions  # a step's tokens and its fillers
+        params.n_seq_max = sessions
         params.kv_unified = False
         # Sliding-window layers (Gemma 2/3) keep every cell, not the window's: a rollback then leaves
         # the keys the window needs again (llama.cpp's smaller SWA cache drops them as it goes).
@@ -152,9 +173,9 @@ class LlamaCppBackend(Tokenized):
 
     def new_cache(self) -> Slot:
         # the lowest free id: a step's sessions stay consecutive streams
-        index = next((i for i in range(MAX_SEQUENCES) if i not in self._slots), None)
+        index = next((i for i in range(self.max_sessions) if i not in self._slots), None)
         if index is None:
-            raise ResourceExhausted(f"the llama.cpp context holds {MAX_SEQUENCES} sessions at most")
+            raise ResourceExhausted(f"the llama.cpp context holds {self.max_sessions} sessions at most")
         slot = self._slots[index] = Slot(index)
         return slot
 
@@ -167,7 +188,7 @@ class LlamaCppBackend(Tokenized):
         self._slots.pop(cache.index, None)
 
     def free_caches(self) -> int:
-        return MAX_SEQUENCES - len(self._slots)
+        return self.max_sessions - len(self._slots)
 
     def copy_prefix(self, src: Slot, dst: Slot, n: int) -> None:
         """Stream dst holds src's first n positions (the module docstring)."""

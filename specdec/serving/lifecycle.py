@@ -40,10 +40,15 @@ SPARE_THREADS = 16  # a model service's gRPC threads beyond one per session (its
 
 
 class Admission:
-    """A counting semaphore with a bounded queue that gives up on requests that ended."""
+    """A counting semaphore with a bounded queue that gives up on requests that ended. It runs
+    limits.max_concurrent entries at once, or `held` where that is fewer (the sessions the
+    orchestrator's target service holds: each generation holds one; 0: no such bound)."""
 
-    def __init__(self, limits: AdmissionLimits):
+    def __init__(self, limits: AdmissionLimits, held: int = 0):
         self.limits = limits
+        self.max_concurrent = min(limits.max_concurrent, held) if held > 0 else limits.max_concurrent
+        why = f"max_concurrent {limits.max_concurrent}"
+        self._why = why if self.max_concurrent == limits.max_concurrent else f"the target service holds {held} sessions"
         self.running = 0
         self.waiting = 0
         self.refused = 0  # since it started: both full
@@ -52,18 +57,17 @@ class Admission:
     @contextmanager
     def slot(self, context):
         with self._cond:
-            if self.running >= self.limits.max_concurrent:
+            if self.running >= self.max_concurrent:
                 if self.waiting >= self.limits.max_queue:
                     self.refused += 1
                     raise ResourceExhausted(
-                        f"overloaded: {self.running} requests running (max_concurrent "
-                        f"{self.limits.max_concurrent}) and {self.waiting} queued (max_queue "
-                        f"{self.limits.max_queue}); retry later"
+                        f"overloaded: {self.running} requests running ({self._why}) and {self.waiting} "
+                        f"queued (max_queue {self.limits.max_queue}); retry later"
                     )
                 self.waiting += 1
                 context.add_callback(self._wake)  # a cancel or an expired deadline ends the wait
                 try:
-                    while self.running >= self.limits.max_concurrent:
+                    while self.running >= self.max_concurrent:
                         if not context.is_active():
                             raise Cancelled("the request ended while queued for admission")
                         self._cond.wait(timeout=1.0)

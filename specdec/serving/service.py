@@ -318,6 +318,7 @@ class SessionServicer:
             eos_token_ids=backend.eos_token_ids,
             role=self.engine.role,
             open_sessions=self.engine.open_sessions,
+            max_sessions=engine.limits.max_sessions,
             cpus=placement.usable_cores(),
             threads=engine.cores.threads if engine.cores is not None else placement.threads(),
             machine=placement.machine(),

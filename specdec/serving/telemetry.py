@@ -386,7 +386,7 @@ class Telemetry:
             make(name, callbacks=[observe], unit=unit, description=description)
 
         gauge("specdec.requests.queued", lambda: admission.waiting, "{request}", "Requests waiting for a slot")
-        gauge("specdec.requests.max_concurrent", lambda: admission.limits.max_concurrent, "{request}", "Slots")
+        gauge("specdec.requests.max_concurrent", lambda: admission.max_concurrent, "{request}", "Slots")
         gauge("specdec.requests.refused", lambda: admission.refused, "{request}", "Refused: full", "counter")
 
     def rounds(self, loop) -> Iterator:

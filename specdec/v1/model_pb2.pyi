@@ -298,7 +298,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "device_id", "static_forwards", "builds_after_ready", "tree_verify", "prefix_cache", "index_drafts")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_digest", "max_context", "dtype", "device", "eos_token_ids", "role", "open_sessions", "max_sessions", "kv_tokens", "cpus", "threads", "backend", "step_costs", "machine", "device_id", "static_forwards", "builds_after_ready", "tree_verify", "prefix_cache", "index_drafts")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +330,7 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     role: str
     open_sessions: int
+    max_sessions: int
     kv_tokens: int
     cpus: _containers.RepeatedScalarFieldContainer[int]
     threads: int
@@ -341,7 +343,7 @@ class ModelInfo(_message.Message):
     tree_verify: bool
     prefix_cache: PrefixCache
     index_drafts: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., device_id: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ..., index_drafts: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., cpus: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., backend: _Optional[str] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., machine: _Optional[str] = ..., device_id: _Optional[str] = ..., static_forwards: _Optional[_Union[StaticForwards, _Mapping]] = ..., builds_after_ready: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ..., index_drafts: _Optional[bool] = ...) -> None: ...
 
 class PrefixCache(_message.Message):
     __slots__ = ("prompt_tokens", "hit_tokens", "hits", "copied_tokens", "kept", "kept_tokens", "evictions", "block_tokens")
