@@ -138,12 +138,14 @@ def _hf_batch(model, tokenizer, batch: list[list[int]], max_tokens: int) -> dict
 
 
 def _llamacpp_batch(backend, requests: list[list[int]], c: int, max_tokens: int) -> dict:
-    """The target service's own engine in this process (a specdec.runtime.llamacpp backend, its threads): the
-    requests in waves of c, each wave's prompts prefilled one after another in its chunks, then decoded
-    greedily as one batched forward a step, max_tokens each: what c sessions cost the engine alone, the
-    bound of speculation off at c clients. Every c runs the same prompts (a cell's clients cycle through
-    them all), so its "x c=1" is the bound of speculation off's: one client's prefills weigh the same."""
+    """The target service's own engine in this process (a specdec.runtime.llamacpp backend, its
+    threads): the requests in waves of c (at most the sessions the service holds), each wave's prompts
+    prefilled one after another in its chunks, then decoded greedily as one batched forward a step,
+    max_tokens each: what c sessions cost the engine alone, the bound of speculation off at c
+    clients. Every c runs the same prompts (a cell's clients cycle through them all), so its "x c=1"
+    is the bound of speculation off's: one client's prefills weigh the same."""
     t0 = time.perf_counter()
+    c = min(c, backend.max_sessions)  # the sessions the service holds: its orchestrator queues the rest
     for first in range(0, len(requests), c):
         _llamacpp_wave(backend, requests[first : first + c], max_tokens)
     wall = time.perf_counter() - t0
@@ -196,9 +198,10 @@ def run(config: ConcurrencyConfig) -> dict:
         }
     if deploy_configs.target_runtime(config.target, config.target_backend) == "llamacpp":
         # the engine alone, batched: what bounds speculation off under load (the prompts' prefills included)
-        from specdec.runtime.llamacpp import LlamaCppBackend
+        from specdec.runtime.llamacpp import LlamaCppBackend, sessions_for
 
-        backend = LlamaCppBackend(config.target, default_file=models.f32_gguf_path)  # loaded once
+        # loaded once, holding the sessions the pipelines' target holds
+        backend = LlamaCppBackend(config.target, default_file=models.f32_gguf_path, sessions=sessions_for(COLD))
         rows["llama.cpp in process, batch of c"] = {
             str(c): _llamacpp_batch(backend, requests(c), c, config.max_tokens) for c in config.concurrency
         }
