@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specdec.limits import AdmissionLimits, SessionLimits
-from specdec.runtime.llamacpp import LLAMA_MAX_SEQ, SEQUENCE_CELLS, sessions_for
+from specdec.runtime.llamacpp import LLAMA_MAX_SEQ, SEQUENCE_CELLS, _check_memory, sessions_for
 from specdec.v1 import model_pb2, orchestrator_pb2
 from tests.harness import long_request, pipeline, slow_pipeline, status_of, wait_until
 
@@ -94,6 +94,10 @@ def test_a_llamacpp_context_holds_the_sessions_its_kv_budget_fills():
     assert sessions_for(SessionLimits(max_sessions=64, max_kv_tokens=64 * SEQUENCE_CELLS)) == 64
     assert sessions_for(SessionLimits(max_sessions=64, max_kv_tokens=SEQUENCE_CELLS // 2)) == 1
     assert sessions_for(SessionLimits(max_sessions=1000, max_kv_tokens=0)) == LLAMA_MAX_SEQ
+    # A cache the machine cannot hold is refused at start, naming the flags, before llama.cpp allocates it.
+    _check_memory(16 * SEQUENCE_CELLS * 46_080, 16, SEQUENCE_CELLS)  # the default target's: ~2.8 GiB
+    with pytest.raises(ValueError, match="lower --max-sessions or --max-kv-tokens"):
+        _check_memory(2**60, LLAMA_MAX_SEQ, SEQUENCE_CELLS)
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 # the engine admits no more (SessionEngine: the backend's max_sessions), and neither does the orchestrator.
 MAX_SEQUENCES = 16  # a backend built without limits (scripts, tests): the default limits' 65,536 / 4,096
 LLAMA_MAX_SEQ = 256  # llama.cpp's own bound on a context's sequences (src/llama-cparams.h)
+KV_MEMORY_FRACTION = 0.8  # of the memory available at start, the most a context's KV cache may take
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 # A gap of at most this many stream ids in a step is filled (module docstring): while its fillers cost
 # less than the second ubatch. A filler costs a token's share of a batched step (the F32 target: 3.5 ms,
@@ -85,6 +86,29 @@ def sessions_for(limits: SessionLimits | None) -> int:
     if limits.max_kv_tokens:
         n = min(n, limits.max_kv_tokens // SEQUENCE_CELLS)
     return max(1, min(n, LLAMA_MAX_SEQ))
+
+
+def _cell_bytes(llama_cpp, model, f32: bool) -> int:
+    """Bytes of one KV cell: a position's keys and values in every layer (F32, else F16)."""
+    head = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
+    kv = head * llama_cpp.llama_model_n_head_kv(model)
+    return 2 * llama_cpp.llama_model_n_layer(model) * kv * (4 if f32 else 2)
+
+
+def _check_memory(kv_bytes: int, sessions: int, cells: int) -> None:
+    """Refuse, before allocating it, a KV cache larger than KV_MEMORY_FRACTION of the memory the
+    machine has available (llama.cpp allocates and clears it all at start)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return  # not Linux: not checked
+    if kv_bytes > KV_MEMORY_FRACTION * available:
+        raise ValueError(
+            f"a llama.cpp KV cache of {sessions} sessions x {cells} cells needs {kv_bytes / 2**30:.1f} GiB, more "
+            f"than {KV_MEMORY_FRACTION:.0%} of the {available / 2**30:.1f} GiB available: lower --max-sessions "
+            f"or --max-kv-tokens (a session's stream is {cells} cells)"
+        )
 
 
 class LlamaCppBackend(Tokenized):
@@ -130,6 +154,10 @@ class LlamaCppBackend(Tokenized):
         if not 1 <= sessions <= LLAMA_MAX_SEQ:
             raise ValueError(f"a llama.cpp context holds 1 to {LLAMA_MAX_SEQ} sessions, not {sessions}")
         self.max_sessions = sessions  # the engine's and so the orchestrator's bound (SessionEngine)
+        if not spec.device.startswith("cuda"):
+            _check_memory(
+                sessions * n_ctx * _cell_bytes(llama_cpp, self._model.model, f32=file_type == 0), sessions, n_ctx
+            )
         params.n_ctx = sessions * n_ctx
         params.n_batch = BATCH_TOKENS + sessions  # a step's tokens and its fillers
         params.n_seq_max = sessions
