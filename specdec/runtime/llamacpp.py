@@ -88,11 +88,15 @@ def sessions_for(limits: SessionLimits | None) -> int:
     return max(1, min(n, LLAMA_MAX_SEQ))
 
 
-def _cell_bytes(llama_cpp, model, f32: bool) -> int:
-    """Bytes of one KV cell: a position's keys and values in every layer (F32, else F16)."""
+def _cell_bytes(llama_cpp, model, metadata: dict, f32: bool) -> int:
+    """Bytes of one KV cell: a position's keys and values in every layer (F32, else F16); a head's
+    width from the GGUF's key and value lengths where it gives them (Gemma), else n_embd / n_head."""
+    arch = metadata.get("general.architecture", "")
     head = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
-    kv = head * llama_cpp.llama_model_n_head_kv(model)
-    return 2 * llama_cpp.llama_model_n_layer(model) * kv * (4 if f32 else 2)
+    width = int(metadata.get(f"{arch}.attention.key_length", head)) + int(
+        metadata.get(f"{arch}.attention.value_length", head)
+    )
+    return llama_cpp.llama_model_n_layer(model) * llama_cpp.llama_model_n_head_kv(model) * width * (4 if f32 else 2)
 
 
 def _check_memory(kv_bytes: int, sessions: int, cells: int) -> None:
@@ -154,10 +158,9 @@ class LlamaCppBackend(Tokenized):
         if not 1 <= sessions <= LLAMA_MAX_SEQ:
             raise ValueError(f"a llama.cpp context holds 1 to {LLAMA_MAX_SEQ} sessions, not {sessions}")
         self.max_sessions = sessions  # the engine's and so the orchestrator's bound (SessionEngine)
-        if not spec.device.startswith("cuda"):
-            _check_memory(
-                sessions * n_ctx * _cell_bytes(llama_cpp, self._model.model, f32=file_type == 0), sessions, n_ctx
-            )
+        if not spec.device.startswith("cuda"):  # on a GPU the cache is the device's (llama.cpp's own error)
+            cell = _cell_bytes(llama_cpp, self._model.model, self._model.metadata(), f32=file_type == 0)
+            _check_memory(sessions * n_ctx * cell, sessions, n_ctx)
         params.n_ctx = sessions * n_ctx
         params.n_batch = BATCH_TOKENS + sessions  # a step's tokens and its fillers
         params.n_seq_max = sessions
