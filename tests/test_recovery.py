@@ -23,7 +23,7 @@ from specdec.errors import Unavailable
 from specdec.limits import RecoveryConfig
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
-from tests.harness import ServiceProcess, open_sessions
+from tests.harness import ServiceProcess, SlowBackend, open_sessions
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 GREEDY = SamplingParams()
@@ -61,10 +61,19 @@ class InProcess:
 
 @pytest.fixture
 def services(tiny_backends):
-    sides = {
-        "draft": InProcess(serve_draft, tiny_backends["draft"]),
-        "target": InProcess(serve_target, tiny_backends["target"]),
-    }
+    yield from _services(tiny_backends["draft"], tiny_backends["target"])
+
+
+@pytest.fixture
+def slow_target_services(tiny_backends):
+    """As `services`, the target's forwards 10 ms each: a generation lasts long enough (60 tokens,
+    0.6 s and more) for a restarted draft's session to re-open whatever the machine's load (with
+    the tiny target's 1-2 ms forwards, a loaded CI machine's had finished before it)."""
+    yield from _services(tiny_backends["draft"], SlowBackend(tiny_backends["target"], 0.01))
+
+
+def _services(draft, target):
+    sides = {"draft": InProcess(serve_draft, draft), "target": InProcess(serve_target, target)}
     yield sides
     for side in sides.values():
         side.stop()
@@ -92,10 +101,11 @@ def test_restarted_target_gives_the_uninterrupted_output(services, sampling, ove
     ids=["greedy", "invariant", "leviathan"],
 )  # fmt: skip
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
-def test_restarted_draft_costs_rounds_never_the_text(services, sampling, rule, overlap):
+def test_restarted_draft_costs_rounds_never_the_text(slow_target_services, sampling, rule, overlap):
     """A restarted draft lost every session: rounds go without drafts (exact: the target's own)
     until the session re-opens, then speculate again. Greedy and the invariant rule's seeded text are
     the target's own, unchanged; a Leviathan seed's rounds met other draws (another sample of the law)."""
+    services = slow_target_services
     pair = connect(services["draft"].address, services["target"].address)
     reference = run(pair, sampling, overlap=overlap, rule=rule, n=60)
     for kill_after in (0, 4):
