@@ -132,11 +132,6 @@ def start_orchestrator(
     )
     defaults = request_defaults(config)
     calibrate(pair, config.calibration_tokens, defaults, log=_log)  # before it serves: the first request priced
-    if 0 < pair.max_sessions < config.admission.max_concurrent:
-        _log(
-            f"runs {pair.max_sessions} generations at once, the sessions its target service holds "
-            f"(--max-concurrent {config.admission.max_concurrent}); the rest queue"
-        )
     server, bound = serve_orchestrator(
         pair,
         host,
@@ -146,6 +141,9 @@ def start_orchestrator(
         admission=config.admission,
         defaults=defaults,
     )
+    admission = server.gate.admission
+    if admission.max_concurrent < admission.limits.max_concurrent:
+        _log(f"runs {admission.max_concurrent} generations at once ({admission.bound()}); the rest queue")
     orchestrator = Orchestrator(server, bound, pair)
     if config.http_port is not None:
         loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

@@ -58,8 +58,9 @@ SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 # Sessions one context holds (its streams, the KV of all allocated at start): the service's --max-sessions,
 # as many as its KV budget holds at SEQUENCE_CELLS each (sessions_for), at most llama.cpp's LLAMA_MAX_SEQ;
 # the engine admits no more (SessionEngine: the backend's max_sessions), and neither does the orchestrator.
-MAX_SEQUENCES = 16  # a backend built without limits (scripts, tests): the default limits' 65,536 / 4,096
 LLAMA_MAX_SEQ = 256  # llama.cpp's own bound on a context's sequences (src/llama-cparams.h)
+# a backend built without limits (scripts, tests): what the default limits give, 65,536 / 4,096 = 16
+MAX_SEQUENCES = SessionLimits().max_kv_tokens // SEQUENCE_CELLS
 KV_MEMORY_FRACTION = 0.8  # of the memory available at start, the most a context's KV cache may take
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 # A gap of at most this many stream ids in a step is filled (module docstring): while its fillers cost
@@ -80,8 +81,7 @@ def sessions_for(limits: SessionLimits | None) -> int:
     """The sessions a context of SEQUENCE_CELLS-cell streams holds under a service's `limits`: its
     max_sessions, no more than its KV budget fills (max_kv_tokens; 0: no cap), at most LLAMA_MAX_SEQ.
     The default limits: 65,536 / 4,096 = 16 sessions (~3 GB of F32 keys and values for the target)."""
-    if limits is None:
-        return MAX_SEQUENCES
+    limits = limits or SessionLimits()
     n = limits.max_sessions
     if limits.max_kv_tokens:
         n = min(n, limits.max_kv_tokens // SEQUENCE_CELLS)

@@ -47,8 +47,6 @@ class Admission:
     def __init__(self, limits: AdmissionLimits, held: int = 0):
         self.limits = limits
         self.max_concurrent = min(limits.max_concurrent, held) if held > 0 else limits.max_concurrent
-        why = f"max_concurrent {limits.max_concurrent}"
-        self._why = why if self.max_concurrent == limits.max_concurrent else f"the target service holds {held} sessions"
         self.running = 0
         self.waiting = 0
         self.refused = 0  # since it started: both full
@@ -61,7 +59,7 @@ class Admission:
                 if self.waiting >= self.limits.max_queue:
                     self.refused += 1
                     raise ResourceExhausted(
-                        f"overloaded: {self.running} requests running ({self._why}) and {self.waiting} "
+                        f"overloaded: {self.running} requests running ({self.bound()}) and {self.waiting} "
                         f"queued (max_queue {self.limits.max_queue}); retry later"
                     )
                 self.waiting += 1
@@ -80,6 +78,13 @@ class Admission:
             with self._cond:
                 self.running -= 1
                 self._cond.notify_all()
+
+    def bound(self) -> str:
+        """What sets max_concurrent: the flag, or the sessions the target holds."""
+        if self.max_concurrent < self.limits.max_concurrent:
+            held = f"the target service holds {self.max_concurrent} sessions"
+            return f"{held}; max_concurrent {self.limits.max_concurrent}"
+        return f"max_concurrent {self.max_concurrent}"
 
     def _wake(self) -> None:
         with self._cond:
