@@ -15,7 +15,8 @@ import torch
 
 from draft_service.proposer import TreeProposal
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import Session, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import Session
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1

@@ -17,7 +17,8 @@ from specdec.decoding import penalties, rule
 from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.errors import FailedPrecondition, OutOfRange
 from specdec.greedy import argmax
-from specdec.runtime.engine import Forward, Session, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import Forward, Session
 from specdec.validation import TREE_BRANCHES, TREE_BUCKETS, TREE_EXPAND
 
 
@@ -49,7 +50,7 @@ def propose(
     grammar = session.constraint  # structured output: each row masked, each drafted token advancing it
     try:
         plain = params.raw_greedy and grammar is None  # the rows as they come
-        if plain and alternatives is None:  # a greedy chain, on the worker (engine.Forward.chain)
+        if plain and alternatives is None:  # a greedy chain, on the worker (session.Forward.chain)
             forward = engine.forward(session, assumed, 1, greedy=True, chain=k)
             yield forward
             drafts = list(forward.argmax)

@@ -9,7 +9,8 @@ from draft_service.drafters import MODEL, Drafter
 from specdec import validation
 from specdec.decoding.sampling import SamplingParams
 from specdec.limits import SessionLimits
-from specdec.runtime.engine import SessionCall, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import SessionCall
 from specdec.serving import wire
 from specdec.serving.lifecycle import serve_model
 from specdec.serving.security import ServerSecurity
@@ -22,7 +23,7 @@ SERVICE_NAME = "specdec.v1.DraftService"
 
 
 def _metered(proposal, steps: list):
-    """Run a proposal's forwards (engine.Forward) on the worker, appending each, once run, to `steps`."""
+    """Run a proposal's forwards (session.Forward) on the worker, appending each, once run, to `steps`."""
     logits = None
     try:
         while True:

@@ -58,7 +58,8 @@ import numpy as np
 from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import Session, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import Session
 
 MAX_MATCH = 32  # the longest suffix looked for
 MIN_STORE_MATCH = 2  # a store match shorter than this is ignored

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -66,24 +65,8 @@ from specdec.validation import MAX_LOOKAHEAD
 
 # A round whose service keeps losing the session gives up after this many re-opens.
 MAX_REOPENS_PER_ROUND = 8
-# Target-only rounds without a draft to wait for (speculation off, or a lost draft) run several
-# one-token steps of the target in one Score (ScoreRequest.decode_steps): a round's RPC and the
-# orchestrator's work (~2 ms, docs/performance.md) paid once for them all. PLAIN_STEPS at first; then
-# as many as keep what the generation's last such rounds measured beyond the target's compute within
-# ROUND_OVERHEAD_SHARE of it (decode_steps), up to MAX_PLAIN_STEPS: 4 on a CPU's 25 ms step, 12 on a
-# GPU's 4 ms one. The stream gets a round's tokens together (4 steps: ~0.1 s on a CPU; 16: ~0.06 s on a GPU).
-PLAIN_STEPS = 4
 # Generations running here past which a fixed k's greedy or invariant rounds no longer overlap.
 OVERLAP_LOAD = 4
-MAX_PLAIN_STEPS = 16
-# The steps a Score for a client that reads nothing before the answer ends (a unary call without stop
-# strings, LoopConfig.streamed), speculation off or its draft lost: each return of a session to the
-# orchestrator costs it a batched step of the target under load (the others' next step has started
-# when it comes back), and a 64-token answer returned 7 times (its open, then rounds of 1, 4, 16,
-# 16, 16 and 11 steps) where it now returns twice. Bounded, so that a client gone is noticed within
-# that many steps.
-MAX_UNARY_STEPS = 64
-ROUND_OVERHEAD_SHARE = 0.05
 # An index's chain sized by its own score (free_lookahead) holds at most FREE_START tokens, and up
 # to the request's free_lookahead (MAX_LOOKAHEAD) after a chain accepted whole: text being copied.
 # On a CPU a 17-token verify costs the F32 target 3.4 ms a token, a 33-token one 2.7: a 201-token
@@ -91,13 +74,6 @@ ROUND_OVERHEAD_SHARE = 0.05
 # FREE_START again: a long one that misses early costs a wider verify for nothing (docs/models.md,
 # "How long a chain the index proposes").
 FREE_START = 16
-
-
-def decode_steps(overhead: float, step: float) -> int:
-    """The steps a Score that keep a round's `overhead` seconds beyond the target's compute within
-    ROUND_OVERHEAD_SHARE of the steps' (`step` seconds each): PLAIN_STEPS to MAX_PLAIN_STEPS."""
-    wanted = math.ceil(overhead / (ROUND_OVERHEAD_SHARE * step)) if step > 0 else MAX_PLAIN_STEPS
-    return max(PLAIN_STEPS, min(MAX_PLAIN_STEPS, wanted))
 
 
 class _Running:
@@ -333,34 +309,6 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             self.stats.rounds_without_draft += 1
             step.without_draft = True
         return step
-
-    def _plain_steps(self, k: int) -> int | None:
-        """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
-        where no draft is waited for: speculation off or the draft lost, no policy measuring the
-        round, and no logprobs; or the draft's session still opening (its prefill beside these
-        rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
-        off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
-        speculation off at 16 clients; the policy measures the steps as plain rounds,
-        _measure_steps); and not the first round (the first token streams alone). None: one. An
-        answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
-        measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included.
-        Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped),
-        so the text does not depend on how the steps are grouped."""
-        cfg = self.config
-        remaining = cfg.max_new_tokens - len(self.generated)
-        opening = self._draft_opening is not None and not self._draft_opening.done()
-        waiting = self.draft is not None and not self._draft_lost and not opening
-        if k or cfg.logprobs is not None:
-            return None
-        if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
-            return None
-        if remaining <= 1:
-            return None
-        if not (cfg.streamed or opening):  # nothing reads or waits before the end
-            return min(MAX_UNARY_STEPS, remaining)
-        if not self.generated:
-            return None
-        return min(PLAIN_STEPS if self._plain_costs is None else decode_steps(*self._plain_costs), remaining)
 
     def _draft_behind(self) -> bool:
         """Whether the draft's next call carries a prefill: more pending commits than a round makes."""

@@ -1,8 +1,8 @@
 """A round of several target steps in one Score, as a part of the loop.
 
 PlainRounds is a base of orchestrator.loop.SpeculativeLoop (its `self`): where no draft is
-waited for (orchestrator.loop's `_plain_steps` says when, and how many steps: PLAIN_STEPS to
-MAX_PLAIN_STEPS), the target runs several one-token steps in one ScoreRequest (decode_steps),
+waited for (`_plain_steps` says when, and how many steps: PLAIN_STEPS to MAX_PLAIN_STEPS, or
+MAX_UNARY_STEPS), the target runs several one-token steps in one ScoreRequest (decode_steps),
 choosing each token as a plain round's last one is chosen (greedy, the invariant rule, or the
 draws' step uniforms), so a seed's output is a plain round's. Under load, when the adaptive
 policy chose the plain round, each step is measured to it as the plain round it replaces.
@@ -10,14 +10,67 @@ policy chose the plain round, each step is measured to it as the plain round it 
 
 from __future__ import annotations
 
+import math
 import time
 
 from orchestrator.pair_costs import DraftCost, RoundReport
 from orchestrator.rounds import Draws, Round
 from specdec.v1 import model_pb2
 
+# Target-only rounds without a draft to wait for (speculation off, or a lost draft) run several
+# one-token steps of the target in one Score (ScoreRequest.decode_steps): a round's RPC and the
+# orchestrator's work (~2 ms, docs/performance.md) paid once for them all. PLAIN_STEPS at first; then
+# as many as keep what the generation's last such rounds measured beyond the target's compute within
+# ROUND_OVERHEAD_SHARE of it (decode_steps), up to MAX_PLAIN_STEPS: 4 on a CPU's 25 ms step, 12 on a
+# GPU's 4 ms one. The stream gets a round's tokens together (4 steps: ~0.1 s on a CPU; 16: ~0.06 s on a GPU).
+PLAIN_STEPS = 4
+MAX_PLAIN_STEPS = 16
+# The steps a Score for a client that reads nothing before the answer ends (a unary call without stop
+# strings, LoopConfig.streamed), speculation off or its draft lost: each return of a session to the
+# orchestrator costs it a batched step of the target under load (the others' next step has started
+# when it comes back), and a 64-token answer returned 7 times (its open, then rounds of 1, 4, 16,
+# 16, 16 and 11 steps) where it now returns twice. Bounded, so that a client gone is noticed within
+# that many steps.
+MAX_UNARY_STEPS = 64
+ROUND_OVERHEAD_SHARE = 0.05
+
+
+def decode_steps(overhead: float, step: float) -> int:
+    """The steps a Score that keep a round's `overhead` seconds beyond the target's compute within
+    ROUND_OVERHEAD_SHARE of the steps' (`step` seconds each): PLAIN_STEPS to MAX_PLAIN_STEPS."""
+    wanted = math.ceil(overhead / (ROUND_OVERHEAD_SHARE * step)) if step > 0 else MAX_PLAIN_STEPS
+    return max(PLAIN_STEPS, min(MAX_PLAIN_STEPS, wanted))
+
 
 class PlainRounds:
+    def _plain_steps(self, k: int) -> int | None:
+        """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
+        where no draft is waited for: speculation off or the draft lost, no policy measuring the
+        round, and no logprobs; or the draft's session still opening (its prefill beside these
+        rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
+        off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
+        speculation off at 16 clients; the policy measures the steps as plain rounds,
+        _measure_steps); and not the first round (the first token streams alone). None: one. An
+        answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
+        measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included.
+        Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped),
+        so the text does not depend on how the steps are grouped."""
+        cfg = self.config
+        remaining = cfg.max_new_tokens - len(self.generated)
+        opening = self._draft_opening is not None and not self._draft_opening.done()
+        waiting = self.draft is not None and not self._draft_lost and not opening
+        if k or cfg.logprobs is not None:
+            return None
+        if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
+            return None
+        if remaining <= 1:
+            return None
+        if not (cfg.streamed or opening):  # nothing reads or waits before the end
+            return min(MAX_UNARY_STEPS, remaining)
+        if not self.generated:
+            return None
+        return min(PLAIN_STEPS if self._plain_costs is None else decode_steps(*self._plain_costs), remaining)
+
     def _decode_round(self, steps: int, draws: Draws, start: float) -> Round:
         """Several plain rounds in one Score (_plain_steps): the target chooses each token as a
         plain round's last one is chosen (greedy, the invariant rule, or the draws' step uniforms)."""

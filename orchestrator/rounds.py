@@ -74,7 +74,7 @@ class LoopConfig:
     reproducible: bool = False
     # A client reads the answer as it grows (GenerateStream, or stop strings to look for): the first
     # token alone, a target-only Score of at most MAX_PLAIN_STEPS steps; False (a unary Generate
-    # without stop strings): MAX_UNARY_STEPS, the first round's too (orchestrator.loop._plain_steps)
+    # without stop strings): MAX_UNARY_STEPS, the first round's too (orchestrator.plain_rounds.PlainRounds._plain_steps)
     streamed: bool = True
 
     def __post_init__(self):

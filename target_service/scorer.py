@@ -23,7 +23,8 @@ from specdec.decoding.grammar import apply
 from specdec.decoding.sampling import SamplingParams, logprobs_from_logits, probs_from_logits
 from specdec.errors import InvalidArgument
 from specdec.greedy import argmax
-from specdec.runtime.engine import Forward, Session, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import Forward, Session
 
 
 @dataclass
@@ -139,7 +140,7 @@ def decode(
     scores = Scores([], [], 0, None)
     chosen = scores.argmax
     while len(chosen) < steps and not (chosen and chosen[-1] in stop_token_ids):
-        # plain: one greedy chain of them all, on the worker (engine.Forward.chain)
+        # plain: one greedy chain of them all, on the worker (session.Forward.chain)
         forward = engine.forward(session, chosen, 1, greedy=plain, chain=steps if plain else 1, stop=stop_token_ids)
         if plain:
             yield forward

@@ -7,7 +7,7 @@ import time
 from specdec import validation
 from specdec.decoding.sampling import SamplingParams
 from specdec.limits import SessionLimits
-from specdec.runtime.engine import SessionCall
+from specdec.runtime.session import SessionCall
 from specdec.serving import wire
 from specdec.serving.lifecycle import serve_model
 from specdec.serving.security import ServerSecurity

@@ -23,7 +23,8 @@ from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.backend import HFBackend
-from specdec.runtime.engine import PREFILL_BUDGET, Session, SessionEngine
+from specdec.runtime.engine import PREFILL_BUDGET, SessionEngine
+from specdec.runtime.session import Session
 from specdec.v1 import model_pb2, orchestrator_pb2
 from specdec.weights.models import ModelSpec
 from target_service.server import TargetServicer

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from draft_service.server import DraftServicer
-from orchestrator import loop as speculative_loop
-from orchestrator.loop import MAX_PLAIN_STEPS, MAX_UNARY_STEPS, PLAIN_STEPS, LoopConfig, SpeculativeLoop, decode_steps
+from orchestrator import plain_rounds
+from orchestrator.loop import LoopConfig, SpeculativeLoop
+from orchestrator.plain_rounds import MAX_PLAIN_STEPS, MAX_UNARY_STEPS, PLAIN_STEPS, decode_steps
 from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
@@ -106,8 +107,8 @@ def argmax_chain(target_probs, n_tokens):
 
 
 def one_step_a_score(monkeypatch) -> None:
-    monkeypatch.setattr(speculative_loop, "PLAIN_STEPS", 1)
-    monkeypatch.setattr(speculative_loop, "MAX_PLAIN_STEPS", 1)
+    monkeypatch.setattr(plain_rounds, "PLAIN_STEPS", 1)
+    monkeypatch.setattr(plain_rounds, "MAX_PLAIN_STEPS", 1)
 
 
 def test_decode_steps_keep_the_round_overhead_small():
@@ -130,7 +131,7 @@ def test_target_only_runs_several_steps_a_score_greedy(monkeypatch):
     # the stand-in's steps cost little beside the RPC: past the first PLAIN_STEPS, more steps a Score
     # (up to MAX_PLAIN_STEPS: 14 rounds on a quiet machine, 17 on a loaded CI worker, stop 78)
     assert 1 + math.ceil(200 / MAX_PLAIN_STEPS) <= stats.rounds < 1 + 200 // PLAIN_STEPS
-    monkeypatch.setattr(speculative_loop, "MAX_PLAIN_STEPS", PLAIN_STEPS)
+    monkeypatch.setattr(plain_rounds, "MAX_PLAIN_STEPS", PLAIN_STEPS)
     tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
     assert stats.rounds == 1 + 200 // PLAIN_STEPS  # the first token alone, then PLAIN_STEPS a round
     chain = argmax_chain(target_probs, 40)

@@ -15,8 +15,9 @@ import pytest
 from draft_service.drafters import MODEL, NGRAM
 from draft_service.server import DraftServicer
 from orchestrator.lookahead import AdaptiveLookahead, RoundCosts, best_lookahead, round_time
-from orchestrator.loop import MAX_UNARY_STEPS, PLAIN_STEPS, RUNNING, LoopConfig, SpeculativeLoop
+from orchestrator.loop import RUNNING, LoopConfig, SpeculativeLoop
 from orchestrator.pair_costs import DraftCost, PairCosts, RoundReport, Sharing, profiled
+from orchestrator.plain_rounds import MAX_UNARY_STEPS, PLAIN_STEPS
 from specdec.decoding.sampling import SamplingParams
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer

@@ -25,7 +25,8 @@ from orchestrator.loop import FREE_START, LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
 from orchestrator.server import serve as serve_orchestrator
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import Session, SessionCall, SessionEngine
+from specdec.runtime.engine import SessionEngine
+from specdec.runtime.session import Session, SessionCall
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.validation import MAX_LOOKAHEAD
 from specdec.weights.models import ModelSpec

@@ -32,7 +32,7 @@ class SamplingParams:
     @property
     def raw_greedy(self) -> bool:
         """Greedy on the model's own rows (no penalty or bias): with no grammar either, a token is
-        its row's argmax as the worker's step finds it (engine.Forward.argmax)."""
+        its row's argmax as the worker's step finds it (specdec.runtime.session.Forward.argmax)."""
         return self.temperature == 0.0 and not self.penalized
 
     @property

@@ -25,7 +25,7 @@ served across models or weights.
 
 Backend interface it needs (specdec.runtime.backend): copy_prefix(src, dst, n) (dst holds src's first n
 positions and nothing else); optionally free_caches() (caches new_cache gives without growing
-or refusing; absent: unbounded). The session fields it reads are specdec.runtime.engine.Session's.
+or refusing; absent: unbounded). The session fields it reads are specdec.runtime.session.Session's.
 """
 
 from __future__ import annotations

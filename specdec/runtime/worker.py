@@ -27,7 +27,7 @@ run again one by one, so only those that fail alone get the error. Continuous ba
 items join and leave between any two steps, so a session's k-step proposal or a chunked
 prefill never waits for the others to finish. A forward that `run_batch` answers with AGAIN
 runs again in the next step without its item being woken (a greedy chain: the engine feeds each
-step's token itself, specdec.runtime.engine.Forward.chain).
+step's token itself, specdec.runtime.session.Forward.chain).
 
 The worker's thread is the one thread that does a service's device work: its forwards, and
 before it serves, the backend's start-up (`run`: the KV cache's allocation, CUDA graph capture,
