@@ -59,8 +59,6 @@ SEQUENCE_CELLS = 4096  # KV cells of each session's stream: its longest sequence
 # as many as its KV budget holds at SEQUENCE_CELLS each (sessions_for), at most llama.cpp's LLAMA_MAX_SEQ;
 # the engine admits no more (SessionEngine: the backend's max_sessions), and neither does the orchestrator.
 LLAMA_MAX_SEQ = 256  # llama.cpp's own bound on a context's sequences (src/llama-cparams.h)
-# a backend built without limits (scripts, tests): what the default limits give, 65,536 / 4,096 = 16
-MAX_SEQUENCES = SessionLimits().max_kv_tokens // SEQUENCE_CELLS
 KV_MEMORY_FRACTION = 0.8  # of the memory available at start, the most a context's KV cache may take
 BATCH_TOKENS = 512  # tokens per llama_decode; a larger step is split
 # A gap of at most this many stream ids in a step is filled (module docstring): while its fillers cost
@@ -123,7 +121,7 @@ class LlamaCppBackend(Tokenized):
         spec: models.ModelSpec,
         default_file: Callable[[], Path] = models.draft_gguf_path,
         n_ctx: int = SEQUENCE_CELLS,
-        sessions: int = MAX_SEQUENCES,
+        sessions: int = sessions_for(None),  # without limits (scripts, tests): the default limits' 16
     ):
         """`spec.model`: a .gguf file, or the default alias, which runs `default_file()` (the
         embedded GGUF requantised to Q8_0 by default, models.draft_gguf_path; the target passes
