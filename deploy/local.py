@@ -90,6 +90,9 @@ class PipelineConfig:
     # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
     metrics_port: int | None = None
     session_limits: SessionLimits = SessionLimits()  # each model service's caps
+    # The draft's prefix cache where it differs from session_limits.prefix_cache (None: the same):
+    # `specdec generate --compare` turns the target's off and keeps the draft's (cli.generate).
+    draft_prefix_cache: bool | None = None
     admission: AdmissionLimits = AdmissionLimits()  # the orchestrator's
     drain_timeout: float = DRAIN_TIMEOUT  # each child's, on SIGTERM
     restart: RestartPolicy = RestartPolicy()
@@ -255,7 +258,10 @@ class LocalPipeline:
             limits = [("--max-sessions", s.max_sessions), ("--max-kv-tokens", s.max_kv_tokens)]
             limits.append(("--session-ttl", s.idle_ttl))
         limits.append(("--drain-timeout", cfg.drain_timeout))
-        off = [] if name == "orchestrator" or cfg.session_limits.prefix_cache else ["--no-prefix-cache"]
+        cached = cfg.session_limits.prefix_cache
+        if name == "draft" and cfg.draft_prefix_cache is not None:
+            cached = cfg.draft_prefix_cache
+        off = [] if name == "orchestrator" or cached else ["--no-prefix-cache"]
         return [str(x) for pair in limits for x in pair] + off
 
     def _metrics_args(self, name: str) -> list[str]:

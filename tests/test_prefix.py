@@ -462,9 +462,10 @@ def test_no_prefix_cache_reaches_the_services(argv, tmp_path):
 
 
 def test_generate_compare_prefills_both_runs():
-    """`specdec generate --compare` starts its services without the prefix cache: the target alone's
+    """`specdec generate --compare` starts its target without the prefix cache: the target alone's
     run would otherwise reuse the prompt's keys and values the speculative run computed, and the
-    speedup it prints would weigh one prefill against none."""
+    speedup it prints would weigh one prefill against none. The draft, which the target alone never
+    reads, keeps its own, unless --no-prefix-cache turns both off."""
     import shutil
 
     from cli.generate import local_pipeline
@@ -472,10 +473,16 @@ def test_generate_compare_prefills_both_runs():
     from specdec.serving.security import ClientSecurity
 
     parser = build_parser()
-    for argv, on in ((["generate", "hi"], True), (["generate", "hi", "--compare"], False)):
+    cases = (
+        (["generate", "hi"], True, True),
+        (["generate", "hi", "--compare"], False, True),
+        (["generate", "hi", "--compare", "--no-prefix-cache"], False, False),
+    )
+    for argv, target, draft in cases:
         pipeline = local_pipeline(parser.parse_args(argv), ClientSecurity(), quiet=True)
         try:
-            assert pipeline.config.session_limits.prefix_cache is on
-            assert ("--no-prefix-cache" in pipeline._limit_args("target")) is not on
+            assert pipeline.config.session_limits.prefix_cache is target
+            assert ("--no-prefix-cache" in pipeline._limit_args("target")) is not target
+            assert ("--no-prefix-cache" in pipeline._limit_args("draft")) is not draft
         finally:
             shutil.rmtree(pipeline.workdir, ignore_errors=True)
