@@ -50,6 +50,7 @@ def start_model_service(
     usable, threads = placement.apply(config.cpus, config.threads)
     shared = config.cpus is None and config.spec.device == "cpu" and len(usable) > 1
     cores = placement.Cores(config.role, threads, shared)
+    cores.starting()  # until its warm-up ends, the other service times no forward (placement: Start-up)
     if config.role == "draft":
         backend, drafter = drafters.make(config.drafter, config.spec, config.compile, config.limits)
     else:

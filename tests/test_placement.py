@@ -150,6 +150,49 @@ def test_a_service_stuck_holding_the_cores_costs_the_other_the_patience_once(tmp
     assert not other.is_alive() and time.perf_counter() - t0 < 0.3 + 5
 
 
+def test_start_ups_take_turns_to_time_their_forwards(tmp_path, monkeypatch):
+    """Two services starting on one machine load at once, but neither times its forwards while the
+    other loads or warms up, and one timing its own holds off a third's load; a start-up that never
+    ends costs the other STARTUP_PATIENCE, then it times beside it. A service that owns its cores
+    takes no turn."""
+    paths = {"lock_path": tmp_path / "cores.lock", "startup_path": tmp_path / "startup.lock"}
+    draft, target = (Cores(role, 2, shared=True, cores=2, **paths) for role in ("draft", "target"))
+    draft.starting()
+    target.starting()  # both load at once
+    draft.started()
+    timing, done = threading.Event(), threading.Event()
+
+    def time_forwards():
+        with draft.timing():
+            timing.set()
+            done.wait(10)
+
+    timer = threading.Thread(target=time_forwards)
+    timer.start()
+    assert not timing.wait(0.3)  # the target still loads
+    target.started()
+    assert timing.wait(5)
+    third = Cores("target", 2, shared=True, cores=2, **paths)
+    loading = threading.Thread(target=third.starting)
+    loading.start()
+    loading.join(0.3)
+    assert loading.is_alive()  # waits for the draft's timing
+    done.set()
+    timer.join(5)
+    loading.join(5)
+    assert not loading.is_alive()
+    monkeypatch.setattr(placement, "STARTUP_PATIENCE", 0.2)
+    t0 = time.perf_counter()
+    with target.timing():  # the third never says it started
+        assert time.perf_counter() - t0 >= 0.2
+    alone = Cores("draft", 2, shared=False, **paths)
+    t0 = time.perf_counter()
+    alone.starting()
+    with alone.timing():
+        alone.started()
+    assert time.perf_counter() - t0 < 0.1
+
+
 def test_a_step_runs_with_the_fewest_threads_its_requests_allow():
     cores = Cores("target", 4, shared=False)
     assert cores.of([None, None]) == 4

@@ -31,6 +31,18 @@ GOMP_SPINCOUNT=10000 (~1 ms of spinning) 0.95-1.01x, 59-64 ms. OMP_WAIT_POLICY=P
 at all) made every barrier inside a forward a sleep: the Q8_0 draft step 3.2x slower, the F32
 target's verify 2x. So a service process sets SERVICE_ENV before torch or llama.cpp loads (libgomp
 reads it then; cli.serving).
+
+Start-up. Each service times its forwards at start (its step profile, which the orchestrator
+prices rounds by), and on shared cores it must not time them beside the other service's own
+start-up: the model's load and its warm-up take no core lock (no step runs yet), and the draft's
+steps on every core, timed beside the target's load, came out 3-7x their cost (a step of one
+session 89-96 ms against 13 ms timed alone, 2026-12-02), so every sequential round was priced at
+2.5-7x its draft cost and the default chose overlapped rounds of k = 2-3, 0.93x plain rounds where
+the sequential rounds of k = 5-7 it now chooses run 1.04x (docs/architecture.md).
+So start-ups take turns on the machine's start-up lock (STARTUP_LOCK): a service holds it shared
+from before its model loads until its warm-up ends (`starting`, `started`), and exclusively while
+it times its forwards (`timing`). Serving steps never take it: a service that restarts beside a
+serving one times its forwards beside that one's steps, under the core lock, as before.
 """
 
 from __future__ import annotations
@@ -57,6 +69,10 @@ CORE_LOCK = Path(tempfile.gettempdir()) / f"specdec-cores-{os.getuid()}.lock"
 # other one stopped or hung inside a step (SIGSTOP, a stuck driver: it keeps its lock) costs this
 # service seconds, not every request until it is woken.
 LOCK_PATIENCE = 3.0
+STARTUP_LOCK = Path(tempfile.gettempdir()) / f"specdec-startup-{os.getuid()}.lock"
+# Seconds a start-up waits for the other's (its model's load: ~13 s for the default F32 target on 2
+# cores) before it goes on beside it, timing what it times beside it.
+STARTUP_PATIENCE = 120.0
 
 log = logging.getLogger("specdec.runtime.placement")
 
@@ -141,9 +157,18 @@ class Cores:
     forward with the fewest threads its requests allow, under the machine's core lock unless the
     service owns its cores. Used by the model worker's thread only."""
 
-    def __init__(self, role: str, threads: int, shared: bool, lock_path: Path = CORE_LOCK, cores: int = 0):
+    def __init__(
+        self,
+        role: str,
+        threads: int,
+        shared: bool,
+        lock_path: Path = CORE_LOCK,
+        cores: int = 0,
+        startup_path: Path = STARTUP_LOCK,
+    ):
         """`threads`: the most a step uses (the service's); `shared`: the machine's `cores` (0:
-        those this process may use) are the other service's too, so its steps take the lock."""
+        those this process may use) are the other service's too, so its steps take the lock, and
+        its start-up takes turns with the other's (`startup_path`, module docstring)."""
         self.role = role
         self.threads = threads
         self.shared = shared
@@ -151,7 +176,32 @@ class Cores:
         self.share = min(threads, target if role == "target" else draft) if shared else threads
         self._lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
         self._locker = _Locker(self._lock) if shared else None
+        self._startup = os.open(startup_path, os.O_RDWR | os.O_CREAT, 0o600) if shared else None
         self._current = threads
+
+    def starting(self) -> None:
+        """This service's start-up begins (before its model loads): held shared until `started`,
+        no other service on these cores times its forwards meanwhile (module docstring)."""
+        if self._startup is not None and not _flock_within(self._startup, fcntl.LOCK_SH, STARTUP_PATIENCE):
+            log.warning("another service's start-up held the cores for %.0f s: loading beside it", STARTUP_PATIENCE)
+
+    def started(self) -> None:
+        """Its model loaded and warmed up: the other service may time its forwards."""
+        if self._startup is not None:
+            fcntl.flock(self._startup, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Time the start-up's forwards with no other start-up computing on these cores: waits for
+        the others' `started` (at most STARTUP_PATIENCE) and holds them off until done."""
+        held = self._startup is not None and _flock_within(self._startup, fcntl.LOCK_EX, STARTUP_PATIENCE)
+        if self._startup is not None and not held:
+            log.warning("another service has been starting for %.0f s: timing the forwards beside it", STARTUP_PATIENCE)
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(self._startup, fcntl.LOCK_UN)
 
     def counts(self) -> list[int]:
         """The thread counts a request may get: its share and every core (one, if they agree)."""
@@ -181,6 +231,19 @@ class Cores:
         finally:
             if held:
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+
+def _flock_within(fd: int, mode: int, seconds: float) -> bool:
+    """flock(fd, mode), waiting at most `seconds`: whether it is held."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 class _Attempt:

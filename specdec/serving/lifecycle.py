@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import grpc
 
@@ -236,7 +236,8 @@ def _get_ready(engine: SessionEngine, backend) -> None:
     """What a model service does before it serves, on its model worker: the backend's start-up
     and warm-up, and its step profile (Describe's step_costs, for the orchestrator's adaptive
     lookahead): a draft's batched steps at every thread count a request may ask for, and a
-    target's verify forwards where it has more than one (its cores shared with the draft's).
+    target's verify forwards where it has more than one (its cores shared with the draft's), with
+    no other service's start-up computing beside them (specdec.runtime.placement: Start-up).
     On the bare backend: no request pays for it, no span records it."""
     loaded, t0 = process_age(), time.perf_counter()
     backend.tokenizer_digest()  # Describe's: a GGUF's tokenizer is converted here (once), not under a caller's Describe
@@ -248,8 +249,12 @@ def _get_ready(engine: SessionEngine, backend) -> None:
         shapes = [(n, 1) for n in PROFILE_SESSIONS if n <= engine.limits.max_sessions]
     elif cores is not None and len(cores.counts()) > 1:
         shapes = [(1, w) for w in PROFILE_TOKENS]
+    if cores is not None:
+        cores.started()  # loaded and warm: the other service may time its forwards
     if shapes:
-        engine.step_profile = profile_steps(backend, shapes, cores)
+        # ... and this one times its own with no other start-up beside it
+        with cores.timing() if cores is not None else nullcontext():
+            engine.step_profile = profile_steps(backend, shapes, cores)
     if loaded is not None:  # where a start-up goes (docs/gpu.md: ready time)
         print(
             f"specdec: {engine.role} service: {process_age():.1f} s after its process started: the model loaded "
