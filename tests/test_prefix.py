@@ -486,3 +486,28 @@ def test_generate_compare_prefills_both_runs():
             assert ("--no-prefix-cache" in pipeline._limit_args("draft")) is not draft
         finally:
             shutil.rmtree(pipeline.workdir, ignore_errors=True)
+
+
+def test_a_lookup_among_a_thousand_kept_caches_compares_the_newest_few(monkeypatch):
+    """A service that keeps every closed session's cache holds hundreds on one system prompt: a
+    session's open compares the newest LOOKUP_CANDIDATES of them token by token, not each (a
+    millisecond on the model's thread), and still finds the kept cache its prompt extends whole
+    among them (a conversation's next turn opens right after its last)."""
+    cache = prefix.PrefixCache(backend=None, budget=type("Budget", (), {})())
+    system = tokens(60, 3 * prefix.BLOCK_TOKENS + 5)
+    for n in range(1000):
+        entry = prefix.Retained(cache=None, tokens=[*system, *tokens(1000 + n, 20)])
+        cache.index.index(entry, entry.tokens, len(entry.tokens))
+        cache.retained[id(entry)] = entry
+    compared = []
+    real = prefix.common_prefix
+    monkeypatch.setattr(prefix, "common_prefix", lambda *a: compared.append(a) or real(*a))
+
+    newest = entry
+    assert cache.lookup([*newest.tokens, 7]) == (newest, len(newest.tokens))
+    assert 0 < len(compared) <= prefix.LOOKUP_CANDIDATES
+    compared.clear()
+    source, hit = cache.lookup([*system, *tokens(9, 30)])  # a new user message: the system prompt
+    assert isinstance(source, prefix.Retained) and hit >= 3 * prefix.BLOCK_TOKENS
+    assert source.tokens[:hit] == [*system, *tokens(9, 30)][:hit]
+    assert len(compared) <= prefix.LOOKUP_CANDIDATES

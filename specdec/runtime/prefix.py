@@ -39,6 +39,11 @@ from specdec.errors import ResourceExhausted
 from specdec.limits import KVBudget
 
 BLOCK_TOKENS = 16  # tokens a hash covers (vLLM's block): a prompt's lookup hashes len // 16 blocks
+# Holders a lookup compares token by token, the most recently indexed first: those past the blocks
+# all of them share can add less than a block to the hit, and a service that kept every closed
+# session's cache held ~1,000 of them on one system prompt (a millisecond a session's open, on the
+# model's thread).
+LOOKUP_CANDIDATES = 32
 _ROOT = hash("specdec.prefix")
 
 
@@ -117,9 +122,9 @@ class PrefixIndex:
         return len(entry[1]) if entry is not None else 0
 
     def candidates(self, tokens: list[int]) -> tuple[list, int]:
-        """The holders indexed for the most leading blocks of `tokens`, and how many blocks:
-        a match of hashes, for the caller to check token by token."""
-        found: list = []
+        """The holders indexed for the most leading blocks of `tokens`, the most recently indexed
+        first, and how many blocks: a match of hashes, for the caller to check token by token."""
+        deepest: dict = {}
         depth = 0
         h = _ROOT
         for start in range(0, len(tokens) - self.block + 1, self.block):
@@ -127,8 +132,8 @@ class PrefixIndex:
             holders = self._by_hash.get(h)
             if not holders:
                 break
-            found, depth = list(holders.values()), depth + 1
-        return found, depth
+            deepest, depth = holders, depth + 1
+        return list(reversed(deepest.values())), depth
 
 
 class PrefixCache:
@@ -188,13 +193,14 @@ class PrefixCache:
 
     def lookup(self, prompt: list[int]) -> tuple[Any, int]:
         """The cache holding the longest prefix of the prompt (short of its last token, which a
-        session's first forward feeds again for its logits), and how long: exact to the token.
-        Between two as long, a kept cache the prompt extends whole (taken over, no copy)."""
+        session's first forward feeds again for its logits), and how long: exact to the token,
+        among the LOOKUP_CANDIDATES most recent holders of the most leading blocks. Between two as
+        long, a kept cache the prompt extends whole (taken over, no copy)."""
         wanted = prompt[:-1]
         holders, depth = self.index.candidates(wanted)
         known = depth * self.block  # what the hashes say they share
         best, hit, whole = None, 0, False
-        for holder in holders:
+        for holder in holders[:LOOKUP_CANDIDATES]:
             kept = isinstance(holder, Retained)
             if hit == len(wanted) and (whole or not kept or len(holder.tokens) > hit):
                 continue  # it cannot do better (many sessions on one system prompt: one compare, not one each)
