@@ -494,9 +494,9 @@ def test_a_lookup_among_a_thousand_kept_caches_compares_the_newest_few(monkeypat
     millisecond on the model's thread), and still finds the kept cache its prompt extends whole
     among them (a conversation's next turn opens right after its last)."""
     cache = prefix.PrefixCache(backend=None, budget=type("Budget", (), {})())
-    system = tokens(60, 3 * prefix.BLOCK_TOKENS + 5)
-    for n in range(1000):
-        entry = prefix.Retained(cache=None, tokens=[*system, *tokens(1000 + n, 20)])
+    system = tokens(60, 3 * prefix.BLOCK_TOKENS + 1)
+    for n in range(1000):  # each holds the system prompt's 3 blocks and a part of the next
+        entry = prefix.Retained(cache=None, tokens=[*system, *tokens(1000 + n, 10)])
         cache.index.index(entry, entry.tokens, len(entry.tokens))
         cache.retained[id(entry)] = entry
     compared = []
@@ -504,6 +504,7 @@ def test_a_lookup_among_a_thousand_kept_caches_compares_the_newest_few(monkeypat
     monkeypatch.setattr(prefix, "common_prefix", lambda *a: compared.append(a) or real(*a))
 
     newest = entry
+    assert cache.index.candidates(newest.tokens) == ([*reversed(cache.retained.values())], 3)
     assert cache.lookup([*newest.tokens, 7]) == (newest, len(newest.tokens))
     assert 0 < len(compared) <= prefix.LOOKUP_CANDIDATES
     compared.clear()
