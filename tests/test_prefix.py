@@ -490,8 +490,8 @@ def test_generate_compare_prefills_both_runs():
 
 def test_a_lookup_among_a_thousand_kept_caches_compares_the_newest_few(monkeypatch):
     """A service that keeps every closed session's cache holds hundreds on one system prompt: a
-    session's open compares the newest LOOKUP_CANDIDATES of them token by token, not each (a
-    millisecond on the model's thread), and still finds the kept cache its prompt extends whole
+    session's open compares the newest LOOKUP_CANDIDATES of them token by token, not each (~0.1 ms
+    a session's open, on the model's thread), and still finds the kept cache its prompt extends whole
     among them (a conversation's next turn opens right after its last)."""
     cache = prefix.PrefixCache(backend=None, budget=type("Budget", (), {})())
     system = tokens(60, 3 * prefix.BLOCK_TOKENS + 1)
