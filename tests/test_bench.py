@@ -372,3 +372,22 @@ def test_the_serving_bench_reports_the_median_of_its_repeats():
     assert "| k4 | 60 (1.00) | 100 (0.83) [90-120] |" in table and "medians of 3 runs" in table
     with pytest.raises(ValueError, match="--repeats"):
         serving.ServingConfig(repeats=0)
+
+
+def test_the_serving_bench_counts_the_tokens_made_in_its_window():
+    """A cell counts each request's tokens at the share of its time inside the window, not whole at
+    its answer: 64 clients' answers end together, and counting them whole moved a cell in steps of
+    one cohort's answers."""
+    from bench import serving
+
+    requests = [
+        (0.0, 2.0, 64),  # half inside [1, 3): 32
+        (2.0, 4.0, 64),  # half inside: 32
+        (1.0, 3.0, 64),  # whole inside: 64
+        (3.0, 5.0, 64),  # after it: none
+        (-1.0, 1.0, 64),  # before it: none
+        (0.0, 4.0, 40),  # its middle half: 20
+    ]
+    assert serving.in_window(requests, 1.0, 3.0) == pytest.approx(32 + 32 + 64 + 20)
+    # a window as long as the whole run counts every token once
+    assert serving.in_window(requests, -1.0, 5.0) == pytest.approx(64 * 5 + 40)
