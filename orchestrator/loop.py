@@ -37,6 +37,7 @@ adapters in tests).
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import threading
 import time
@@ -129,7 +130,6 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self.draft = Side(draft, self.session_id) if config.speculate else None
         self.target = Side(target, self.session_id)
         self.generated: list[int] = []
-        self.rng = np.random.default_rng(config.seed)
         # A tree round is sequential (a continuation assumes one path accepted, a tree has many);
         # an adaptive generation with trees chooses between them and overlapped chains.
         self.overlap = config.overlap and self.draft is not None and (config.adaptive or not config.tree_nodes)
@@ -180,6 +180,12 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             self._session_fields["history_scope"] = config.history_scope
         if config.reproducible:
             self._session_fields["reproducible"] = True
+
+    @functools.cached_property
+    def rng(self) -> np.random.Generator:
+        """The generation's draws, from its seed: made at the first draw (a greedy generation draws
+        none, and an unseeded generator costs ~40 µs of the OS's entropy a request)."""
+        return np.random.default_rng(self.config.seed)
 
     @property
     def _overlapping(self) -> bool:
