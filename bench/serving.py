@@ -12,12 +12,13 @@ the server's default), c closed-loop clients (one channel, a call in flight each
 client) send Generate back to back; after a warm-up, a cell is the tokens made in its window over
 the window's length, each request's tokens counted at the share of its time (sent to answered)
 that fell in the window (counting only the answers that ended in it moved a cell in steps of one
-cohort's answers: 512 tok/s, ~9% at 64 clients and 64-token answers in 8 s). Beside it: c x that method's one-client
-figure (linear scaling) and the ratio, and each process's CPU per generated token in µs (from
-/proc, the client's included). The methods of one c run one after another, in alternating
+cohort's answers: 512 tok/s, ~9% at 64 clients and 64-token answers in 8 s). Beside it: c x that
+method's one-client figure (linear scaling) and the ratio, and each process's CPU per generated
+token in µs (from /proc, the client's included). The methods of one c run one after another, in alternating
 order from one c (and one repeat) to the next, so no method always runs last. With `repeats`,
 each cell is run that many times and reports the medians (tokens/s, CPU per token) and the
-spread of its tokens/s: a 2-core VM moved one cell by 10-15% from run to run.
+spread of its tokens/s (1-2% a cell since tokens count by their share; a 2-core VM still drifts over
+minutes).
 
 Owns the load and the report; starts nothing but through deploy.local, and stops it however the
 run ends.
