@@ -14,8 +14,8 @@ the window's length, each request's tokens counted at the share of its time (sen
 that fell in the window (counting only the answers that ended in it moved a cell in steps of one
 cohort's answers: 512 tok/s, ~9% at 64 clients and 64-token answers in 8 s). Beside it: c x that
 method's one-client figure (linear scaling) and the ratio, and each process's CPU per generated
-token in µs (from /proc, the client's included). The methods of one c run one after another, in alternating
-order from one c (and one repeat) to the next, so no method always runs last. With `repeats`,
+token in µs (from /proc, the client's included). The methods of one c run one after another, in
+alternating order from one c (and one repeat) to the next, so no method always runs last. With `repeats`,
 each cell is run that many times and reports the medians (tokens/s, CPU per token) and the
 spread of its tokens/s (1-2% a cell since tokens count by their share; a 2-core VM still drifts over
 minutes).

@@ -184,7 +184,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
     @functools.cached_property
     def rng(self) -> np.random.Generator:
         """The generation's draws, from its seed: made at the first draw (a greedy generation draws
-        none, and an unseeded generator costs ~40 µs of the OS's entropy a request)."""
+        none; making one took ~9 µs alone and ~30 µs a request under load, by py-spy at 64 clients)."""
         return np.random.default_rng(self.config.seed)
 
     @property
