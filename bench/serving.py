@@ -115,9 +115,9 @@ def run(config: ServingConfig, log=print) -> list[Cell]:
             runs: dict[str, list[Cell]] = {method: [] for method in config.methods}
             for _ in range(config.repeats):
                 for method in config.methods[:: 1 if turn % 2 == 0 else -1]:
-                    cell = _cell(stub, request(method, config.max_tokens), method, c, config, pids)
-                    log(_line(cell))
-                    runs[method].append(cell)
+                    measured = cell(stub, request(method, config.max_tokens), method, c, config, pids)
+                    log(_line(measured))
+                    runs[method].append(measured)
                 turn += 1
             cells += [merged(runs[method]) for method in config.methods]
         channel.close()
@@ -141,7 +141,7 @@ def merged(runs: list[Cell]) -> Cell:
     )
 
 
-def _cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dict[str, int]) -> Cell:
+def cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dict[str, int]) -> Cell:
     lock = threading.Lock()
     finished: list[tuple[float, float, int]] = []  # (sent, answered, tokens) of each request that succeeded
     errors: dict[str, int] = {}
@@ -173,9 +173,9 @@ def _cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dic
     for _ in range(clients):
         send()
     time.sleep(config.warmup)
-    cpu0, own0, t0 = _cpu(pids), time.process_time(), time.monotonic()
+    cpu0, own0, t0 = cpu_seconds(pids), time.process_time(), time.monotonic()
     time.sleep(config.duration)
-    cpu1, own1, t1 = _cpu(pids), time.process_time(), time.monotonic()
+    cpu1, own1, t1 = cpu_seconds(pids), time.process_time(), time.monotonic()
     stopping.set()
     idle.wait(config.duration + 120)
     with lock:
@@ -198,7 +198,7 @@ def in_window(requests: list[tuple[float, float, int]], t0: float, t1: float) ->
     return total
 
 
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """Seconds of CPU each process has used (user + system), from /proc."""
     out = {}
     for name, pid in pids.items():
