@@ -142,6 +142,9 @@ def merged(runs: list[Cell]) -> Cell:
 
 
 def cell(stub, req, method: str, clients: int, config: ServingConfig, pids: dict[str, int]) -> Cell:
+    """`clients` closed-loop clients sending `req` through `stub`, over the config's warm-up and window:
+    its tokens/s (each answer counted at its share of the window) and the CPU a token of each process
+    in `pids` and of this one."""
     lock = threading.Lock()
     finished: list[tuple[float, float, int]] = []  # (sent, answered, tokens) of each request that succeeded
     errors: dict[str, int] = {}
