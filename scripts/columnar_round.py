@@ -1,49 +1,63 @@
 """What a columnar orchestrator would serve: every session's round as one pass, against specdec's.
 
     python scripts/columnar_round.py [--clients 1,64] [--k 4] [--standins 10,2,0.8] [--duration 8] \
-        [--repeats 2] [--request-cpu-ms 0,1.8]
+        [--repeats 2] [--servers 1,2] [--split] [--cohorts 1,2] [--request-cpu-ms 0,1.8]
 
 Issue 59 asks 64 clients at k = 4 for 0.75 of 64 x one client with stand-in models. This starts the
 three processes as `specdec bench serving` does (deploy.local, stand-ins: forwards that sleep and cost
 no core) and measures, alternating, for each number of clients c:
 
 - `specdec`: c closed-loop clients through the orchestrator (bench.serving.cell), greedy, k fixed;
-- `columnar`: this script's own loop in place of the orchestrator, on the same two services and their
-  step streams: c sessions, each message a step's calls of all of them, each message of results
-  ruled in one numpy pass (greedy: a draft kept while it equals the target's argmax), no task, future
-  or loop object a session; an answer of --max-tokens tokens closes its sessions and opens the next
-  request's in the same slot. `--request-cpu-ms` burns that much of its thread's CPU an answer: a
-  request's own cost in the orchestrator (admission, the prompt's encode, its calls, the answer),
-  ~1.8 ms on the 2-core VM of docs/performance.md, which this loop does not otherwise pay.
+- `columnar`: a loop in place of the orchestrator, on the same two services and their step streams:
+  each message a step's calls of all its sessions, each message of results ruled in one numpy pass
+  (greedy: a draft kept while it equals the target's argmax), no task, future or loop object a
+  session. `--cohorts N`: its sessions in N cohorts that take turns at the target (a cohort's Scores
+  held while another's are in the target's step).
+  - `columnar server` (`--servers`): the loop in a process of its own behind the client API's
+    `Generate`, driven by the same clients as specdec's (a request's prompt encoded and its answer
+    decoded on its gRPC handler's thread; no admission, deadline, stop string or stream); `--split`:
+    the loop in a process of its own that the server's requests reach, and its answers leave, in batches;
+  - `columnar, N cohorts, M ms an answer` (`--cohorts`, `--request-cpu-ms`): the loop in this process
+    with c sessions of its own, an answer of --max-tokens tokens closing its sessions and opening the
+    next request's in its slot, M ms of its thread's CPU burned an answer for a request's own cost.
 
-It prints tokens/s (each answer's tokens counted at its share of the window, as the bench does), the
-ratio to c x the same loop's one-client figure, each process's CPU per token (µs), and the sessions
-a step of the target held. Not the product: greedy, one fixed k, no client API, stop strings,
-deadlines, cancellation or faults; a measurement of where the serving path's time goes.
+Every answer the loop makes is checked against the stand-in target's greedy text (it raises on one
+that differs). It prints tokens/s (each answer's tokens counted at its share of the window, as the
+bench does), the ratio to c x the same way's one-client figure, each process's CPU per token (µs),
+tokens a verify, and the sessions a step of the target held. Not the product: greedy, one fixed k, no
+faults; a measurement of where the serving path's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import contextlib
+import functools
 import itertools
+import multiprocessing
 import os
 import queue
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serving  # noqa: E402
 from deploy.local import LocalPipeline  # noqa: E402
 from specdec.runtime.standin import StandinBackend  # noqa: E402
-from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2_grpc  # noqa: E402
+from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
 
 PROMPT = [5 + (i * 7) % 40 for i in range(24)]  # stand-in token ids
 
@@ -92,11 +106,12 @@ class Slot:
 
     __slots__ = (
         "index", "serial", "sid", "draft_length", "target_length", "draft_owed", "target_owed", "made", "drafts",
-        "opening", "sent", "cohort",
+        "opening", "sent", "cohort", "prompt", "expected", "reply",
     )  # fmt: skip
 
-    def __init__(self, index: int, cohort: int):
+    def __init__(self, index: int, cohort: int, prompt: list[int], expected: list[int], reply=None):
         self.index, self.serial, self.cohort = index, 0, cohort
+        self.prompt, self.expected, self.reply = prompt, expected, reply  # reply(ids): a served request's answer
 
 
 class ColumnarLoop:
@@ -118,7 +133,8 @@ class ColumnarLoop:
         self.target = Link("target", addresses["target"], model_pb2_grpc.TargetServiceStub, token, self.inbox)
         self.ids = itertools.count(1)
         self.owner: dict[int, tuple[Slot, str]] = {}
-        self.slots = [Slot(i, i % cohorts) for i in range(clients)]
+        self.expected = greedy(PROMPT, max_tokens)
+        self.slots = [Slot(i, i % cohorts, PROMPT, self.expected) for i in range(clients)]
         # Cohorts take turns at the target: a cohort's Scores wait while another's are there.
         self.cohorts = cohorts
         self.at_target = [0] * cohorts  # Scores in flight, a cohort
@@ -127,7 +143,6 @@ class ColumnarLoop:
         self.target_steps: list[int] = []  # sessions in each message of the target's results
         self.verified = [0, 0]  # verifies of k drafts, the tokens they committed (a check on the rule)
         self.tag = f"columnar{os.getpid()}.{id(self)}"
-        self.expected = greedy(PROMPT, max_tokens)
 
     def _call(self, link: Link, slot: Slot, what: str, **call) -> None:
         call_id = next(self.ids)
@@ -137,11 +152,11 @@ class ColumnarLoop:
     def _open(self, slot: Slot) -> None:
         slot.serial += 1
         slot.sid = f"{self.tag}.{slot.index}.{slot.serial}"
-        slot.draft_length = slot.target_length = len(PROMPT)
+        slot.draft_length = slot.target_length = len(slot.prompt)
         slot.draft_owed, slot.target_owed, slot.made, slot.drafts = [], [], [], []
         slot.opening, slot.sent = 2, time.monotonic()
         for link in (self.draft, self.target):
-            request = model_pb2.OpenSessionRequest(session_id=slot.sid, prompt_token_ids=PROMPT)
+            request = model_pb2.OpenSessionRequest(session_id=slot.sid, prompt_token_ids=slot.prompt)
             self._call(link, slot, "open", open_session=request)
 
     def _propose(self, slot: Slot) -> None:
@@ -178,15 +193,17 @@ class ColumnarLoop:
         if len(slot.made) < self.max_tokens:
             self._propose(slot)
             return
-        if slot.made != self.expected:  # greedy: every answer is the target's own
-            raise RuntimeError(f"an answer differs from the target's greedy text: {slot.made} != {self.expected}")
+        if slot.made != slot.expected:  # greedy: every answer is the target's own
+            raise RuntimeError(f"an answer differs from the target's greedy text: {slot.made} != {slot.expected}")
         self.answers.append((slot.sent, time.monotonic(), len(slot.made)))
         self._close(slot)
         if self.request_cpu:
             end = time.thread_time() + self.request_cpu
             while time.thread_time() < end:
                 pass
-        if running:
+        if slot.reply is not None:
+            slot.reply(slot.made)
+        elif running:
             self._open(slot)
 
     def run(self, warmup: float, duration: float, pids: dict[str, int]) -> dict:
@@ -229,6 +246,9 @@ class ColumnarLoop:
                 break
         scored = []
         for link, message in batch:
+            if link is None:  # a served request: its slot, to open
+                self._open(message)
+                continue
             if link is self.target:
                 scores = sum(1 for r in message.results if r.WhichOneof("result") == "score")
                 if scores:
@@ -265,6 +285,127 @@ class ColumnarLoop:
                 self._score(slot, drafts)
 
 
+class Server(orchestrator_pb2_grpc.OrchestratorServicer):
+    """The client API's Generate in front of the loop: a request's prompt encoded on its handler's
+    thread, handed to the loop (`forward`), its answer decoded there; no admission, deadline, stop
+    string or stream."""
+
+    def __init__(self, forward, max_tokens: int):
+        self.forward = forward  # forward(request id, prompt ids, expected answer, reply(ids))
+        self.max_tokens = max_tokens
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in StandinBackend("standin:0").tokenizer_files().items():
+                Path(tmp, name).write_bytes(data)
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp).backend_tokenizer
+        self.expected: dict[tuple, list[int]] = {}  # a prompt's greedy answer, to check the loop's
+        self.serial = itertools.count()
+
+    def Generate(self, request, context):
+        prompt = self.tokenizer.encode(request.prompt, add_special_tokens=False).ids
+        expected = self.expected.get(tuple(prompt))
+        if expected is None:
+            expected = self.expected[tuple(prompt)] = greedy(prompt, self.max_tokens)
+        done, answer = threading.Event(), []
+
+        def reply(ids: list[int]) -> None:
+            answer.extend(ids)
+            done.set()
+
+        self.forward(next(self.serial), prompt, expected, reply)
+        done.wait()
+        text = self.tokenizer.decode(answer)
+        return orchestrator_pb2.GenerateResponse(token_ids=answer, text=text, finish_reason="length")
+
+
+def batches(source: queue.SimpleQueue, send) -> None:
+    """send(list) of whatever `source` holds, a list at a time, forever (a thread's)."""
+    while True:
+        batch = [source.get()]
+        while True:
+            try:
+                batch.append(source.get_nowait())
+            except queue.Empty:
+                break
+        send(batch)
+
+
+def rounds(loop: ColumnarLoop) -> None:
+    while True:
+        loop.draft.flush()
+        loop.target.flush()
+        loop._handle(True)
+
+
+def engine(conn, addresses: dict, token: str, k: int, max_tokens: int, cohorts: int) -> None:
+    """The loop in a process of its own, fed requests and sending answers in batches on `conn`."""
+    loop = ColumnarLoop(addresses, token, 0, k, max_tokens, 0.0, cohorts)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        while True:
+            for rid, prompt, expected in conn.recv():
+                reply = functools.partial(lambda rid, ids: answers.put((rid, list(ids))), rid)
+                loop.inbox.put((None, Slot(rid, rid % cohorts, prompt, expected, reply)))
+
+    threading.Thread(target=receive, daemon=True).start()
+    threading.Thread(target=batches, args=(answers, conn.send), daemon=True).start()
+    rounds(loop)
+
+
+def serve(draft: str, target: str, k: int, max_tokens: int, cohorts: int, split: bool) -> None:
+    """The loop behind a gRPC port (its address and the loop's pid on stdout) until killed: in this
+    process, or (`split`) in a process of its own that this one's requests reach in batches."""
+    addresses, token = {"draft": draft, "target": target}, os.environ["COLUMNAR_TOKEN"]
+    if split:
+        here, there = multiprocessing.Pipe()
+        worker = multiprocessing.get_context("spawn").Process(
+            target=engine, args=(there, addresses, token, k, max_tokens, cohorts), daemon=True
+        )
+        worker.start()
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        waiting: dict[int, object] = {}
+
+        def receive() -> None:
+            while True:
+                for rid, ids in here.recv():
+                    waiting.pop(rid)(ids)
+
+        def forward(rid, prompt, expected, reply) -> None:
+            waiting[rid] = reply
+            requests.put((rid, prompt, expected))
+
+        threading.Thread(target=receive, daemon=True).start()
+        threading.Thread(target=batches, args=(requests, here.send), daemon=True).start()
+        pid = worker.pid
+    else:
+        loop = ColumnarLoop(addresses, token, 0, k, max_tokens, 0.0, cohorts)
+
+        def forward(rid, prompt, expected, reply) -> None:
+            loop.inbox.put((None, Slot(rid, rid % cohorts, prompt, expected, reply)))
+
+        threading.Thread(target=rounds, args=(loop,), daemon=True).start()
+        pid = os.getpid()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1024))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Server(forward, max_tokens), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"127.0.0.1:{port} {pid}", flush=True)
+    server.wait_for_termination()
+
+
+def started_server(pipeline: LocalPipeline, k: int, max_tokens: int, cohorts: int, split: bool) -> subprocess.Popen:
+    """A `serve` process on the pipeline's two services; its address is `.address`, the loop's pid `.loop`."""
+    cmd = [sys.executable, __file__, "--serve-for", f"{pipeline.addresses['draft']},{pipeline.addresses['target']}"]
+    cmd += ["--k", str(k), "--max-tokens", str(max_tokens), "--cohorts", str(cohorts)] + (["--split"] if split else [])
+    env = {**os.environ, "COLUMNAR_TOKEN": pipeline.service_token}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline().split()
+    if not line:
+        raise RuntimeError("the columnar server did not start")
+    proc.address, proc.loop = line[0], int(line[1])
+    return proc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,64", help="numbers of clients (sessions), comma-separated")
@@ -276,53 +417,69 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each cell (medians)")
     parser.add_argument("--cohorts", default="1", help="the columnar loop's cohorts (taking turns), comma-separated")
     parser.add_argument("--request-cpu-ms", default="0", help="the columnar loop's CPU an answer, comma-separated")
+    parser.add_argument(
+        "--servers", default="", help="cohorts of a columnar loop behind a gRPC Generate, comma-separated (none: off)"
+    )
+    parser.add_argument("--split", action="store_true", help="the --servers' loop in a process of its own")
+    parser.add_argument("--serve-for", help=argparse.SUPPRESS)  # DRAFT,TARGET: run as such a server
     args = parser.parse_args()
+    if args.serve_for:
+        draft, target = args.serve_for.split(",")
+        serve(draft, target, args.k, args.max_tokens, int(args.cohorts), args.split)
+        return
     clients = [int(c) for c in args.clients.split(",")]
-    variants = {  # the columnar loop's: (CPU an answer, seconds; cohorts)
+    variants = {  # the columnar loop's, in this process: (CPU an answer, seconds; cohorts)
         f"columnar, {n} cohort{'s' if n > 1 else ''}, {b:g} ms an answer": (b / 1000, n)
         for n in (int(x) for x in args.cohorts.split(","))
         for b in (float(x) for x in args.request_cpu_ms.split(","))
     }
+    front = "server, its loop apart" if args.split else "server"
+    served = {f"columnar {front}, {n} cohort{'s' if n > 1 else ''}": n for n in _ints(args.servers)}
     target_ms, draft_ms, agreement = (float(x) for x in args.standins.split(","))
     config = serving.ServingConfig(
         clients=tuple(clients), methods=(f"k{args.k}",), target_ms=target_ms, draft_ms=draft_ms,
         agreement=agreement, max_tokens=args.max_tokens, duration=args.duration, warmup=args.warmup,
     )  # fmt: skip
-    ways = ["specdec", *variants]
+    ways = ["specdec", *served, *variants]
     cells: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
-    with LocalPipeline(serving.pipeline_config(config), log=lambda *_: None) as pipeline:
+    request = serving.request(f"k{args.k}", args.max_tokens)
+    with (
+        LocalPipeline(serving.pipeline_config(config), log=lambda *_: None) as pipeline,
+        contextlib.ExitStack() as stack,
+    ):
         pids = {name: proc.pid for name, proc in pipeline.procs.items()}
-        channel = grpc.insecure_channel(pipeline.address)
-        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        services = {n: p for n, p in pids.items() if n != "orchestrator"}
+        stubs = {"specdec": (orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(pipeline.address)), pids)}
+        for way, cohorts in served.items():
+            proc = stack.enter_context(started_server(pipeline, args.k, args.max_tokens, cohorts, args.split))
+            stack.callback(proc.kill)
+            if proc.loop != proc.pid:  # its loop's own process too (it holds the pipes this one holds)
+                stack.callback(os.kill, proc.loop, signal.SIGKILL)
+            stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(proc.address))
+            apart = {"engine": proc.loop} if proc.loop != proc.pid else {}
+            stubs[way] = (stub, {**services, "columnar": proc.pid, **apart})
         addresses = {name: pipeline.addresses[name] for name in ("draft", "target")}
         for turn, (c, _) in enumerate(itertools.product(clients, range(args.repeats))):
             for way in ways[:: 1 if turn % 2 == 0 else -1]:
-                if way == "specdec":
-                    got = serving.cell(stub, serving.request(f"k{args.k}", args.max_tokens), way, c, config, pids)
-                    out = {
-                        "tokens_per_second": got.tokens_per_second,
-                        "cpu": got.cpu_us_per_token,
-                        "steps": [],
-                        "verify": 0,
-                    }
+                if way in stubs:  # clients through a server's Generate, as `specdec bench serving` sends them
+                    stub, measured = stubs[way]
+                    got = serving.cell(stub, request, way, c, config, measured)
+                    out = {"tokens_per_second": got.tokens_per_second, "cpu": got.cpu_us_per_token, "verify": 0}
+                    out["steps"] = []
                 else:
                     burn, cohorts = variants[way]
                     loop = ColumnarLoop(addresses, pipeline.service_token, c, args.k, args.max_tokens, burn, cohorts)
-                    out = loop.run(args.warmup, args.duration, {n: p for n, p in pids.items() if n != "orchestrator"})
+                    out = loop.run(args.warmup, args.duration, services)
                 cells[way, c].append(out)
                 cpu = " / ".join(f"{name} {us:.0f}" for name, us in out["cpu"].items())
                 check = f", {out['verify']:.2f} tokens a verify" if out["verify"] else ""
                 print(
                     f"{way}, c = {c}: {out['tokens_per_second']:,.0f} tok/s (CPU µs a token: {cpu}){check}", flush=True
                 )
-        channel.close()
     print(f"\nk = {args.k}, stand-ins {args.standins}, {args.max_tokens}-token answers, medians of {args.repeats}")
-    print("tokens/s (/ c x one client); CPU µs a token (orchestrator or the columnar loop / draft / target)")
-    print(
-        "| way | "
-        + " | ".join(f"c = {c}" for c in clients)
-        + " | sessions a step of the target, at the most clients (commonest) |"
-    )
+    print("tokens/s (/ c x one client); CPU µs a token (the orchestrator or the columnar loop / draft / target)")
+    heads = " | ".join(f"c = {c}" for c in clients)
+    print(f"| way | {heads} | sessions a step of the target, at the most clients (commonest) |")
     print("|---|" + "---:|" * len(clients) + "---|")
     for way in ways:
         row, steps = [], []
@@ -331,12 +488,19 @@ def main() -> None:
             rate = statistics.median(r["tokens_per_second"] for r in runs)
             one = statistics.median(r["tokens_per_second"] for r in cells[way, clients[0]])
             own = "orchestrator" if way == "specdec" else "columnar"
-            us = [statistics.median(r["cpu"][p] for r in runs) for p in (own, "draft", "target")]
+            us = [
+                statistics.median(r["cpu"][p] + r["cpu"].get("engine", 0) * (p == own) for r in runs)
+                for p in (own, "draft", "target")
+            ]
             row.append(f"{rate:,.0f} ({rate / (c * one):.2f}); {us[0]:.0f} / {us[1]:.0f} / {us[2]:.0f}")
             steps += [s for r in runs for s in r["steps"]] if c == clients[-1] else []
         common = collections.Counter(steps).most_common(3)
         step = ", ".join(f"{n} ({100 * m / len(steps):.0f}%)" for n, m in common) if steps else "-"
         print(f"| {way} | " + " | ".join(row) + f" | {step} |")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 if __name__ == "__main__":

@@ -348,14 +348,14 @@ def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_columnar_round_script_serves_the_targets_greedy_text_beside_the_orchestrator():
-    """scripts/columnar_round.py: its own loop over every session on the stand-in services, beside the
-    orchestrator's cells; every answer it makes is checked against the target's greedy text (it
-    raises on one that differs), and each way gets its row."""
+    """scripts/columnar_round.py: its own loop over every session on the stand-in services, in process
+    and behind a Generate of its own, beside the orchestrator's cells; every answer it makes is checked
+    against the target's greedy text (it raises on one that differs), and each way gets its row."""
     cmd = [sys.executable, str(DATA.parent.parent / "scripts" / "columnar_round.py"), "--clients", "1,4", "--k", "3"]
     cmd += ["--standins", "2,1,0.8", "--max-tokens", "16", "--duration", "1.5", "--warmup", "0.5"]
-    cmd += ["--repeats", "1", "--cohorts", "1,2"]
+    cmd += ["--repeats", "1", "--cohorts", "2", "--servers", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
-    for way in ("specdec", "columnar, 1 cohort, 0 ms an answer", "columnar, 2 cohorts, 0 ms an answer"):
+    for way in ("specdec", "columnar, 2 cohorts, 0 ms an answer", "columnar server, 1 cohort"):
         assert f"| {way} | " in out, out
     assert "tokens a verify" in out
 

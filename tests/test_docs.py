@@ -46,7 +46,7 @@ ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 WRAPPERS = {"time", "nohup", "exec", "sudo", "env"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # PROMPT, MODEL, P, N, HEAD_IP
 # Flags of other tools that the docs name alone (scripts/trace_overhead.py, scripts/columnar_round.py).
-OTHER_FLAGS = {"--endpoint", "--cohorts", "--request-cpu-ms"}
+OTHER_FLAGS = {"--endpoint", "--cohorts", "--request-cpu-ms", "--servers", "--split"}
 
 
 @dataclass(frozen=True)
