@@ -43,20 +43,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serving  # noqa: E402
 from deploy.local import LocalPipeline  # noqa: E402
+from orchestrator.generation import load_tokenizer  # noqa: E402
 from specdec.runtime.standin import StandinBackend  # noqa: E402
+from specdec.serving import security  # noqa: E402
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
 
 PROMPT = [5 + (i * 7) % 40 for i in range(24)]  # stand-in token ids
@@ -73,6 +73,16 @@ def greedy(prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
+def drained(source: queue.SimpleQueue) -> list:
+    """What `source` holds: at least one item (waited for), and every other one there now."""
+    items = [source.get()]
+    while True:
+        try:
+            items.append(source.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class Link:
     """One service's step stream: calls go out a message a flush, result messages come in on `inbox`."""
 
@@ -80,8 +90,8 @@ class Link:
         self.name = name
         self.calls: list = []
         self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._channel = grpc.insecure_channel(address)
-        results = stub(self._channel).Steps(iter(self._out.get, None), metadata=(("authorization", f"Bearer {token}"),))
+        self._channel = security.channel(address, security.ClientSecurity(token=token))
+        results = stub(self._channel).Steps(iter(self._out.get, None))
         threading.Thread(target=self._read, args=(results, inbox), daemon=True).start()
 
     def _read(self, results, inbox) -> None:
@@ -133,8 +143,8 @@ class ColumnarLoop:
         self.target = Link("target", addresses["target"], model_pb2_grpc.TargetServiceStub, token, self.inbox)
         self.ids = itertools.count(1)
         self.owner: dict[int, tuple[Slot, str]] = {}
-        self.expected = greedy(PROMPT, max_tokens)
-        self.slots = [Slot(i, i % cohorts, PROMPT, self.expected) for i in range(clients)]
+        expected = greedy(PROMPT, max_tokens)
+        self.slots = [Slot(i, i % cohorts, PROMPT, expected) for i in range(clients)]
         # Cohorts take turns at the target: a cohort's Scores wait while another's are there.
         self.cohorts = cohorts
         self.at_target = [0] * cohorts  # Scores in flight, a cohort
@@ -238,14 +248,8 @@ class ColumnarLoop:
 
     def _handle(self, running: bool) -> None:
         """The results that came since the last pass (one message or several), handled together."""
-        batch = [self.inbox.get()]
-        while True:
-            try:
-                batch.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
         scored = []
-        for link, message in batch:
+        for link, message in drained(self.inbox):
             if link is None:  # a served request: its slot, to open
                 self._open(message)
                 continue
@@ -290,13 +294,12 @@ class Server(orchestrator_pb2_grpc.OrchestratorServicer):
     thread, handed to the loop (`forward`), its answer decoded there; no admission, deadline, stop
     string or stream."""
 
-    def __init__(self, forward, max_tokens: int):
+    def __init__(self, forward, max_tokens: int, target: str, token: str):
         self.forward = forward  # forward(request id, prompt ids, expected answer, reply(ids))
         self.max_tokens = max_tokens
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, data in StandinBackend("standin:0").tokenizer_files().items():
-                Path(tmp, name).write_bytes(data)
-            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp).backend_tokenizer
+        stub = model_pb2_grpc.TargetServiceStub(security.channel(target, security.ClientSecurity(token=token)))
+        # the target's tokenizer, as the orchestrator loads it; its backend's encode keeps the GIL
+        self.tokenizer = load_tokenizer(stub.GetTokenizer(model_pb2.GetTokenizerRequest())).backend_tokenizer
         self.expected: dict[tuple, list[int]] = {}  # a prompt's greedy answer, to check the loop's
         self.serial = itertools.count()
 
@@ -320,13 +323,7 @@ class Server(orchestrator_pb2_grpc.OrchestratorServicer):
 def batches(source: queue.SimpleQueue, send) -> None:
     """send(list) of whatever `source` holds, a list at a time, forever (a thread's)."""
     while True:
-        batch = [source.get()]
-        while True:
-            try:
-                batch.append(source.get_nowait())
-            except queue.Empty:
-                break
-        send(batch)
+        send(drained(source))
 
 
 def rounds(loop: ColumnarLoop) -> None:
@@ -386,7 +383,7 @@ def serve(draft: str, target: str, k: int, max_tokens: int, cohorts: int, split:
         threading.Thread(target=rounds, args=(loop,), daemon=True).start()
         pid = os.getpid()
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1024))
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Server(forward, max_tokens), server)
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Server(forward, max_tokens, target, token), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(f"127.0.0.1:{port} {pid}", flush=True)
