@@ -87,6 +87,7 @@ class Scheduler:
         self._ready: collections.deque = collections.deque()  # (task, value): the thread's own
         self._timers: dict[_Task, tuple[float, int]] = {}  # a waiting task's deadline (monotonic), wait id
         self._links: set = set()  # step links with calls queued since the last flush
+        self._link_timers: dict = {}  # a step link holding calls -> when to flush it again (monotonic)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._held = threading.local()  # a thread's wakes held back (together)
@@ -181,6 +182,10 @@ class Scheduler:
         """A task queued a call on `link`: send it with the step's others (the scheduler's thread)."""
         self._links.add(link)
 
+    def flush_at(self, link, when: float) -> None:
+        """`link` holds calls: flush it again at `when` (monotonic) at the latest (any thread)."""
+        self._inbox.put((self._link_timers.__setitem__, (link, when)))
+
     # -- in a task -----------------------------------------------------------------------------
     def suspend(self, future, timeout: float | None) -> bool:
         """Wait (in a task) until `future` is done, at most `timeout` seconds: whether it is done."""
@@ -235,8 +240,9 @@ class Scheduler:
         inbox, ready = self._inbox, self._ready
         while True:
             timeout = None
-            if self._timers:
-                timeout = max(0.0, min(d for d, _ in self._timers.values()) - time.monotonic())
+            if self._timers or self._link_timers:
+                soonest = min([d for d, _ in self._timers.values()] + list(self._link_timers.values()))
+                timeout = max(0.0, soonest - time.monotonic())
             try:
                 action, args = inbox.get(timeout=timeout)
             except queue.Empty:
@@ -257,6 +263,12 @@ class Scheduler:
                     log.exception("a scheduler task failed outside its future")
                 if not ready:  # results that came while these ran join this step
                     self._drain()
+            if self._link_timers:
+                now = time.monotonic()
+                for link, when in list(self._link_timers.items()):
+                    if when <= now:
+                        del self._link_timers[link]
+                        self._links.add(link)
             links, self._links = self._links, set()
             for link in links:
                 link.flush()

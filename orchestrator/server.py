@@ -15,6 +15,7 @@ from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
 from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub
+from orchestrator.turns import Turns
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits, RecoveryConfig
 from specdec.serving import lifecycle
@@ -64,8 +65,10 @@ def connect(
         return telemetry.channel(_channel(address, wait, security))
 
     # Propose, ProposalRow and Score on each service's step stream (orchestrator.step_link), the rest unary.
-    target_stub = step_stub(model_pb2_grpc.TargetServiceStub, TARGET_SERVICE, TARGET_STEPS, telemetry)
-    draft_stub = step_stub(model_pb2_grpc.DraftServiceStub, DRAFT_SERVICE, DRAFT_STEPS, telemetry)
+    # Scores held for their turn at the target (orchestrator.turns).
+    turns = Turns()
+    target_stub = step_stub(model_pb2_grpc.TargetServiceStub, TARGET_SERVICE, TARGET_STEPS, telemetry, turns, "target")
+    draft_stub = step_stub(model_pb2_grpc.DraftServiceStub, DRAFT_SERVICE, DRAFT_STEPS, telemetry, turns, "draft")
     target = ResilientStub(target_stub, target_address, channel, "target", recovery, wait_seconds)
     target_info = target.Describe(model_pb2.DescribeRequest(), timeout=wait_seconds)
     target_health = Availability("target", lambda: target.address, target.probe, recovery)

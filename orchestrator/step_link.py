@@ -17,6 +17,9 @@ client span and the time on the wire (specdec.serving.telemetry). A stream that 
 the connection dropped) fails its calls in flight with the stream's status (UNAVAILABLE), as the
 unary calls would have failed; the next call opens a new stream.
 
+On the target's link, with the pair's turns (orchestrator.turns), a Score may wait for the drafts due
+back soon and leave with their Scores; the link times its messages for them.
+
 `StepStub` is a stub class (for orchestrator.recovery.ResilientStub) whose step methods go over the
 link and whose other methods stay unary. Owns the stream; knows nothing of rounds or the rule.
 """
@@ -30,11 +33,13 @@ import time
 import grpc
 
 from orchestrator import scheduler
+from orchestrator.turns import Turns
 from specdec.v1 import model_pb2
 
 # The calls each service takes on its step stream: stub method -> StepCall's oneof field. An
 # OpenSession with a constraint stays unary: its grammar compiles off the stream.
 SESSIONS = {"OpenSession": "open_session", "CloseSession": "close_session"}
+TIMED = ("propose", "proposal_row", "score")  # the calls a pair's turns time (orchestrator.turns)
 DRAFT_STEPS = {"Propose": "propose", "ProposalRow": "proposal_row", **SESSIONS}
 TARGET_STEPS = {"Score": "score", **SESSIONS}
 
@@ -72,6 +77,7 @@ class StepError(grpc.RpcError, grpc.Call):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_IDS = itertools.count(1)  # call ids, unique across links: a pair's turns key its flights by them
 
 
 class StepFuture:
@@ -190,6 +196,7 @@ class _Stream:
                 with scheduler.SCHEDULER.together():  # the tasks of a step wake together
                     for result in message.results:
                         self._resolve(result)
+                self.link.step_ended()
         except grpc.RpcError as err:
             code, details = err.code(), err.details()
         with self.link._cond:
@@ -198,6 +205,7 @@ class _Stream:
                 self.link._stream = None
             pending, self.pending = self.pending, {}
             self.link._cond.notify_all()
+            self.link.dropped(pending.values())
         if code == grpc.StatusCode.OK:  # the service ended it (it stopped): as a connection lost
             code = grpc.StatusCode.UNAVAILABLE
         for future in pending.values():
@@ -206,6 +214,7 @@ class _Stream:
     def _resolve(self, result: model_pb2.StepResult) -> None:
         with self.link._cond:
             future = self.pending.pop(result.id, None)
+            self.link.back(result.id)
         if future is None:  # cancelled, or past its deadline, here first
             return
         if result.code:
@@ -219,7 +228,9 @@ class StepLink:
     """The step stream to one model service (`service`: its full name), opened on first use and
     again after it breaks; shared by every generation on the pair."""
 
-    def __init__(self, channel: grpc.Channel, service: str, telemetry=None):
+    def __init__(self, channel: grpc.Channel, service: str, telemetry=None, turns: Turns | None = None, side: str = ""):
+        """`turns`: the pair's turn policy, this link its `side` ("draft" or "target": the target's
+        Scores wait for their turn)."""
         self.service = service
         self._open = channel.stream_stream(
             f"/{service}/Steps",
@@ -228,9 +239,12 @@ class StepLink:
         )
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self._cond = threading.Condition()
-        self._ids = itertools.count(1)
         self._stream: _Stream | None = None
-        self._held: list[tuple[_Stream, model_pb2.StepCall]] = []  # the scheduler's tasks' calls until flush
+        # The tasks' calls until a flush sends them: (stream, call, its field, when it was made)
+        self._held: list[tuple[_Stream, model_pb2.StepCall, str, float]] = []
+        self._turns = turns
+        self._flights = getattr(turns, side, None)  # this link's, when it has turns
+        self._gated = side == "target" and turns is not None
 
     def future(self, method: str, field: str, request, timeout: float | None = None) -> StepFuture:
         span, carrier = None, None
@@ -245,11 +259,11 @@ class StepLink:
             if self._stream is None:
                 self._stream = _Stream(self)
             stream = self._stream
-            call.id = next(self._ids)
+            call.id = next(_IDS)
             future = StepFuture(self, stream, call.id, field, deadline, span)
             stream.pending[call.id] = future
             if scheduler.in_task():  # held, then sent with the step's other calls once no task is ready
-                self._held.append((stream, call))
+                self._held.append((stream, call, field, time.monotonic()))
                 scheduler.SCHEDULER.flush_later(self)
             else:
                 stream.outbox.append(call)
@@ -257,13 +271,52 @@ class StepLink:
         return future
 
     def flush(self) -> None:
-        """Send what the scheduler's tasks queued, as one message (the scheduler's thread)."""
+        """Send what the scheduler's tasks queued, as one message (the scheduler's thread, or the
+        reader's once the target's step ended); the target's Scores may wait for their turn."""
+        until = None
         with self._cond:
+            now = time.monotonic()
             held, self._held = self._held, []
-            for stream, call in held:
+            if self._gated:
+                scores = [item for item in held if item[2] == "score"]
+                if scores:
+                    with self._turns.lock:
+                        until = self._turns.hold_until(len(scores), now - scores[0][3], now)
+                if until is not None and until > now:
+                    self._held = scores
+                    held = [item for item in held if item[2] != "score"]
+                else:
+                    until = None
+            timed = []  # the calls the turns time: a continuation's Propose is not waited for
+            for stream, call, field, _ in held:
                 if not stream.closed:  # else its calls failed with it
                     stream.outbox.append(call)
-            self._cond.notify_all()
+                    if field in TIMED and not (field == "propose" and call.propose.assumed_tokens):
+                        timed.append(call.id)
+            if self._flights is not None and timed:
+                with self._turns.lock:
+                    self._flights.sent(timed, now)
+            if held:
+                self._cond.notify_all()
+        if until is not None:
+            scheduler.SCHEDULER.flush_at(self, until)
+
+    def back(self, call_id: int) -> None:
+        """A call's result came (its stream's reader, with `_cond` held)."""
+        if self._flights is not None:
+            with self._turns.lock:
+                self._flights.back(call_id, time.monotonic())
+
+    def dropped(self, futures) -> None:
+        """Calls that will not come back (cancelled, or failed with their stream)."""
+        if self._flights is not None:
+            with self._turns.lock:
+                self._flights.drop(future.id for future in futures)
+
+    def step_ended(self) -> None:
+        """A message of results came: Scores held for a turn leave, or wait on (its reader)."""
+        if self._gated and self._held:
+            self.flush()
 
     def cancel(self, future: StepFuture) -> None:
         """Forget `future` here and drop its call on the service; a call still held for the flush is
@@ -272,7 +325,8 @@ class StepLink:
             stream = future.stream
             if stream.closed or stream.pending.pop(future.id, None) is None:
                 return
-            for i, (_, call) in enumerate(self._held):
+            self.dropped([future])
+            for i, (_, call, *_) in enumerate(self._held):
                 if call.id == future.id:
                     del self._held[i]
                     return
@@ -314,14 +368,16 @@ def _constrained(request) -> bool:
     return isinstance(request, model_pb2.OpenSessionRequest) and request.HasField("constraint")
 
 
-def step_stub(stub_class, service: str, steps: dict[str, str], telemetry=None):
+def step_stub(
+    stub_class, service: str, steps: dict[str, str], telemetry=None, turns: Turns | None = None, side: str = ""
+):
     """A stub class over a channel: the methods in `steps` (DRAFT_STEPS, TARGET_STEPS) go over the
-    service's step stream, the others are `stub_class`'s unary ones."""
+    service's step stream, the others are `stub_class`'s unary ones; `turns` and `side` as StepLink's."""
 
     class StepStub:
         def __init__(self, channel: grpc.Channel):
             self._unary = stub_class(channel)
-            self.link = StepLink(channel, service, telemetry)
+            self.link = StepLink(channel, service, telemetry, turns, side)
             for method, field in steps.items():
                 unary = getattr(self._unary, method)
                 setattr(self, method, _StepMethod(self.link, method, field, unary, _constrained))

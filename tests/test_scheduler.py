@@ -140,8 +140,8 @@ class _Steps:
             yield model_pb2.StepResults(results=results)
 
 
-def test_the_calls_of_a_step_leave_as_one_message():
-    handler = _Steps()
+def serve_steps(handler: _Steps) -> tuple[grpc.Server, int]:
+    """`handler` as the Steps method of service "test.Steps", on loopback: (server, port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     method = grpc.stream_stream_rpc_method_handler(
         handler.steps,
@@ -151,6 +151,12 @@ def test_the_calls_of_a_step_leave_as_one_message():
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Steps", {"Steps": method})])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, port
+
+
+def test_the_calls_of_a_step_leave_as_one_message():
+    handler = _Steps()
+    server, port = serve_steps(handler)
     link = StepLink(grpc.insecure_channel(f"127.0.0.1:{port}"), "test.Steps")
     try:
 
