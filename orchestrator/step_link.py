@@ -193,6 +193,7 @@ class _Stream:
         code, details = grpc.StatusCode.UNAVAILABLE, "the step stream ended"
         try:
             for message in self.call:
+                self.link.back([result.id for result in message.results])
                 with scheduler.SCHEDULER.together():  # the tasks of a step wake together
                     for result in message.results:
                         self._resolve(result)
@@ -214,7 +215,6 @@ class _Stream:
     def _resolve(self, result: model_pb2.StepResult) -> None:
         with self.link._cond:
             future = self.pending.pop(result.id, None)
-            self.link.back(result.id)
         if future is None:  # cancelled, or past its deadline, here first
             return
         if result.code:
@@ -301,11 +301,11 @@ class StepLink:
         if until is not None:
             scheduler.SCHEDULER.flush_at(self, until)
 
-    def back(self, call_id: int) -> None:
-        """A call's result came (its stream's reader, with `_cond` held)."""
+    def back(self, ids: list[int]) -> None:
+        """A message of results came for calls `ids` (its stream's reader, before they wake their tasks)."""
         if self._flights is not None:
             with self._turns.lock:
-                self._flights.back(call_id, time.monotonic())
+                self._flights.back(ids, time.monotonic())
 
     def dropped(self, futures) -> None:
         """Calls that will not come back (cancelled, or failed with their stream)."""

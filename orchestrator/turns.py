@@ -35,30 +35,38 @@ class Flights:
 
     def __init__(self):
         self._of: dict[int, list] = {}  # call id -> its message's [sent, calls not back, answered]
+        self._flights: dict[int, list] = {}  # id() of a message in flight -> the message's list
         self.latency: float | None = None
 
     def sent(self, ids: list[int], now: float) -> None:
         if ids:
             flight = [now, len(ids), False]
+            self._flights[id(flight)] = flight
             for call_id in ids:
                 self._of[call_id] = flight
 
-    def back(self, call_id: int, now: float) -> None:
-        flight = self._of.pop(call_id, None)
-        if flight is None:
-            return
-        flight[1] -= 1
-        if not flight[2]:
-            flight[2] = True
-            took = now - flight[0]
-            self.latency = took if self.latency is None else (1 - SMOOTHING) * self.latency + SMOOTHING * took
+    def back(self, ids, now: float) -> None:
+        """The results of calls `ids` came (ids not in flight are passed over)."""
+        for call_id in ids:
+            flight = self._forget(call_id)
+            if flight is not None and not flight[2]:
+                flight[2] = True
+                took = now - flight[0]
+                self.latency = took if self.latency is None else (1 - SMOOTHING) * self.latency + SMOOTHING * took
 
     def drop(self, ids) -> None:
         """Calls that will not come back (cancelled, past their deadline, failed with their stream)."""
         for call_id in ids:
-            flight = self._of.pop(call_id, None)
-            if flight is not None:
-                flight[1] -= 1
+            self._forget(call_id)
+
+    def _forget(self, call_id: int) -> list | None:
+        """The call's message, the call counted off it (the message forgotten once none is left)."""
+        flight = self._of.pop(call_id, None)
+        if flight is not None:
+            flight[1] -= 1
+            if not flight[1]:
+                del self._flights[id(flight)]
+        return flight
 
     def in_flight(self) -> int:
         return len(self._of)
@@ -69,7 +77,7 @@ class Flights:
         if self.latency is None:
             return 0, now
         calls, last = 0, now
-        for flight in {id(f): f for f in self._of.values()}.values():
+        for flight in self._flights.values():
             due = flight[0] + self.latency
             if now - overdue <= due <= now + within:
                 calls += flight[1]

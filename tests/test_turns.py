@@ -29,9 +29,9 @@ def turns_at(now: float) -> Turns:
     """A pair whose target answers in STEP and draft in DRAFT, nothing in flight at `now`."""
     turns = Turns()
     turns.target.sent([1], now - STEP)
-    turns.target.back(1, now)
+    turns.target.back([1], now)
     turns.draft.sent([2], now - DRAFT)
-    turns.draft.back(2, now)
+    turns.draft.back([2], now)
     assert (turns.target.latency, turns.draft.latency) == (pytest.approx(STEP), pytest.approx(DRAFT))
     return turns
 
@@ -52,8 +52,7 @@ def test_a_few_scores_wait_for_the_drafts_due_back_soon_and_their_scores():
     turns.target.sent([20], 0.0)  # a step of the target's in flight: decided again when it ends
     assert turns.hold_until(2, 0.0, 0.0) == pytest.approx(STEP)
     turns.target.drop([20])
-    for call_id in (10, 11, 12):  # the drafts came back: their Scores go with the held ones
-        turns.draft.back(call_id, DRAFT)
+    turns.draft.back([10, 11, 12], DRAFT)  # the drafts came back: their Scores go with the held ones
     assert turns.hold_until(2, DRAFT, DRAFT) is None
 
 
@@ -73,8 +72,8 @@ def test_a_score_does_not_wait_for_drafts_due_late_overdue_or_past_two_steps():
 def test_flights_count_calls_not_back_and_time_a_message_by_its_first_result():
     flights = Flights()
     flights.sent([1, 2, 3], 10.0)
-    flights.back(2, 10.5)
-    flights.back(1, 11.0)  # the same message: its latency was taken at its first result
+    flights.back([2], 10.5)
+    flights.back([1], 11.0)  # the same message: its latency was taken at its first result
     assert (flights.in_flight(), flights.latency) == (1, pytest.approx(0.5))
     flights.drop([3, 99])  # cancelled, or failed with its stream; an unknown id changes nothing
     assert flights.in_flight() == 0
@@ -110,8 +109,7 @@ def test_a_held_score_leaves_in_one_message_with_the_scores_of_the_drafts_it_wai
         first = SCHEDULER.spawn(scored, link, 1)
         scheduler.result(later(DRAFT / 2))  # the drafts come back while the first Score waits
         with turns.lock:
-            for call_id in (101, 102, 103):
-                turns.draft.back(call_id, time.monotonic())
+            turns.draft.back([101, 102, 103], time.monotonic())
         others = [SCHEDULER.spawn(scored, link, n) for n in (2, 3, 4)]
         return [first.result()] + [other.result() for other in others]
 
