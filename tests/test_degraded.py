@@ -198,7 +198,9 @@ def test_serve_does_not_wait_for_a_restarting_draft(tiny_models):
         before = stub.Generate(request, timeout=60)
         assert before.stats.accepted_tokens > 0
         killed = pipeline.serving_pid("draft", 10)
-        pipeline.procs["draft"].send_signal(signal.SIGKILL)
+        draft = pipeline.procs["draft"]
+        draft.send_signal(signal.SIGKILL)
+        draft.wait(timeout=30)  # gone before the request (in CI one answered a request sent right after the kill)
         # Served while the draft is down: rounds without it (a request that waited for the
         # restarted draft would have none). No clock is asserted: a loaded machine moves it.
         during = stub.Generate(request, timeout=60)
