@@ -461,8 +461,12 @@ def main() -> None:
                 if way in stubs:  # clients through a server's Generate, as `specdec bench serving` sends them
                     stub, measured = stubs[way]
                     got = serving.cell(stub, request, way, c, config, measured)
-                    out = {"tokens_per_second": got.tokens_per_second, "cpu": got.cpu_us_per_token}
-                    out.update(verify=0, steps=[])
+                    out = {
+                        "tokens_per_second": got.tokens_per_second,
+                        "cpu": got.cpu_us_per_token,
+                        "verify": 0,
+                        "steps": [],
+                    }
                 else:
                     burn, cohorts = variants[way]
                     loop = ColumnarLoop(addresses, pipeline.service_token, c, args.k, args.max_tokens, burn, cohorts)
