@@ -23,9 +23,18 @@ each on its share, a sequential one each on every core in turn; under load every
 drafts runs on the shares. `fixed`: a fixed k, only the kind of round is chosen
 (docs/adaptive.md#the-cores-two-placements).
 
+Overlap under load. Where the services compute on devices of their own (two accelerators, two
+hosts, stand-ins: the server sets PairCosts.overlap_load), past that many generations the rounds
+are sequential, as a fixed k's are: the other generations' rounds keep each device busy while one
+waits on the other, and a continuation is a call and draft work that a rejection throws away.
+Their price, two devices' works and a path, is taken above 1 + MARGIN where unmeasured (the measured
+regimes veto it), not 1 + UNPROVEN (docs/adaptive.md#overlap-under-load). On shared cores the price
+chooses at every load: an overlapped round runs the two services on their shares at once.
+
 Calibration. Under load the gain is corrected by the load's ratio of quiet rounds' time to their
 price, plain over speculating (a round counts up to MISPRICED); where speculation is not measured
-at a load it must promise 1 + UNPROVEN (docs/adaptive.md#calibration-by-quiet-rounds).
+at a load it must promise 1 + UNPROVEN (docs/adaptive.md#calibration-by-quiet-rounds), past
+overlap_load on devices of their own 1 + MARGIN (see Overlap under load).
 
 Measured. Under load the pair's rounds run in one regime; each regime's measured rate (MEASURED,
 RATE_WINDOW, REVISIT up to REVISIT_MAX, IDLE) vetoes the price's speculation; which k
@@ -250,22 +259,24 @@ class AdaptiveLookahead:
                 return 0
             return usual // 2 if usual >= 2 else min(self.k_max, usual + 2)
         rounds, t0 = pricing
+        apart = costs.overlap_load is not None and n > costs.overlap_load  # see Overlap under load
+        overlap = self.overlap and not apart
         if self.fixed:  # the cheaper kind of round at k_max
             k = self.k_max
             times = {mode: round_time(alpha, k, rounds[mode], mode) for mode in (True, False)}
-            self.overlapping = self.overlap and times[True] <= times[False]
+            self.overlapping = overlap and times[True] <= times[False]
             if n == 1:
                 return k
             if not self.measured:  # under load its rounds calibrate the price (see Calibration)
                 self.priced = (times[self.overlapping], t0, n)
                 return k
         else:
-            k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, self.overlap)
+            k, self.overlapping = best_lookahead(alpha, rounds, t0, self.k_max, overlap)
         if n > 1:
             self.promised = speedup(alpha, k, rounds[self.overlapping], self.overlapping, t0)
             calibration = costs.calibration(n)
             if calibration is None:  # not measured at this load: the formula must promise more than its error
-                priced = self.promised > 1 + UNPROVEN
+                priced = self.promised > 1 + (MARGIN if apart else UNPROVEN)
             else:
                 priced = speculates(self.promised * calibration, self.speculating)
             self.speculating = costs.measured_choice(n, priced and k > 0)  # see Measured

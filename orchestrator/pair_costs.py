@@ -221,9 +221,16 @@ class PairCosts:
     once by each. Updated and read under its lock (generations run on their own threads)."""
 
     def __init__(
-        self, draft_profile: dict[int, float] | None = None, sharing: Sharing | None = None, index_apart: bool = False
+        self,
+        draft_profile: dict[int, float] | None = None,
+        sharing: Sharing | None = None,
+        index_apart: bool = False,
+        overlap_load: int | None = None,
     ):
         self.lock = threading.Lock()
+        # generations running past which adaptive lookahead's rounds do not overlap (services on
+        # devices of their own: see lookahead's Overlap under load); None: the price chooses at every load
+        self.overlap_load = overlap_load
         # the draft has a model beside its index (the hybrid): its index rounds (RoundReport.indexed)
         # count for the target's side only. Their drafts cost no forward and are accepted as a copy
         # is, so counted as the model's they priced its rounds from no draft cost and a copy's

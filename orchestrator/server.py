@@ -10,7 +10,7 @@ import grpc
 from orchestrator.availability import Availability
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate, load_tokenizer
 from orchestrator.lookahead import price
-from orchestrator.loop import RUNNING, SessionLost
+from orchestrator.loop import OVERLAP_LOAD, RUNNING, SessionLost
 from orchestrator.pair_costs import PairCosts, Sharing
 from orchestrator.recovery import Address, ResilientStub
 from orchestrator.scheduler import SCHEDULER
@@ -117,7 +117,11 @@ def connect(
         vocab_size=vocab_size,
         eos_token_ids=frozenset(target_info.eos_token_ids),
         model_name=target_info.model_name,
-        costs=PairCosts(profile, sharing, index_apart),
+        # on devices of their own (no cores nor accelerator shared), adaptive lookahead's rounds stop
+        # overlapping under load as a fixed k's do
+        costs=PairCosts(
+            profile, sharing, index_apart, overlap_load=None if sharing is not None or shared_device else OVERLAP_LOAD
+        ),
         tree_verify=target_info.tree_verify,
         shared_device=shared_device,
         health=(draft_health, target_health),

@@ -199,6 +199,30 @@ def loaded(load: int, draft_ms: float, costs: PairCosts) -> AdaptiveLookahead:
     return policy
 
 
+def test_on_devices_of_their_own_rounds_stop_overlapping_under_load():
+    """Services on devices of their own (PairCosts.overlap_load, set by the server where they do not
+    share cores): past overlap_load generations the policy's rounds are sequential, priced so, as a
+    fixed k's are (the others' rounds keep each device busy; a continuation is a call and drafts a
+    rejection throws away), and taken above 1 + MARGIN where unmeasured (the measured regimes veto
+    them); up to it, and on shared cores at every load, the price chooses, an unmeasured load's
+    speculation above 1 + UNPROVEN."""
+    for load, k, overlapped in ((4, 4, True), (8, 3, True)):  # on shared cores: overlapped rounds
+        policy = loaded(load, 4.0, PairCosts())
+        assert (policy._best_k(), policy.overlapping) == (k, overlapped)
+    alone = loaded(4, 4.0, PairCosts(overlap_load=4))
+    assert (alone._best_k(), alone.overlapping) == (4, True)
+    apart = loaded(8, 4.0, PairCosts(overlap_load=4))
+    assert apart._best_k() > 0 and not apart.overlapping  # sequential rounds that promise ~1.3x
+    assert 1 + MARGIN < apart.promised < 1 + UNPROVEN
+    shared = loaded(8, 4.0, PairCosts())  # the same sequential price where the error is not known
+    shared.overlap = False
+    assert shared._best_k() == 0 and shared.promised == pytest.approx(apart.promised)
+    slow = loaded(8, 12.0, PairCosts(overlap_load=4))  # a draft whose rounds promise under 1 + MARGIN
+    assert slow._best_k() == 0 and not slow.overlapping and slow.promised < 1 + MARGIN
+    fixed = AdaptiveLookahead(k_max=4, overlap=True, fixed=True, load=lambda: 8, costs=apart.costs)
+    assert fixed._best_k() == 4 and not fixed.overlapping
+
+
 def test_under_load_the_regime_that_commits_more_a_second_is_taken():
     """Under load the pair measures what its rounds commit a second in each regime (speculating
     or not) at each load class: the price's choice runs MEASURED seconds, then the other does,

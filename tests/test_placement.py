@@ -231,8 +231,10 @@ def test_two_services_on_one_machine_share_its_cores(tiny_models, tmp_path):
         for role, (_, info) in infos.items():
             assert {c.threads for c in info.step_costs} == {shares[role], n}, role
         assert {c.tokens for c in target_info.step_costs} == set(PROFILE_TOKENS)
-        sharing = connect(addresses["draft"], addresses["target"]).costs.sharing
+        costs = connect(addresses["draft"], addresses["target"]).costs
+        sharing = costs.sharing
         assert sharing is not None and sharing.threads(True) == (shares["draft"], shares["target"])
+        assert costs.overlap_load is None  # on shared cores the price chooses the kind of round at every load
         assert sharing.threads(False) == (n, n)
 
         greedy = model_pb2.SamplingParams()

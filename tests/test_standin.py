@@ -1,7 +1,8 @@
 """Stand-in models (specdec.runtime.standin): the name `standin:MS[:AGREE]` and its errors; two stand-ins
 started as services by deploy.hosting (as `specdec ray up` and `serve` start any model) form a
 pair whose greedy output follows the target's law token by token, every draft accepted when the
-draft is the target's law, some refused (and the output unchanged) when it agrees less."""
+draft is the target's law, some refused (and the output unchanged) when it agrees less; their steps
+take no core, so the orchestrator prices them as devices of their own."""
 
 from __future__ import annotations
 
@@ -46,6 +47,26 @@ def standin_pair(draft: str, target: str = "standin:0"):
         )
         assert (info.device, info.backend, info.eos_token_ids) == ("standin", "standin", [])
         yield orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}"))
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_standins_are_devices_of_their_own():
+    """Stand-ins share no core (device "standin"): the pair's costs hold no shared cores, and
+    adaptive lookahead's rounds stop overlapping past OVERLAP_LOAD generations, as a fixed k's."""
+    from orchestrator.loop import OVERLAP_LOAD
+    from orchestrator.server import connect
+
+    servers = []
+    try:
+        addresses = {}
+        for role in ("draft", "target"):
+            server, port = hosting.start_model_service(ModelServiceConfig(role, ModelSpec("standin:0")))
+            servers.append(server)
+            addresses[role] = f"127.0.0.1:{port}"
+        costs = connect(addresses["draft"], addresses["target"]).costs
+        assert costs.sharing is None and costs.overlap_load == OVERLAP_LOAD
     finally:
         for server in servers:
             server.stop(None)
