@@ -200,8 +200,8 @@ def loaded(load: int, draft_ms: float, costs: PairCosts) -> AdaptiveLookahead:
 
 
 def test_on_devices_of_their_own_rounds_stop_overlapping_under_load():
-    """Services on devices of their own (PairCosts.overlap_load, set by the server where they do not
-    share cores): past overlap_load generations the policy's rounds are sequential, priced so, as a
+    """Services on devices of their own (PairCosts.overlap_load, set by the server where they share
+    neither cores nor an accelerator): past overlap_load generations the policy's rounds are sequential, priced so, as a
     fixed k's are (the others' rounds keep each device busy; a continuation is a call and drafts a
     rejection throws away), and taken above 1 + MARGIN where unmeasured (the measured regimes veto
     them); up to it, and on shared cores at every load, the price chooses, an unmeasured load's
