@@ -47,14 +47,17 @@ MODEL = Drafter(proposer.propose, proposer.proposal_row, proposer.propose_tree, 
 NGRAM = Drafter(ngram.propose, proposer.proposal_row, ngram.propose_tree)
 
 
-def suffix_drafter(stores: suffix.Stores | None = None, hybrid: bool = False, accelerated: bool = False) -> Drafter:
+def suffix_drafter(
+    stores: suffix.Stores | None = None, hybrid: bool = False, accelerated: bool = False, window: int | None = None
+) -> Drafter:
     """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`.
     `accelerated`: the hybrid's model runs on an accelerator: it never rents (catch_up infinite)
-    and prefills every prompt at open."""
+    and prefills every prompt at open; `window`: the most tokens its model's catch-up feeds
+    (HybridDrafter's; its backend must `restart` a cache)."""
     if not hybrid:
         index = suffix.SuffixDrafter(stores)
         return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True)
-    index = suffix.HybridDrafter(stores, catch_up=math.inf if accelerated else suffix.CATCH_UP)
+    index = suffix.HybridDrafter(stores, catch_up=math.inf if accelerated else suffix.CATCH_UP, window=window)
     prefill = None if accelerated else suffix.PREFILL_AT_OPEN
     return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True, prefill_at_open=prefill)
 
@@ -74,7 +77,9 @@ def make(method: str, spec, compile: bool | None = None, limits=None):
         backend.name = f"suffix({spec.model})"
         return backend, suffix_drafter()
     if method in ("hybrid", "auto"):
-        return make(runtime(spec), spec, compile, limits)[0], suffix_drafter(hybrid=True, accelerated=accelerated(spec))
+        on_cpu = runtime(spec) == "llamacpp" and not accelerated(spec)  # a window where llama.cpp prefills on a CPU
+        hybrid = suffix_drafter(hybrid=True, accelerated=accelerated(spec), window=suffix.WINDOW if on_cpu else None)
+        return make(runtime(spec), spec, compile, limits)[0], hybrid
     if method == "llamacpp":
         from specdec.runtime.llamacpp import LlamaCppBackend, sessions_for
 

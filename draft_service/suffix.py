@@ -30,10 +30,12 @@ sessions open without the model's prefill past PREFILL_AT_OPEN prompt tokens
 drafts while the model prefilled the prompt on the cores the target decodes on; a chat's short
 prompt is the model's to draft after, prefilled beside the target's as the model draft's is. A
 model round first feeds the model's cache what it lacks (SessionEngine.catch_up: the prompt, the
-index rounds' commits), in prefill chunks. A reproducible session (OpenSessionRequest.reproducible:
-a seeded Leviathan sample, whose text depends on its drafts) keeps none of that state: its rounds
-are the index's where the match is strong, else the model's, caught up, a function of its tokens
-that the session re-opened after a fault computes alike.
+index rounds' commits), in prefill chunks; on llama.cpp (which starts a cache at any position) of
+the prompt no more than its last WINDOW tokens, the model then drafting from them and what followed.
+A reproducible session (OpenSessionRequest.reproducible: a seeded Leviathan sample, whose text depends on its
+drafts) keeps none of that state: its rounds are the index's where the match is strong, else the
+model's, caught up whole, a function of its tokens that the session re-opened after a fault
+computes alike.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -58,7 +60,7 @@ import numpy as np
 from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import SessionEngine
+from specdec.runtime.engine import SessionEngine, window_start
 from specdec.runtime.session import Session
 
 MAX_MATCH = 32  # the longest suffix looked for
@@ -72,6 +74,11 @@ HYBRID_MATCH = 4  # hybrid: the match length from which the index proposes inste
 HYBRID_RATE = 0.5  # hybrid: ... and from which share of its drafts (the first HOLD) the committed tokens lately matched
 PREFILL_AT_OPEN = 64  # hybrid: the longest prompt its model prefills at the session's open (a chat's)
 CATCH_UP = 8  # hybrid: the model's backlog (tokens) worth one round of the index's weak matches (see choose)
+# hybrid on llama.cpp: the most prompt tokens a catch-up feeds, the prompt's last (SessionEngine.catch_up). The
+# Q8_0 draft's greedy token was the F32 target's at 0.91-1.00 of an answer's positions given the last 64
+# to 512 prompt tokens, 0.96-0.98 given all 1,000-2,000 (one of four prompts: 0.67 at every window);
+# 128 tokens cost ~0.45 s to feed here, 1,000 ~3.4 s (docs/models.md#suffix-and-hybrid-drafters).
+WINDOW = 128
 RATE_WEIGHT = 0.3  # the weight of a proposal's score in that share (an exponential average)
 HOLD = 4  # hybrid: a proposal whose first HOLD drafts (or all, if fewer) the committed tokens matched scores 1
 PENDING = 4  # proposals awaiting their score, per session, at most
@@ -423,9 +430,11 @@ class HybridDrafter(SuffixDrafter):
         match: int = HYBRID_MATCH,
         rate: float = HYBRID_RATE,
         catch_up: int = CATCH_UP,
+        window: int | None = None,
     ):
         super().__init__(stores)
         self.match, self.rate, self.catch_up = match, rate, catch_up
+        self.window = window  # a catch-up's most prompt tokens (WINDOW where its engine's backend restarts; None: all)
 
     def choose(self, session: Session, assumed: list[int], k: int) -> list[int] | None:
         """This round's proposer: the index's drafts, [] (a round without drafts) or None (the
@@ -438,9 +447,10 @@ class HybridDrafter(SuffixDrafter):
         since the last strong match (at least one), the index keeps the rounds between, its weak
         matches or none, and its share need only hold at half `rate`: the rule of renting before
         buying (a copy's changed line is a few rounds; novel text past that many rounds pays the
-        catch-up). CATCH_UP is this CPU's balance: the Q8_0 draft prefills ~3.4 ms a token, a round
-        costs ~25 ms, so ~200 tokens are worth ~25 rounds (at 32, a HumanEval copy's model rounds
-        cost 0.6-0.9 s of its 1.2-2.8 s for no more accepted tokens). With its model on an
+        catch-up; with a `window`, of the prompt no more than its last `window`). CATCH_UP is this CPU's
+        balance: the Q8_0 draft prefills ~3.4 ms a token, a round costs ~25 ms, so ~200 tokens are
+        worth ~25 rounds (at 32, a HumanEval copy's model rounds cost 0.6-0.9 s of its 1.2-2.8 s
+        for no more accepted tokens). With its model on an
         accelerator, whose prefill costs far less than a round, the draft service makes it
         infinite (draft_service.drafters: it never rents, and prefills every prompt at open).
 
@@ -464,7 +474,8 @@ class HybridDrafter(SuffixDrafter):
         if strong:
             state.pending.append((len(session.tokens), assumed, found.tokens))
         state.gap = 0 if strong else state.gap + 1
-        backlog = max(0, len(session.tokens) - len(session.cached))  # what the model's cache lacks
+        # what the model's catch-up feeds: what its cache lacks, of the prompt its last `window` at most
+        backlog = max(0, len(session.tokens) - max(len(session.cached), window_start(session, self.window)))
         renting = max(state.gap, 1) * self.catch_up < backlog
         if state.rate < (self.rate / 2 if renting else self.rate):
             drafts = None
@@ -491,7 +502,7 @@ class HybridDrafter(SuffixDrafter):
         assumed = list(assumed)
         drafts = self.choose(session, assumed, max(k, free))
         if drafts is None:
-            yield from engine.catch_up(session)
+            yield from engine.catch_up(session, None if session.reproducible else self.window)
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
             return (yield from model)
         return ngram.point_masses(engine, session, params, noise_seed, assumed, drafts)
@@ -509,7 +520,7 @@ class HybridDrafter(SuffixDrafter):
     ):
         drafts = self.choose(session, [], min(depth, nodes))
         if drafts is None:
-            yield from engine.catch_up(session)
+            yield from engine.catch_up(session, None if session.reproducible else self.window)
             model = proposer.propose_tree(engine, session, depth, nodes, params, uniforms, noise_seed, acceptance)
             return (yield from model)
         return chain(engine, session, drafts, params, noise_seed)

@@ -7,6 +7,8 @@
 - Under a JSON schema (structured output) its masked views draft the schema, greedy output
   the target alone's.
 - Its numbers are a session's own: bit for bit the same whatever shares its steps.
+- The hybrid's catch-up on a long prompt feeds its last window only (a cache started mid-prompt),
+  greedy output the target alone's; a cache cut below its window holds nothing and goes on from there.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service.drafters import MODEL
+from draft_service.drafters import MODEL, suffix_drafter
 from draft_service.server import DraftServicer
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from specdec.decoding.sampling import SamplingParams
@@ -26,6 +28,7 @@ from specdec.errors import ResourceExhausted
 from specdec.runtime.backend import HFBackend
 from specdec.runtime.engine import SessionEngine
 from specdec.runtime.llamacpp import LlamaCppBackend
+from specdec.runtime.prefix import reusable
 from specdec.v1 import model_pb2
 from specdec.weights import models
 from target_service.server import TargetServicer
@@ -192,3 +195,73 @@ def test_a_service_opens_no_more_sessions_than_its_context_holds():
     with pytest.raises(ResourceExhausted, match="max_sessions 2"):
         draft.OpenSession(model_pb2.OpenSessionRequest(session_id="three", prompt_token_ids=[1, 2, 3]))
     assert draft.Describe(model_pb2.DescribeRequest()).open_sessions == 2
+
+
+def test_a_hybrid_catches_up_on_the_last_window_of_a_long_prompt(llama_draft, monkeypatch):
+    """The hybrid's model lacks a long prompt (its session opened without the prefill): its catch-up
+    feeds the prompt's last `window` tokens and those generated since, from their positions on a
+    fresh stream, not the whole prompt; the drafts it makes so keep greedy output the target alone's."""
+    _, backend = llama_draft
+    window = 48
+    fed = []  # (first position, tokens) of each of the draft's forwards
+    forward_batch = backend.forward_batch
+
+    def recording(items):
+        fed.extend((slot.length, len(tokens)) for slot, tokens, _ in items)
+        return forward_batch(items)
+
+    monkeypatch.setattr(backend, "forward_batch", recording)
+    engine = SessionEngine(backend, "draft")
+    draft = Direct(DraftServicer(engine, suffix_drafter(hybrid=True, window=window)))
+    target_backend = HFBackend(models.ModelSpec())
+    target = Direct(TargetServicer(SessionEngine(target_backend, "target")))
+    document = "The store takes back any item within thirty days, with its receipt, for a refund. " * 12
+    text = f"A document:\n\n{document}\n\nWrite a short poem about the sea."
+    messages = [{"role": "user", "content": text}]
+    prompt = target_backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if not isinstance(prompt, list) else prompt)
+    assert len(prompt) > 4 * window
+    try:
+        spec = run(draft, target, prompt, SamplingParams(), 48, k=4)
+        plain = run(draft, target, prompt, SamplingParams(), 48, k=4, speculate=False)
+    finally:
+        engine.stop()
+    assert spec.generated == plain.generated
+    assert fed, "the model drafted no round"
+    assert min(position for position, _ in fed) >= len(prompt) - 1 - window  # nothing before the window
+    assert sum(tokens for _, tokens in fed) < len(prompt) // 2
+    assert spec.stats.accepted_tokens > 0
+
+
+def test_a_cache_cut_below_its_window_holds_nothing_and_goes_on_from_there(llama_draft):
+    """After a windowed catch-up the session's cache holds the prompt's last `window` positions and
+    those generated since, and the prefix cache offers none of them (they lack the positions
+    before); a rollback into the window keeps it, one below it leaves an empty stream that the next
+    forward feeds from its position."""
+    _, backend = llama_draft
+    engine = SessionEngine(backend, "draft")
+    engine.prefill_at_open = 8
+    prompt = list(range(1000, 1200))
+
+    def catch_up(session):
+        engine.commit(session, list(range(2000, 2020)))  # 20 tokens generated since (the index's rounds)
+        yield from engine.catch_up(session, 64)
+        return session.window_start, len(session.cached), session.cache.length, reusable(session)
+
+    def rollback(to_length: int):
+        def run(session):
+            engine.rollback(session, to_length)
+            rows = yield engine.forward(session, [], 1)
+            return session.window_start, session.cache.length, tuple(rows.shape)
+
+        return run
+
+    try:
+        engine.open("window", prompt)
+        assert engine.call("window", None, catch_up) == (200 - 64, 219, 219, 0)  # the prompt's last 64 and after
+        assert engine.prefix.lookup(prompt)[1] == 0
+        assert engine.call("window", None, rollback(150)) == (136, 150, (1, backend.vocab_size))
+        assert engine.call("window", None, rollback(100)) == (99, 100, (1, backend.vocab_size))
+    finally:
+        engine.close("window")
+        engine.stop()

@@ -135,7 +135,7 @@ class _Engine:
         vocab_size = 64
 
     @staticmethod
-    def catch_up(session):  # the model's cache: nothing to feed
+    def catch_up(session, window=None):  # the model's cache: nothing to feed
         return iter(())
 
 

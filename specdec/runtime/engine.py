@@ -309,16 +309,25 @@ class SessionEngine:
             yield Forward(session, prefix[start:end], 1, prefix[:end], prefill=True, threads=threads)
             start = end
 
-    def catch_up(self, session: Session) -> Generator:
+    def catch_up(self, session: Session, window: int | None = None) -> Generator:
         """Feed the cache the committed tokens it lacks but the last (the next forward feeds it),
         as a prompt is prefilled: a session opened without its prefill (`prefill_at_open`), or one
-        whose drafts came from elsewhere for a while, before a forward on the model."""
+        whose drafts came from elsewhere for a while, before a forward on the model. `window`: where
+        the backend can start a cache anywhere (`restart`), the prompt's tokens before its last
+        `window` are not fed, the cache starting afresh there (a draft's: it drafts from the
+        prompt's last `window` tokens and what followed, and a long prompt's catch-up costs a short
+        one's; docs/models.md)."""
         self._settle_tree(session)
         fed = len(session.tokens) - 1
         agreed = common_prefix(session.cached, session.tokens, min(_agreed(session), fed), fed)
         if fed - agreed > self.prefill_chunk:  # less: the next forward feeds it (a continuation's drafts stay)
             self._crop(session, agreed)
             self.reserve(session, len(session.tokens))
+            start = window_start(session, window) if hasattr(self.backend, "restart") else 0
+            if start > agreed:
+                self._crop(session, 0)
+                self.backend.restart(session.cache, start)
+                session.cached, session.window_start = session.tokens[:start], start
             yield from self._prefill(session, session.tokens[:fed], session.threads)
 
     def close(self, session_id: str, context=None) -> None:
@@ -390,7 +399,7 @@ class SessionEngine:
     @property
     def cached_tokens(self) -> int:
         """Tokens whose keys and values the caches of all open sessions hold."""
-        return sum(len(s.cached) for s in list(self._sessions.values()))
+        return sum(len(s.cached) - s.window_start for s in list(self._sessions.values()))
 
     def reserve(self, session: Session, length: int, what: str = "sequence") -> None:
         """Check that the session may grow to `length` tokens (context, KV budget), before changing it."""
@@ -519,6 +528,7 @@ class SessionEngine:
         if keep < len(session.cached):
             self.backend.crop(session.cache, keep)
             del session.cached[keep:]
+            session.window_start = min(session.window_start, keep)  # cut below its window: it holds nothing
             if self.prefix is not None:
                 self.prefix.cut(session, keep)
 
@@ -531,6 +541,12 @@ class SessionEngine:
             raise OutOfRange(
                 f"{what}: a sequence of {length} tokens exceeds the model context of {self.backend.max_context}"
             )
+
+
+def window_start(session: Session, window: int | None) -> int:
+    """Where a catch-up on `window` starts: before the prompt's last `window` tokens (0: at the
+    start; window None: no window)."""
+    return 0 if window is None else max(0, min(len(session.tokens) - 1, session.prompt_length) - window)
 
 
 def _agreed(session: Session) -> int:

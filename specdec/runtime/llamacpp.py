@@ -303,6 +303,12 @@ class LlamaCppBackend(Tokenized):
                 out += zip(gap, positions, strict=True)
         return out
 
+    def restart(self, cache: Slot, position: int) -> None:
+        """Empty the stream; its next token goes at `position` (a draft's window: the positions before
+        it hold nothing, and llama.cpp takes an empty sequence's first position as it comes)."""
+        self._ctx.kv_cache_seq_rm(cache.index, 0, -1)
+        cache.length = position
+
     def crop(self, cache: Slot, keep: int) -> None:
         if keep < cache.length:
             self._ctx.kv_cache_seq_rm(cache.index, keep, -1)

@@ -299,7 +299,10 @@ class PrefixCache:
 
 def reusable(session) -> int:
     """The positions of a session's cache another session may start from: what it holds of the
-    committed tokens (the engine's invariant), below any draft tree."""
+    committed tokens (the engine's invariant), below any draft tree; none of a draft's window's,
+    which lacks the positions before it."""
+    if session.window_start:
+        return 0
     agreed = min(len(session.cached), len(session.tokens))
     return min(agreed, session.tree.floor) if session.tree is not None else agreed
 

@@ -19,6 +19,9 @@ class Session:
     tokens: list[int]
     cache: Any
     cached: list[int] = field(default_factory=list)
+    # A draft's window (SessionEngine.catch_up): the cache's keys and values start at this position;
+    # `cached` before it names tokens no forward fed (0: the cache holds every position it names).
+    window_start: int = 0
     # Draft only: the distributions of the last proposal (and of the proposal it continued),
     # [n, vocab], for ProposalRow; row 0 is at absolute position proposal_start.
     proposal_rows: torch.Tensor | None = None
