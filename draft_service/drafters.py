@@ -52,8 +52,8 @@ def suffix_drafter(
 ) -> Drafter:
     """A suffix (or hybrid) drafter with stores of its own (a draft service's), or `stores`.
     `accelerated`: the hybrid's model runs on an accelerator: it never rents (catch_up infinite)
-    and prefills every prompt at open; `window`: the most tokens its model's catch-up feeds
-    (HybridDrafter's; its backend must `restart` a cache)."""
+    and prefills every prompt at open; `window`: the most prompt tokens its model's catch-up
+    feeds, the prompt's last (HybridDrafter's; its backend must `restart` a cache)."""
     if not hybrid:
         index = suffix.SuffixDrafter(stores)
         return Drafter(index.propose, proposer.proposal_row, index.propose_tree, free=True)

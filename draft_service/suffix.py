@@ -32,10 +32,10 @@ prompt is the model's to draft after, prefilled beside the target's as the model
 model round first feeds the model's cache what it lacks (SessionEngine.catch_up: the prompt, the
 index rounds' commits), in prefill chunks; on llama.cpp (which starts a cache at any position) of
 the prompt no more than its last WINDOW tokens, the model then drafting from them and what followed.
-A reproducible session (OpenSessionRequest.reproducible: a seeded Leviathan sample, whose text depends on its
-drafts) keeps none of that state: its rounds are the index's where the match is strong, else the
-model's, caught up whole, a function of its tokens that the session re-opened after a fault
-computes alike.
+A reproducible session (OpenSessionRequest.reproducible: a seeded Leviathan sample, whose text
+depends on its drafts) keeps none of that state: its rounds are the index's where the match is
+strong, else the model's, caught up whole, a function of its tokens that the session re-opened
+after a fault computes alike.
 
 Exact as the ngram drafter: proposals are deterministic functions of the sequence, point masses
 (draft prob 1, one-hot rows in sampling mode), under a constraint only the grammar-allowed prefix
@@ -60,7 +60,7 @@ import numpy as np
 from draft_service import ngram, proposer
 from draft_service.proposer import TreeProposal
 from specdec.decoding.sampling import SamplingParams
-from specdec.runtime.engine import SessionEngine, window_start
+from specdec.runtime.engine import SessionEngine, catch_up_from
 from specdec.runtime.session import Session
 
 MAX_MATCH = 32  # the longest suffix looked for
@@ -447,12 +447,12 @@ class HybridDrafter(SuffixDrafter):
         since the last strong match (at least one), the index keeps the rounds between, its weak
         matches or none, and its share need only hold at half `rate`: the rule of renting before
         buying (a copy's changed line is a few rounds; novel text past that many rounds pays the
-        catch-up; with a `window`, of the prompt no more than its last `window`). CATCH_UP is this CPU's
-        balance: the Q8_0 draft prefills ~3.4 ms a token, a round costs ~25 ms, so ~200 tokens are
-        worth ~25 rounds (at 32, a HumanEval copy's model rounds cost 0.6-0.9 s of its 1.2-2.8 s
-        for no more accepted tokens). With its model on an
-        accelerator, whose prefill costs far less than a round, the draft service makes it
-        infinite (draft_service.drafters: it never rents, and prefills every prompt at open).
+        catch-up; with a `window`, of the prompt no more than its last `window`). CATCH_UP is this
+        CPU's balance: the Q8_0 draft prefills ~3.4 ms a token, a round costs ~25 ms, so ~200 tokens
+        are worth ~25 rounds (at 32, a HumanEval copy's model rounds cost 0.6-0.9 s of its 1.2-2.8 s
+        for no more accepted tokens). With its model on an accelerator, whose prefill costs far
+        less than a round, the draft service makes it infinite (draft_service.drafters: it never
+        rents, and prefills every prompt at open).
 
         A call made again (the same committed tokens, assumed tokens and k: a round re-run after a
         lost or late reply) gets the answer the first got and changes nothing: the session's
@@ -475,7 +475,7 @@ class HybridDrafter(SuffixDrafter):
             state.pending.append((len(session.tokens), assumed, found.tokens))
         state.gap = 0 if strong else state.gap + 1
         # what the model's catch-up feeds: what its cache lacks, of the prompt its last `window` at most
-        backlog = max(0, len(session.tokens) - max(len(session.cached), window_start(session, self.window)))
+        backlog = max(0, len(session.tokens) - max(len(session.cached), catch_up_from(session, self.window)))
         renting = max(state.gap, 1) * self.catch_up < backlog
         if state.rate < (self.rate / 2 if renting else self.rate):
             drafts = None

@@ -323,7 +323,7 @@ class SessionEngine:
         if fed - agreed > self.prefill_chunk:  # less: the next forward feeds it (a continuation's drafts stay)
             self._crop(session, agreed)
             self.reserve(session, len(session.tokens))
-            start = window_start(session, window) if hasattr(self.backend, "restart") else 0
+            start = catch_up_from(session, window) if hasattr(self.backend, "restart") else 0
             if start > agreed:
                 self._crop(session, 0)
                 self.backend.restart(session.cache, start)
@@ -543,7 +543,7 @@ class SessionEngine:
             )
 
 
-def window_start(session: Session, window: int | None) -> int:
+def catch_up_from(session: Session, window: int | None) -> int:
     """Where a catch-up on `window` starts: before the prompt's last `window` tokens (0: at the
     start; window None: no window)."""
     return 0 if window is None else max(0, min(len(session.tokens) - 1, session.prompt_length) - window)
