@@ -321,11 +321,10 @@ class SessionEngine:
         fed = len(session.tokens) - 1
         agreed = common_prefix(session.cached, session.tokens, min(_agreed(session), fed), fed)
         if fed - agreed > self.prefill_chunk:  # less: the next forward feeds it (a continuation's drafts stay)
-            self._crop(session, agreed)
-            self.reserve(session, len(session.tokens))
             start = catch_up_from(session, window) if hasattr(self.backend, "restart") else 0
+            self._crop(session, 0 if start > agreed else agreed)
+            self.reserve(session, len(session.tokens))
             if start > agreed:
-                self._crop(session, 0)
                 self.backend.restart(session.cache, start)
                 session.cached, session.window_start = session.tokens[:start], start
             yield from self._prefill(session, session.tokens[:fed], session.threads)
