@@ -373,6 +373,12 @@ class SuffixDrafter:
         for tokens in done:
             self.stores.add(tokens.session.history_scope, tokens.update())
 
+    def _catch_up(self, engine: SessionEngine, session: Session):
+        """Feed the model what its cache lacks before its round: of the prompt its last `window`
+        tokens at most, all of it for a reproducible session (its drafts may not depend on this
+        service's history)."""
+        return engine.catch_up(session, None if session.reproducible else self.window)
+
     def propose(
         self,
         engine: SessionEngine,
@@ -502,7 +508,7 @@ class HybridDrafter(SuffixDrafter):
         assumed = list(assumed)
         drafts = self.choose(session, assumed, max(k, free))
         if drafts is None:
-            yield from engine.catch_up(session, None if session.reproducible else self.window)
+            yield from self._catch_up(engine, session)
             model = proposer.propose(engine, session, k, params, uniforms, assumed, noise_seed, alternatives)
             return (yield from model)
         return ngram.point_masses(engine, session, params, noise_seed, assumed, drafts)
@@ -520,7 +526,7 @@ class HybridDrafter(SuffixDrafter):
     ):
         drafts = self.choose(session, [], min(depth, nodes))
         if drafts is None:
-            yield from engine.catch_up(session, None if session.reproducible else self.window)
+            yield from self._catch_up(engine, session)
             model = proposer.propose_tree(engine, session, depth, nodes, params, uniforms, noise_seed, acceptance)
             return (yield from model)
         return chain(engine, session, drafts, params, noise_seed)
