@@ -373,12 +373,6 @@ class SuffixDrafter:
         for tokens in done:
             self.stores.add(tokens.session.history_scope, tokens.update())
 
-    def _catch_up(self, engine: SessionEngine, session: Session):
-        """Feed the model what its cache lacks before its round: of the prompt its last `window`
-        tokens at most, all of it for a reproducible session (its drafts may not depend on this
-        service's history)."""
-        return engine.catch_up(session, None if session.reproducible else self.window)
-
     def propose(
         self,
         engine: SessionEngine,
@@ -491,6 +485,12 @@ class HybridDrafter(SuffixDrafter):
             drafts = ngram.allowed(session, assumed, found.tokens) if renting else None
         state.last = (key, drafts)
         return None if drafts is None else list(drafts)
+
+    def _catch_up(self, engine: SessionEngine, session: Session):
+        """Feed the model what its cache lacks before its round: of the prompt its last `window`
+        tokens at most, all of it for a reproducible session (its drafts may not depend on this
+        service's history)."""
+        return engine.catch_up(session, None if session.reproducible else self.window)
 
     def propose(
         self,
