@@ -95,10 +95,7 @@ def plot(timelines: dict[str, tuple[list[Span], list[float]]], path, rounds: int
             ax.broken_barh(bars, (row - 0.35, 0.7), color=("tab:green", "tab:orange")[row])
         for end in ends[:rounds]:
             ax.axvline(end, color="gray", linewidth=0.6, linestyle=":")
-        busy = {
-            side: sum(min(s.end, stop) - s.start for s in spans if s.side == side and s.start < stop)
-            for side in BUSY.values()
-        }
+        busy = {side: _busy(spans, side, stop) for side in BUSY.values()}
         share = ", ".join(f"{side} busy {busy[side] / stop:.0%}" for side in ("draft", "target")) if stop else ""
         ax.set(yticks=[0, 1], yticklabels=["draft", "target"], xlim=(0, stop or 1), xlabel="seconds")
         ax.set_title(f"{title}: {min(rounds, len(ends))} rounds in {stop:.2f} s; {share}", fontsize=9)
