@@ -49,9 +49,11 @@ def calibrate(
     chat = bool(getattr(pair.tokenizer, "chat_template", None))
     each = -(-tokens // len(PROMPTS))
     adaptive = orchestrator_pb2.SpeculationParams(adaptive=True, lookahead=MEASURED_LOOKAHEAD)
+    since = pair.costs.tally
     try:
         for prompt in PROMPTS:
             _run(pair, prompt, chat, each, adaptive, defaults)
+        pair.costs.pool_acceptance(since)  # every prompt's, not the last one's tail
     except Exception as err:  # noqa: BLE001 - a start-up measurement: serving goes on without it
         if log:
             log(f"pricing the pair failed ({err}); requests run k = {DEFAULT_LOOKAHEAD} until their rounds measure it")
@@ -68,6 +70,7 @@ def calibrate(
         except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
             if log:
                 log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
+    pair.costs.pool_acceptance(since)  # the timing's rounds too
     priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)  # with the timing (Price.timed)
     if log:
         gain = pair.costs.alone_gain

@@ -252,6 +252,7 @@ class PairCosts:
         self.target_scale = DecayedMean()  # the same for the target's steps on shared cores (target_step)
         self.accepted = 0.0  # all generations' rounds, weighted by DECAY
         self.rejections = 0.0
+        self.tally = (0.0, 0.0)  # the same, every round weighing alike (pool_acceptance)
         # the draft: seconds waited for it, of which its service computed, its steps, the tokens
         # it proposed (DECAY); and its step's compute over the tokens in the step (all sessions')
         self.draft_seconds = 0.0
@@ -473,6 +474,19 @@ class PairCosts:
         """Whether a round's drafts count as the draft's: not a hybrid's index round (index_apart)."""
         return not (report.indexed and self.index_apart)
 
+    def pool_acceptance(self, since: tuple[float, float]) -> None:
+        """The acceptance as every round since `since` (a `tally` taken before them) gives it, each
+        weighing alike, in place of the last few rounds' (DECAY), at the same weight: the start-up
+        calibration's prompts of several kinds priced together. Its last prompt's last ~5 rounds
+        alone gave 0.93-1.00 from start to start (code ends it), and the first request's k and kind
+        of round swung with them (k = 9 overlapped at 1.00: the demo 0.78x)."""
+        with self.lock:
+            accepted, rejections = self.tally[0] - since[0], self.tally[1] - since[1]
+            weight = self.accepted + self.rejections
+            if accepted + rejections > 0 and weight > 0:
+                self.accepted = weight * accepted / (accepted + rejections)
+                self.rejections = weight - self.accepted
+
     def alone_plain(self) -> bool:
         """Whether a generation alone that names no lookahead runs plain rounds (see ALONE_PLAIN)."""
         return self.alone_gain is not None and self.alone_gain < (ALONE_PLAIN if self.alone_timed else 1.0)
@@ -499,8 +513,10 @@ class PairCosts:
             self.waits[proposed == 0].fade(d)
         model = self.drafted_by_model(report)  # the draft's side: its model's rounds only
         if model:
+            rejected = 1 if accepted < proposed else 0
             self.accepted = d * self.accepted + accepted
-            self.rejections = d * self.rejections + (1 if accepted < proposed else 0)
+            self.rejections = d * self.rejections + rejected
+            self.tally = (self.tally[0] + accepted, self.tally[1] + rejected)
         if draft.tokens and model:
             # its queueing capped as the target's is (steps 0: no compute reported, all of it counts)
             seconds = draft.compute + queued(draft.seconds, draft.compute) if draft.steps else draft.seconds

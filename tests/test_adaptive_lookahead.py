@@ -145,6 +145,28 @@ def test_generations_on_a_pair_start_from_its_costs():
     assert second.alpha() > 0.8 > 0.3 > third.alpha()
 
 
+def test_the_start_pools_its_prompts_acceptance_not_the_last_ones_tail():
+    """The pair's acceptance weighs its last few rounds (DECAY); the start-up calibration pools every
+    round since its start, each alike, at the same weight: a last prompt whose tail the draft copies
+    whole (code) does not price the first request as if every text did."""
+    costs = PairCosts()
+    policy = AdaptiveLookahead(k_max=8, costs=costs)
+    since = costs.tally
+    for _ in range(20):  # a question: half the rounds rejected at the second draft
+        policy.update(RoundReport(proposed=4, accepted=1, draft=0.01, target_seconds=0.1))
+        policy.update(RoundReport(proposed=4, accepted=4, draft=0.01, target_seconds=0.1))
+    for _ in range(20):  # code: every draft accepted
+        policy.update(RoundReport(proposed=4, accepted=4, draft=0.01, target_seconds=0.1))
+    weight = costs.accepted + costs.rejections
+    assert costs.accepted / weight > 0.99  # the tail's
+    costs.pool_acceptance(since)
+    assert costs.accepted + costs.rejections == pytest.approx(weight)
+    assert costs.accepted / weight == pytest.approx(180 / 200)  # 180 accepted, 20 rejections
+    before = costs.accepted
+    costs.pool_acceptance(costs.tally)  # no round since: nothing to pool
+    assert costs.accepted == before
+
+
 def test_loops_given_one_pairs_costs_share_them():
     target_probs = random_markov(12, 31)
     draft, target = markov_pair(target_probs, random_markov(12, 32), MODEL)
