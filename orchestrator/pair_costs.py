@@ -479,7 +479,8 @@ class PairCosts:
         weighing alike, in place of the last few rounds' (DECAY), at the same weight: the start-up
         calibration's prompts of several kinds priced together. Its last prompt's last ~5 rounds
         alone gave 0.93-1.00 from start to start (code ends it), and the first request's k and kind
-        of round swung with them (k = 9 overlapped at 1.00: the demo 0.78x)."""
+        of round swung with them (k = 14 overlapped at 1.00: the demo 0.78x; pooled 0.89-0.95,
+        docs/adaptive.md#the-default-k)."""
         with self.lock:
             accepted, rejections = self.tally[0] - since[0], self.tally[1] - since[1]
             weight = self.accepted + self.rejections
