@@ -45,8 +45,9 @@ PROMPT = re.compile(r"^[\w.@-]*\$$")  # `$`, `hostA$`, `client$`
 ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 WRAPPERS = {"time", "nohup", "exec", "sudo", "env"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # PROMPT, MODEL, P, N, HEAD_IP
-# Flags of other tools that the docs name alone (scripts/trace_overhead.py, scripts/columnar_round.py).
-OTHER_FLAGS = {"--endpoint", "--cohorts", "--request-cpu-ms", "--servers", "--split"}
+# Flags of other tools that the docs name alone (scripts/trace_overhead.py, scripts/columnar_round.py,
+# scripts/replay_drafters.py).
+OTHER_FLAGS = {"--endpoint", "--cohorts", "--request-cpu-ms", "--servers", "--split", "--sequences", "--variants"}
 
 
 @dataclass(frozen=True)
