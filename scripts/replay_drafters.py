@@ -61,8 +61,8 @@ class Costs:
 
 def replay(requests: list[dict], k: int, costs: Costs, drafter: suffix.HybridDrafter | None) -> dict:
     """Each request's answer committed round by round; drafter None: the model draft alone.
-    {workload: {"speedup", "rounds", "index_rounds"}}, the speedup over the target alone's one
-    token a round."""
+    {workload: {"speedup", "rounds", "index_rounds"}} of the timed requests (an agent's first is
+    not: only its answer in the store counts), the speedup over the target alone's one token a round."""
     out: dict[str, list[float]] = {}
     for r in requests:
         ids, agree = r["ids"], r["agree"]
@@ -96,6 +96,8 @@ def replay(requests: list[dict], k: int, costs: Costs, drafter: suffix.HybridDra
             rounds += 1
             session.tokens = full[:p]
         session.closed = True  # it enters the store at the next request's first proposal
+        if not r.get("timed", True):  # an agent's first request: in the store, not in the table
+            continue
         totals = out.setdefault(r["workload"], [0, 0.0, 0, 0])
         totals[0] += len(full) - p0 - 1
         totals[1] += ms
@@ -154,7 +156,9 @@ def sequences(path: Path, problems: int, chats: int, max_tokens: int, pair) -> l
         guesses = greedy(draft, cache, (ids + answer)[:-1], len(answer))
         draft.release(cache)
         agree = [int(g == t) for g, t in zip(guesses, answer, strict=True)]
-        out.append({"workload": r["workload"], "ids": ids, "answer": answer, "agree": agree})
+        out.append(
+            {"workload": r["workload"], "timed": r.get("timed", True), "ids": ids, "answer": answer, "agree": agree}
+        )
         shape = f"{len(ids)} + {len(answer)} tokens"
         print(f"  {i + 1}/{len(sent)} {r['workload']}: {shape}, the draft agrees at {np.mean(agree):.2f}", flush=True)
     path.write_text(json.dumps(out))

@@ -61,6 +61,19 @@ def test_the_hybrid_copies_a_prompt_the_draft_cannot(replay):
     assert hybrid["index_rounds"] > 0 and hybrid["speedup"] > 2.0
 
 
+def test_an_agents_first_request_drafts_its_resend_from_the_store_but_is_not_counted(replay):
+    """A request sent untimed (an agent's first) enters the store and is left out of the table; its
+    resend, whose answer nothing in its prompt holds and the draft gets wrong, is copied from it."""
+    prompt, answer = list(range(4000, 4040)), list(range(5000, 5060))
+    first = {"workload": "agent", "timed": False, "ids": prompt, "answer": answer, "agree": [0] * len(answer)}
+    resend = first | {"timed": True}
+    c = costs(replay)
+    alone = replay.replay([resend], 6, c, suffix.HybridDrafter(window=suffix.WINDOW))["agent"]
+    stored = replay.replay([first, resend], 6, c, suffix.HybridDrafter(window=suffix.WINDOW))["agent"]
+    assert alone["rounds"] == len(answer) - 1 and alone["speedup"] < 1.0  # a token a round
+    assert stored["rounds"] < 10 and stored["speedup"] > 3.0
+
+
 def test_a_variant_names_a_rule_of_the_hybrid(replay):
     assert replay.variant("rate=0.7") == ("rate=0.7", {"rate": 0.7})
     assert replay.variant("match=8") == ("match=8", {"match": 8})
