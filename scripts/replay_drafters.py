@@ -34,11 +34,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from draft_service import suffix  # noqa: E402
+from orchestrator.loop import FREE_START  # noqa: E402
 from specdec.runtime.engine import catch_up_from  # noqa: E402
 from specdec.runtime.session import Session  # noqa: E402
+from specdec.validation import MAX_LOOKAHEAD  # noqa: E402
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 33)
-FREE_START, FREE_MAX = 16, 32  # the index's chain: orchestrator.loop.FREE_START, validation.MAX_LOOKAHEAD
 
 
 @dataclass
@@ -74,7 +75,9 @@ def replay(requests: list[dict], k: int, costs: Costs, drafter: suffix.HybridDra
         p, ms, rounds, indexed, copying = p0 + 1, 0.0, 0, 0, False
         while p < len(full):
             drafts = (
-                None if drafter is None else drafter.choose(session, [], max(k, FREE_MAX if copying else FREE_START))
+                None
+                if drafter is None
+                else drafter.choose(session, [], max(k, MAX_LOOKAHEAD if copying else FREE_START))
             )
             if drafts is None:  # the model's round: its catch-up, k steps, a verify of k + 1
                 backlog = len(session.tokens) - max(len(session.cached), catch_up_from(session, window))
@@ -187,10 +190,13 @@ def measure(pair, reps: int = 15, context: int = 200) -> Costs:
 
 
 def variant(spec: str) -> tuple[str, dict]:
-    name, value = spec.split("=")
+    name, _, value = spec.partition("=")
     if name not in ("match", "rate", "catch_up"):
-        raise SystemExit(f"--variants: {name!r} is not one of match, rate, catch_up")
-    return spec, {name: float(value) if name == "rate" else int(value)}
+        raise SystemExit(f"--variants: {name!r} is not one of match, rate, catch_up (name=value)")
+    try:
+        return spec, {name: float(value) if name == "rate" else int(value)}
+    except ValueError:
+        raise SystemExit(f"--variants: {spec!r}: {name} takes a number") from None
 
 
 def main() -> None:
@@ -203,6 +209,7 @@ def main() -> None:
     p.add_argument("--overhead-ms", type=float, default=1.5, help="a round's cost past its forwards (default 1.5)")
     p.add_argument("--sequences", type=Path, default=Path("bench-results/replay.json"), help="the answers' cache")
     args = p.parse_args()
+    variants = [variant(spec) for spec in filter(None, args.variants.split(","))]  # before the models load
     args.sequences.parent.mkdir(parents=True, exist_ok=True)
     pair = backends()
     requests = sequences(args.sequences, args.problems, args.chats, args.max_tokens, pair)
@@ -215,7 +222,7 @@ def main() -> None:
     rows = {"model draft alone": replay(requests, args.k, costs, None)}
     window = suffix.WINDOW
     rows["hybrid (default)"] = replay(requests, args.k, costs, suffix.HybridDrafter(window=window))
-    for spec, kwargs in map(variant, filter(None, args.variants.split(","))):
+    for spec, kwargs in variants:
         rows[f"hybrid {spec}"] = replay(requests, args.k, costs, suffix.HybridDrafter(window=window, **kwargs))
     workloads = list(rows["model draft alone"])
     print(f"\nreplayed speedup over the target alone, sequential rounds, k = {args.k} (index rounds / rounds):")
