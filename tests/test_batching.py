@@ -102,6 +102,7 @@ def _requests():
     ]
 
 
+@pytest.mark.usefixtures("draft_awaited")  # it asserts the draft batched
 def test_batched_generations_equal_each_run_alone(tiny_models):
     draft = Recorded(HFBackend(ModelSpec(tiny_models["draft"], "cpu", "float32")), 0.005)
     target = Recorded(HFBackend(ModelSpec(tiny_models["target"], "cpu", "float32")), 0.005)

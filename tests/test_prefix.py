@@ -89,7 +89,11 @@ class Pair:
         return tuple(e.prefix.stats.hit_tokens if e.prefix else 0 for e in (self.draft_engine, self.target_engine))
 
     def close(self) -> None:
-        for engine in (self.draft_engine, self.target_engine):
+        engines = (self.draft_engine, self.target_engine)
+        # A generation that ended before its draft's session opened closes it once the open is done
+        # (orchestrator.loop): on a loaded machine, after the test's last generation returned.
+        wait_until(lambda: all(engine.open_sessions == 0 for engine in engines), 30)
+        for engine in engines:
             engine.stop()
             assert engine.open_sessions == 0 and engine.kv.held == 0  # nothing kept, nothing leaked
 
