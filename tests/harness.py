@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -203,6 +204,17 @@ def run_clients(address: str, per_client: list[list[orchestrator_pb2.GenerateReq
 def run_sequentially(address: str, per_client) -> list[list[tuple]]:
     stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(address))
     return [[tuple(stub.Generate(r, timeout=600).token_ids) for r in requests] for requests in per_client]
+
+
+def hold_port(port: int) -> socket.socket:
+    """Keep a stopped service's loopback port from every other socket until it starts again there
+    (close the returned socket first). Bound, not listening: a connection is refused, as with nothing
+    there, but no other test's server bound to port 0 is handed it meanwhile (without a hold, bind(0)
+    gave a just-freed port back 4 times in 20,000 here), which would answer in the stopped one's place."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the stopped server's TIME_WAITs
+    held.bind(("127.0.0.1", port))
+    return held
 
 
 class ServiceProcess:

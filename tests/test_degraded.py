@@ -29,7 +29,7 @@ from deploy.local import LocalPipeline, PipelineConfig
 from specdec.limits import RecoveryConfig, SessionLimits
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.weights.models import ModelSpec
-from tests.harness import ROOT, SlowBackend, long_request, model_stubs, open_sessions, wait_until
+from tests.harness import ROOT, SlowBackend, hold_port, long_request, model_stubs, open_sessions, wait_until
 from tests.test_openai_api import http_json
 
 pytestmark = pytest.mark.slow  # services lost and found again, processes
@@ -43,7 +43,7 @@ class Stack:
 
     def __init__(self, backends: dict, recovery: RecoveryConfig | None = None, draft_limits=None):
         self.backends, self.limits = backends, {"draft": draft_limits or SessionLimits(), "target": SessionLimits()}
-        self.servers, self.ports = {}, {}
+        self.servers, self.ports, self.held = {}, {}, {}
         for role in ("draft", "target"):
             self.start(role)
         # no pricing run at start: the tests' requests are the pair's first rounds (a priced pair that
@@ -58,13 +58,17 @@ class Stack:
         return f"127.0.0.1:{self.ports[role]}"
 
     def start(self, role: str) -> None:
+        if role in self.held:
+            self.held.pop(role).close()
         config = ModelServiceConfig(role, limits=self.limits[role])
         self.servers[role], self.ports[role] = hosting.serve_model(
             config, self.backends[role], port=self.ports.get(role, 0)
         )
 
     def stop(self, role: str) -> None:
+        """Stopped, its port held until it starts again: nothing else answers there meanwhile."""
         self.servers.pop(role).stop(None).wait()
+        self.held[role] = hold_port(self.ports[role])
 
     def status(self) -> str:
         return self.stub.Describe(DESCRIBE, timeout=5).status
@@ -76,6 +80,8 @@ class Stack:
         self.orchestrator.stop(None)
         for server in self.servers.values():
             server.stop(None)
+        for held in self.held.values():
+            held.close()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from specdec.errors import Unavailable
 from specdec.limits import RecoveryConfig
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
-from tests.harness import ServiceProcess, SlowBackend, open_sessions
+from tests.harness import ServiceProcess, SlowBackend, hold_port, open_sessions
 
 PROMPT = [1, 10, 7, 14, 14, 17, 39]
 GREEDY = SamplingParams()
@@ -50,13 +50,23 @@ class InProcess:
         self.serve, self.backend = serve, backend
         self.server, self.port = serve(backend, "127.0.0.1", 0)
         self.address = f"127.0.0.1:{self.port}"
+        self.held = None
 
     def stop(self):
-        self.server.stop(None).wait()
+        """Stopped, its port held: until it restarts, nothing answers there (no other test's server)."""
+        if self.held is None:
+            self.server.stop(None).wait()
+            self.held = hold_port(self.port)
 
     def restart(self):
         self.stop()
+        self.held.close()
+        self.held = None
         self.server, _ = self.serve(self.backend, "127.0.0.1", self.port)
+
+    def close(self):
+        self.stop()
+        self.held.close()
 
 
 @pytest.fixture
@@ -76,7 +86,7 @@ def _services(draft, target):
     sides = {"draft": InProcess(serve_draft, draft), "target": InProcess(serve_target, target)}
     yield sides
     for side in sides.values():
-        side.stop()
+        side.close()
 
 
 @pytest.mark.usefixtures("draft_awaited")
@@ -235,4 +245,4 @@ def test_killed_service_process_restarted_on_the_same_port(tiny_models, tiny_bac
         assert target.wait_ready() == address and target.proc.pid != first_pid
     finally:
         target.kill()
-        draft.stop()
+        draft.close()
