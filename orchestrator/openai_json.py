@@ -56,6 +56,7 @@ PARAMS = {
     "speculation.tree_nodes": "speculation.tree_nodes",
     "speculation.history_salt": "speculation.history_salt",  # or `user`, which sets it
     "max_new_tokens": "max_tokens",
+    "stop_strings": "stop",
     "token_ids": "prompt",
     "prompt": "prompt",
     "messages": "messages",
@@ -169,7 +170,7 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         _set_prompt(request, body["prompt"])
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_name in body:
-        request.max_new_tokens = _integer(body, max_name, 0, 2**31 - 1)
+        request.max_new_tokens = _integer(body, max_name, 1, 2**31 - 1)
     if "temperature" in body:
         request.sampling.temperature = _number(body, "temperature", *TEMPERATURE_RANGE)
     if "top_p" in body:

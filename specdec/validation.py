@@ -32,27 +32,28 @@ def sampling(msg, field: str = "sampling") -> None:
     """SamplingParams, the fields that are set: temperature finite and >= 0; top_p in (0, 1];
     top_k >= 1; min_p in [0, 1]; frequency and presence penalties in [-2, 2]; repetition_penalty > 0;
     logit_bias's biases in [-100, 100] (its token ids against a vocabulary: token_ids). Unset fields
-    take their defaults (specdec.decoding.sampling.SamplingParams.from_proto)."""
+    take their defaults (specdec.decoding.sampling.SamplingParams.from_proto). A value refused is
+    shown with %g: the client's -0.1, not its float32's -0.10000000149011612."""
     if not msg.ByteSize():  # all unset (greedy, as the orchestrator sends it): nothing to check
         return
     if msg.HasField("temperature") and not (math.isfinite(msg.temperature) and msg.temperature >= 0):
-        raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature}")
+        raise InvalidArgument(f"{field}.temperature must be finite and >= 0, got {msg.temperature:g}")
     if msg.HasField("top_p") and not (math.isfinite(msg.top_p) and 0.0 < msg.top_p <= 1.0):
-        raise InvalidArgument(f"{field}.top_p must be in (0, 1] (leave it unset for 1: off), got {msg.top_p}")
+        raise InvalidArgument(f"{field}.top_p must be in (0, 1] (leave it unset for 1: off), got {msg.top_p:g}")
     if msg.HasField("top_k") and msg.top_k < 1:
         raise InvalidArgument(f"{field}.top_k must be >= 1 (leave it unset for off), got {msg.top_k}")
     if msg.HasField("min_p") and not (math.isfinite(msg.min_p) and 0.0 <= msg.min_p <= 1.0):
-        raise InvalidArgument(f"{field}.min_p must be in [0, 1] (0: off), got {msg.min_p}")
+        raise InvalidArgument(f"{field}.min_p must be in [0, 1] (0: off), got {msg.min_p:g}")
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(msg, name)
         if msg.HasField(name) and not (math.isfinite(value) and -2.0 <= value <= 2.0):
-            raise InvalidArgument(f"{field}.{name} must be in [-2, 2] (0: off), got {value}")
+            raise InvalidArgument(f"{field}.{name} must be in [-2, 2] (0: off), got {value:g}")
     r = msg.repetition_penalty
     if msg.HasField("repetition_penalty") and not (math.isfinite(r) and r > 0):
-        raise InvalidArgument(f"{field}.repetition_penalty must be finite and > 0 (1: off), got {r}")
+        raise InvalidArgument(f"{field}.repetition_penalty must be finite and > 0 (1: off), got {r:g}")
     for token, bias in msg.logit_bias.items():
         if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-            raise InvalidArgument(f"{field}.logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
+            raise InvalidArgument(f"{field}.logit_bias: the bias of token {token} must be in [-100, 100], got {bias:g}")
         if token < 0:
             raise InvalidArgument(f"{field}.logit_bias: token id {token} is negative")
 

@@ -221,6 +221,8 @@ BAD = [  # (endpoint, parameters, status, param)
     ("completions", {"prompt": "a" * 600}, 400, "prompt"),
     ("chat", {"seed": -1}, 400, "seed"),
     ("chat", {"stop": 5}, 400, "stop"),
+    ("chat", {"stop": ["", "x"]}, 400, "stop"),  # refused by the orchestrator as stop_strings: named as sent
+    ("chat", {"max_tokens": 0}, 400, "max_tokens"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat", {"speculation": {"lookahead": 99}}, 400, "speculation.lookahead"),
     ("chat", {"speculation": {"depth": 2}}, 400, "speculation"),
@@ -247,6 +249,14 @@ def test_bad_parameter_gets_its_status_and_names_it(stack, endpoint, params, sta
     assert (got, reply["error"]["param"]) == (status, param), reply
     assert reply["error"]["message"] and reply["error"]["type"]
     assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_refused_value_is_shown_as_the_client_sent_it(stack):
+    """The sampling fields are float32 on the wire: -0.1 comes back as -0.1, not -0.10000000149011612."""
+    _, http = stack
+    body = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES, "min_p": -0.1}
+    got, reply = http_json(http.url + "/v1/chat/completions", body)
+    assert got == 400 and reply["error"]["message"] == "min_p must be in [0, 1] (0: off), got -0.1", reply
 
 
 def test_user_salts_the_history_and_speculation_turns_it_off():

@@ -230,8 +230,9 @@ def test_two_pairs_behind_one_grpc_and_one_http_address(app, two_pairs, referenc
     with pytest.raises(grpc.RpcError) as bad:
         stub.Generate(request(0), metadata=AUTH, timeout=60)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in bad.value.details()
-    code, error = http(app.http + "/v1/completions", {"model": _model(app), "prompt": NO_EOS_PROMPT, "max_tokens": 0})
-    assert code == 400 and error["error"]["param"] == "max_tokens"
+    too_many = {"model": _model(app), "prompt": NO_EOS_PROMPT, "max_tokens": 10**9}  # past the pair's context
+    code, error = http(app.http + "/v1/completions", too_many)
+    assert code == 400 and error["error"]["param"] == "max_tokens" and "at most" in error["error"]["message"]
 
 
 def _model(app: App) -> str:
