@@ -10,6 +10,7 @@ import sys
 
 from cli import options
 from deploy.local import LocalPipeline
+from specdec import validation
 from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -68,6 +69,8 @@ def run(args) -> int:
     client = options.client_security(args)
     if args.address:
         return _generate_at(args.address, args, client)
+    # Refused now, as the orchestrator would refuse it, rather than after a minute of start-up.
+    validation.generate_request(request(args))
     with local_pipeline(args, client, quiet=args.json) as pipeline:
         return _generate_at(pipeline.address, args, client)
 

@@ -244,19 +244,13 @@ def loop_config(
 ) -> LoopConfig:
     """The loop's settings for a request; `defaults` for the fields it leaves unset; `client`: who
     sent it (history_scope)."""
-    s = request.sampling
-    validation.sampling(s, "sampling")
-    # Unset fields take their documented defaults; an explicit value is checked, zero included.
+    s, spec = request.sampling, request.speculation
+    validation.generate_request(request)  # an explicit value is checked there, zero included
+    # Unset fields take their documented defaults (the server's, checked at its start).
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-    validation.at_least_one(max_new, "max_new_tokens")
-    spec = request.speculation
     lookahead = spec.lookahead if spec.HasField("lookahead") else defaults.lookahead
-    if lookahead is not None:
-        validation.lookahead(lookahead, "speculation.lookahead")
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     validation.token_ids(list(s.logit_bias), pair.vocab_size, "sampling.logit_bias")
-    if "" in request.stop_strings:
-        raise InvalidArgument("stop_strings must not hold an empty string")
     # The message names the field to change: the prompt when it leaves no room for a single new
     # token, else max_new_tokens (the HTTP front door reports the first word as the parameter).
     if prompt_len >= pair.max_context:
@@ -273,10 +267,7 @@ def loop_config(
     if request.HasField("constraint"):  # refused here, naming the field, before a session opens
         grammar.grammar_of(request.constraint)
         constraint = request.constraint
-    logprobs = None
-    if request.HasField("logprobs"):
-        validation.logprobs(request.logprobs, "logprobs")
-        logprobs = request.logprobs
+    logprobs = request.logprobs if request.HasField("logprobs") else None
     config = LoopConfig(
         constraint=constraint,
         logprobs=logprobs,

@@ -120,6 +120,25 @@ def tree_nodes(n: int, field: str) -> None:
         raise InvalidArgument(f"{field} must be in 0..{MAX_TREE_NODES} (0: a chain), got {n}")
 
 
+def generate_request(request) -> None:
+    """Orchestrator.Generate, the fields that need no model (the orchestrator checks the rest
+    against its pair): a client starting services for a request checks these first, so a mistyped
+    flag is refused before a minute of start-up, with the message the orchestrator would send."""
+    sampling(request.sampling, "sampling")
+    if request.HasField("max_new_tokens"):  # unset: the default
+        at_least_one(request.max_new_tokens, "max_new_tokens")
+    spec = request.speculation
+    if spec.HasField("lookahead"):
+        lookahead(spec.lookahead, "speculation.lookahead")
+    if spec.HasField("tree_nodes"):
+        tree_nodes(spec.tree_nodes, "speculation.tree_nodes")
+    at_most_chars(spec.history_salt, MAX_SCOPE_CHARS, "speculation.history_salt")
+    if "" in request.stop_strings:
+        raise InvalidArgument("stop_strings must not hold an empty string")
+    if request.HasField("logprobs"):
+        logprobs(request.logprobs, "logprobs")
+
+
 def propose_request(request, vocab_size: int) -> None:
     """DraftService.Propose, before the session is touched."""
     lookahead(request.k, "k")

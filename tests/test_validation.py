@@ -14,6 +14,7 @@ from specdec import validation
 from specdec.decoding.sampling import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.v1 import model_pb2, orchestrator_pb2
+from specdec.weights import models
 from tests.harness import NO_EOS_PROMPT, pipeline, status_of
 
 Code = grpc.StatusCode
@@ -288,6 +289,30 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 )
 def test_cli_reports_bad_input_in_one_line(services, args, expected):
     assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens must be >= 1, got 0"),
+        (["--lookahead", "99"], "INVALID_ARGUMENT: speculation.lookahead"),
+        (["--min-p", "-0.1"], "INVALID_ARGUMENT: sampling.min_p must be in [0, 1] (0: off), got -0.1"),
+        (["--stop", ""], "INVALID_ARGUMENT: stop_strings"),
+    ],
+)
+def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
+    """Without --address, `specdec generate` checks what needs no model before it starts three
+    processes: one line, the orchestrator's message, and no start-up line before it."""
+    assert_one_line_error(run_cli("generate", "hi", *args), expected)
+
+
+def test_a_local_path_that_is_not_there_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    for model in (missing, missing + ".gguf"):
+        with pytest.raises(FileNotFoundError, match="no such file or directory on this host"):
+            models.resolve(model)
+    assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub id
+    assert models.resolve(str(tmp_path)) == str(tmp_path)
 
 
 @pytest.mark.usefixtures("draft_awaited")

@@ -136,10 +136,11 @@ class LlamaCppBackend(Tokenized):
         if spec.model in models.ALIASES:
             self.path = default_file()
             self._tokenizer = lambda: AutoTokenizer.from_pretrained(models.resolve(spec.model))
-        elif spec.model.endswith(".gguf") and Path(spec.model).is_file():
-            self.path = Path(spec.model)
+        elif spec.model.endswith(".gguf") and Path(spec.model).expanduser().is_file():
+            self.path = Path(spec.model).expanduser()
             self._tokenizer = functools.partial(models.gguf_tokenizer, self.path)
         else:
+            models.check_local(spec.model)  # a .gguf file that is not here: named as such
             raise ValueError(f"the llamacpp backend needs a .gguf file or '{models.DEFAULT_ALIAS}', not {spec.model!r}")
         self.name = f"llama.cpp:{self.path.name}"
         self.device = torch.device("cpu")

@@ -67,14 +67,28 @@ class ModelSpec:
 
 
 def resolve(model: str) -> str:
-    """An alias becomes the converted (or grown) local directory; anything else passes through."""
+    """An alias becomes the converted (or grown) local directory; anything else passes through (a
+    local path that is not here refused, naming it; ~ expanded)."""
     if model in ALIASES:
         return str(ensure_default_converted())
     if model in GROWN_ALIASES:
         return str(grow.ensure_grown(model))
     if model in ROUNDED_ALIASES:
         return str(rounded.ensure_rounded(model))
-    return model
+    check_local(model)
+    return str(Path(model).expanduser()) if model.startswith("~") else model
+
+
+def check_local(model: str) -> None:
+    """FileNotFoundError naming `model` where it is written as a local path (absolute, ./ or ../,
+    ~, or a .gguf file) and nothing is there, where the service runs: transformers would take it
+    for a hub id and answer "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    if model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf"):
+        if not Path(model).expanduser().exists():
+            raise FileNotFoundError(
+                f"model {model!r}: no such file or directory on this host (a model is an alias such as "
+                f"'{DEFAULT_ALIAS}', a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or a local path)"
+            )
 
 
 def gemma3_gguf_path() -> Path:
