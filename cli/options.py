@@ -230,21 +230,29 @@ def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def port_number(text: str) -> int:
+    """A port flag's value, 0 (a free one) to 65535; argparse names the flag where it is not."""
+    port = int(text)  # not a number: argparse's "invalid port_number value"
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: a free one), not {port}")
+    return port
+
+
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=port, help=f"port to bind; 0 picks a free one (default {port})")
+    p.add_argument("--port", type=port_number, default=port, help=f"port to bind; 0 picks a free one (default {port})")
     p.add_argument("--ready-file", type=Path, help='write {"address": ...} here once serving')
     add_metrics_flag(p, "serve Prometheus metrics on this port at /metrics (0 picks a free one; default: off)")
 
 
 def add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
-    p.add_argument("--metrics-port", type=int, default=None, help=text + "; traces: see OTEL_* in the README")
+    p.add_argument("--metrics-port", type=port_number, default=None, help=text + "; traces: see OTEL_* in the README")
 
 
 def add_http_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port",
-        type=int,
+        type=port_number,
         default=None,
         help="also serve the OpenAI-compatible HTTP API and the playground on --host at this port; 0 picks a "
         "free one (default: off). Same token and certificate as gRPC",
@@ -382,6 +390,8 @@ def placement(args, prefix: str = "") -> Placement:
     cpus, threads = (getattr(args, prefix.replace("-", "_") + name) for name in ("cpus", "threads"))
     if cpus is not None:
         parse_cpus(cpus)
+    if threads is not None and threads < 1:  # 0 would be no flag at all: the service's default
+        raise ValueError(f"--{prefix}threads must be >= 1, got {threads}")
     return Placement(cpus, threads)
 
 

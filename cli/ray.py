@@ -91,13 +91,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--port",
-        type=int,
+        type=options.port_number,
         default=50051,
         help="orchestrator port; 0 picks a free one (default 50051); with --replicas, Serve's gRPC proxy's",
     )
     up.add_argument(
         "--http-port",
-        type=int,
+        type=options.port_number,
         help="the orchestrator's OpenAI-compatible HTTP API on this port (default: off); with --replicas, Serve's "
         "HTTP proxy's (default 8000)",
     )
@@ -191,8 +191,12 @@ def _log(args):
     return (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
-def _threads(cpus: float) -> int | None:
-    """An actor's threads by default: the CPUs Ray reserves for it (Ray does not pin cores)."""
+def _threads(cpus: float, threads: int | None, role: str) -> int | None:
+    """An actor's threads: --ROLE-threads, else the CPUs Ray reserves for it (Ray does not pin cores)."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--{role}-threads must be >= 1, got {threads}")
+        return threads
     return max(1, int(cpus)) if cpus > 0 else None
 
 
@@ -213,7 +217,7 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
             "target",
             models.ModelSpec(args.target_model, _device(args.target_device, args.target_gpus), args.target_dtype),
             limits=limits,
-            threads=args.target_threads or _threads(args.target_cpus),
+            threads=_threads(args.target_cpus, args.target_threads, "target"),
             backend=args.target_backend,
         ),
         draft=ModelServiceConfig(
@@ -221,7 +225,7 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
             models.ModelSpec(args.draft_model, _device(args.draft_device, args.draft_gpus), args.draft_dtype),
             args.drafter,
             limits,
-            threads=args.draft_threads or _threads(args.draft_cpus),
+            threads=_threads(args.draft_cpus, args.draft_threads, "draft"),
         ),
         target_resources=ray_deploy.Resources(args.target_cpus, args.target_gpus),
         draft_resources=ray_deploy.Resources(args.draft_cpus, args.draft_gpus),

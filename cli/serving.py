@@ -27,7 +27,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=50051, help="orchestrator port (default 50051)")
+    s.add_argument("--port", type=options.port_number, default=50051, help="orchestrator port (default 50051)")
     s.add_argument("--ready-file", type=Path, help='write {"address": ..., "services": {...}} here once serving')
     options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
     options.add_http_flag(s)

@@ -306,6 +306,28 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
     assert_one_line_error(run_cli("generate", "hi", *args), expected)
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"), [(["serve", "--port", "70000"], "--port"), (["ray", "up", "--http-port", "-1"], "--http-port")]
+)
+def test_a_port_out_of_range_is_a_usage_error(args, flag):
+    """`--port 70000` bound port 70000 % 65536 = 4464, silently."""
+    out = run_cli(*args)
+    assert out.returncode == 2 and f"argument {flag}: a port is 0..65535" in out.stderr, out.stderr
+
+
+def test_a_device_torch_cannot_run_is_named():
+    """Before a model loads: torch's own error was an AssertionError deep in the model's .to()."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+    want = "built without CUDA" if not torch.backends.cuda.is_built() else "CUDA device"
+    with pytest.raises(ValueError, match=want):
+        models.check_device(f"cuda:{count}")  # one past the last GPU, or any where there is none
+    with pytest.raises(ValueError, match="not a torch device"):
+        models.check_device("gpu0")
+    models.check_device("cpu")
+
+
 def test_a_local_path_that_is_not_there_is_named(tmp_path):
     missing = str(tmp_path / "no-such-model")
     for model in (missing, missing + ".gguf"):
@@ -343,6 +365,9 @@ def ids_of(tokens):
         (["target-service", "--max-sessions", "0"], "max_sessions must be >= 1"),
         (["draft-service", "--session-ttl", "nan"], "idle_ttl must be >= 0"),
         (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "max_queue must be >= 0"),
+        (["serve", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),  # 0 was no flag at all
+        (["generate", "hi", "--draft-threads", "-2"], "--draft-threads must be >= 1, got -2"),
+        (["ray", "up", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),
     ],
 )
 def test_cli_refuses_bad_limits_before_starting(args, expected):

@@ -79,6 +79,29 @@ def resolve(model: str) -> str:
     return str(Path(model).expanduser()) if model.startswith("~") else model
 
 
+def check_device(device: str) -> None:
+    """ValueError naming `device` where torch cannot run a model on it in this process: not a device
+    name, CUDA on a torch without it or on a host without a GPU, or an index past the host's GPUs."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err}); e.g. cpu, cuda, cuda:1") from None
+    if dev.type != "cuda":
+        return
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"device {device!r}: this torch ({torch.__version__}) is built without CUDA; install the torch "
+            "build for your CUDA (https://pytorch.org), or run on cpu"
+        )
+    count = torch.cuda.device_count()
+    if not count:
+        raise ValueError(f"device {device!r}: torch sees no CUDA device here (check CUDA_VISIBLE_DEVICES, the driver)")
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {device!r}: this host has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+
+
 def check_local(model: str) -> None:
     """FileNotFoundError naming `model` where it is written as a local path (absolute, ./ or ../,
     ~, or a .gguf file) and nothing is there, where the service runs: transformers would take it
@@ -202,6 +225,7 @@ def load(spec: ModelSpec):
 
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {spec.dtype!r}")
+    check_device(spec.device)  # before a minute of loading, and torch's own assert deep in .to()
     path = resolve(spec.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.dtype))
