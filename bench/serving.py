@@ -37,6 +37,7 @@ import grpc
 from deploy.local import LocalPipeline, PipelineConfig
 from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.validation import MAX_LOOKAHEAD
 from specdec.weights.models import ModelSpec
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -86,10 +87,10 @@ def request(method: str, max_tokens: int) -> orchestrator_pb2.GenerateRequest:
         speculation = orchestrator_pb2.SpeculationParams(adaptive=True)
     elif method == "default":
         speculation = None
-    elif method.startswith("k") and method[1:].isdigit() and int(method[1:]) >= 1:
+    elif method.startswith("k") and method[1:].isdigit() and 1 <= int(method[1:]) <= MAX_LOOKAHEAD:
         speculation = orchestrator_pb2.SpeculationParams(lookahead=int(method[1:]))
     else:
-        raise ValueError(f"unknown method {method!r}: off, kN (N >= 1), adaptive or default")
+        raise ValueError(f"unknown method {method!r}: off, kN (N in 1..{MAX_LOOKAHEAD}), adaptive or default")
     return orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=max_tokens, speculation=speculation)
 
 

@@ -458,7 +458,10 @@ def serving(args) -> int:
     from bench import serving  # no torch in this process: the stand-ins run in the services
 
     try:
-        target_ms, draft_ms, agreement = _floats(args.standins)
+        standins = _floats(args.standins)
+        if len(standins) != 3:
+            raise ValueError(f"--standins is TARGET_MS,DRAFT_MS,AGREE (e.g. 10,2,0.8), not {args.standins!r}")
+        target_ms, draft_ms, agreement = standins
         config = serving.ServingConfig(
             clients=_ints(args.clients),
             methods=tuple(m for m in args.methods.split(",") if m),

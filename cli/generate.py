@@ -23,7 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "target and orchestrator as three local processes, generates, and stops them.",
     )
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--address", help="HOST:PORT of a running orchestrator")
+    g.add_argument("--address", type=options.host_port, help="HOST:PORT of a running orchestrator")
     # Default None: only what the user gives is sent; the server applies the defaults named here.
     g.add_argument("--max-tokens", type=int, help="tokens to generate at most, >= 1 (default 128)")
     g.add_argument("--temperature", type=float, help="0 is greedy (default 0)")
@@ -213,7 +213,7 @@ def add_status_parser(sub) -> None:
         "the draft is lost and requests are served target-only, exactly; unavailable: the target is lost and new "
         "requests fail until it is back. Exits 0 while it serves (ok, degraded), 1 otherwise.",
     )
-    s.add_argument("--address", required=True, help="HOST:PORT of a running orchestrator")
+    s.add_argument("--address", type=options.host_port, required=True, help="HOST:PORT of a running orchestrator")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     options.add_client_security_flags(s)
 

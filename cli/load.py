@@ -24,7 +24,7 @@ def add_loadtest_parser(sub) -> None:
         "report throughput, p50/p99 latency and errors. Loopback targets only unless --allow-remote. "
         "Without --address, starts the three local processes first (not timed).",
     )
-    lt.add_argument("--address", help="HOST:PORT of a running orchestrator")
+    lt.add_argument("--address", type=options.host_port, help="HOST:PORT of a running orchestrator")
     lt.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
     lt.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
     lt.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run (default 300)")

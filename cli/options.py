@@ -238,6 +238,13 @@ def port_number(text: str) -> int:
     return port
 
 
+def host_port(text: str) -> str:
+    """An address flag's value: HOST:PORT (a gRPC target; without a port gRPC would dial 443)."""
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(f"an address is HOST:PORT (e.g. 127.0.0.1:50051), not {text!r}")
+    return text
+
+
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=port, help=f"port to bind; 0 picks a free one (default {port})")

@@ -62,8 +62,8 @@ def add_service_parsers(sub) -> None:
 def add_orchestrator_parser(sub) -> None:
     o = sub.add_parser("orchestrator", help="run the orchestrator alone, against running services")
     options.add_server_flags(o, 50051)
-    o.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
-    o.add_argument("--draft-address", help="HOST:PORT of the draft service (omit: target-only)")
+    o.add_argument("--target-address", type=options.host_port, required=True, help="HOST:PORT of the target service")
+    o.add_argument("--draft-address", type=options.host_port, help="HOST:PORT of the draft service (omit: target-only)")
     options.add_http_flag(o)
     options.add_overlap_flag(o)
     options.add_rule_flag(o)

@@ -386,6 +386,8 @@ def test_the_serving_bench_reports_the_median_of_its_repeats():
     assert "| k4 | 60 (1.00) | 100 (0.83) [90-120] |" in table and "medians of 3 runs" in table
     with pytest.raises(ValueError, match="--repeats"):
         serving.ServingConfig(repeats=0)
+    with pytest.raises(ValueError, match="k99"):  # refused before a cell runs (every request would be)
+        serving.ServingConfig(methods=("k99",))
 
 
 def test_the_serving_bench_counts_the_tokens_made_in_its_window():

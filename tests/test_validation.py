@@ -307,12 +307,16 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
 
 
 @pytest.mark.parametrize(
-    ("args", "flag"), [(["serve", "--port", "70000"], "--port"), (["ray", "up", "--http-port", "-1"], "--http-port")]
+    ("args", "expected"),
+    [
+        (["serve", "--port", "70000"], "argument --port: a port is 0..65535"),  # it bound 70000 % 65536 = 4464
+        (["ray", "up", "--http-port", "-1"], "argument --http-port: a port is 0..65535"),
+        (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
+    ],
 )
-def test_a_port_out_of_range_is_a_usage_error(args, flag):
-    """`--port 70000` bound port 70000 % 65536 = 4464, silently."""
+def test_a_port_or_address_out_of_form_is_a_usage_error(args, expected):
     out = run_cli(*args)
-    assert out.returncode == 2 and f"argument {flag}: a port is 0..65535" in out.stderr, out.stderr
+    assert out.returncode == 2 and expected in out.stderr, out.stderr
 
 
 def test_a_device_torch_cannot_run_is_named():
