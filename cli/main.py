@@ -7,6 +7,7 @@ that host a model import it when they run (cli.serving).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdecError as err:
         print(f"specdec: error: {err.code.name}: {err.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader stopped reading (`| head`): done, as other tools end there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE, as a shell reports such a tool
     except (RuntimeError, OSError, ValueError) as err:
         print(f"specdec: error: {err}", file=sys.stderr)
         return 1

@@ -341,6 +341,15 @@ def test_a_local_path_that_is_not_there_is_named(tmp_path):
     assert models.resolve(str(tmp_path)) == str(tmp_path)
 
 
+def test_a_reader_that_stops_reading_ends_the_cli_quietly(services):
+    """`specdec status | head -1` printed "specdec: error: [Errno 32] Broken pipe"."""
+    cmd = [sys.executable, "-m", "cli", "status", "--address", services.addresses["orchestrator"]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # gone before the child's first line (it starts Python and asks the server first)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and not stderr, stderr
+
+
 @pytest.mark.usefixtures("draft_awaited")
 def test_unset_fields_take_their_defaults(services):
     """No max_new_tokens: 128; no lookahead: the server's (this pipeline's 4, reported in the stats;
