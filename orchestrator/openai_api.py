@@ -35,6 +35,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -294,10 +295,25 @@ def app(channel: grpc.Channel, model: str, token: str | None = None, telemetry: 
         Route("/", gateway.page, methods=["GET"]),
         Route("/{name:str}", gateway.page, methods=["GET"]),
     ]
-    asgi = Starlette(routes=routes)
+    asgi = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if token:
         asgi = BearerAuth(asgi, token)
     return telemetry.asgi(asgi)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such path, a method the path does not take) in OpenAI's shape,
+    as every other error here: they came as text/plain."""
+    path = request.url.path
+    if exc.status_code == 404:
+        error = APIError(404, f"no such path: {path}", None, "not_found_error")
+    elif exc.status_code == 405:
+        error = APIError(405, f"{request.method} is not allowed on {path} ({exc.headers.get('Allow', '')})")
+    else:
+        error = APIError(exc.status_code, exc.detail)
+    response = error.response()
+    response.headers.update(exc.headers or {})
+    return response
 
 
 # -- the server --------------------------------------------------------------------------

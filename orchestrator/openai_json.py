@@ -106,7 +106,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
     def body(self) -> dict:
-        code = {404: "model_not_found", 401: "invalid_api_key"}.get(self.status)
+        code = "model_not_found" if (self.status, self.param) == (404, "model") else None
+        code = "invalid_api_key" if self.status == 401 else code
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:

@@ -251,6 +251,25 @@ def test_bad_parameter_gets_its_status_and_names_it(stack, endpoint, params, sta
     assert set(reply["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_path_or_method_the_api_does_not_serve_is_refused_in_openais_shape(stack):
+    """Starlette's own 404 and 405 came as text/plain; a 404 of a path said model_not_found."""
+    _, http = stack
+    got, reply = http_json(http.url + "/v1/embeddings", {"model": MODEL, "input": "hi"})
+    assert got == 404 and reply["error"] == {
+        "message": "no such path: /v1/embeddings",
+        "type": "not_found_error",
+        "param": None,
+        "code": None,
+    }
+    assert http_json(http.url + "/nope")[1]["error"]["code"] is None  # a page, not a model
+    try:
+        urllib.request.urlopen(http.url + "/v1/chat/completions", timeout=30)  # a GET
+    except urllib.error.HTTPError as err:
+        got, reply, allow = err.code, json.loads(err.read()), err.headers["Allow"]
+    assert got == 405 and "GET is not allowed on /v1/chat/completions" in reply["error"]["message"]
+    assert allow == "POST" and reply["error"]["type"] == "invalid_request_error"
+
+
 def test_a_refused_value_is_shown_as_the_client_sent_it(stack):
     """The sampling fields are float32 on the wire: -0.1 comes back as -0.1, not -0.10000000149011612."""
     _, http = stack
