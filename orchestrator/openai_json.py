@@ -111,7 +111,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status)
+        # Refused for load (429) or while the target is lost (503): "retry later", and when (the OpenAI
+        # SDK's retries read it; without it they back off on their own schedule)
+        retry = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), self.status, headers=retry)
 
     @classmethod
     def from_rpc(

@@ -506,7 +506,7 @@ def test_admission_full_is_429_and_draining_is_503(tiny_backends):
             next(iter(stream))
             with pytest.raises(openai.RateLimitError) as err:
                 client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
-            assert err.value.status_code == 429
+            assert err.value.status_code == 429 and err.value.response.headers["Retry-After"] == "1"
             drain = threading.Thread(target=p.servers["orchestrator"].drain, args=(30,))
             drain.start()
             assert wait_until(lambda: http_json(http.url + "/health")[0] == 503, 5)
@@ -514,7 +514,7 @@ def test_admission_full_is_429_and_draining_is_503(tiny_backends):
             assert http_json(http.url + "/health")[1]["reason"] == "orchestrator NOT_SERVING"
             with pytest.raises(openai.InternalServerError) as err:
                 client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
-            assert err.value.status_code == 503
+            assert err.value.status_code == 503 and err.value.response.headers["Retry-After"] == "1"
             stream.close()
             drain.join(30)
             assert not drain.is_alive()
