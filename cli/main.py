@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options.apply_environment()
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # where stdout is a pipe whose reader left: raised here, not at exit
+        return code
     except grpc.RpcError as err:
         print(f"specdec: error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -341,8 +341,11 @@ def test_a_local_path_that_is_not_there_is_named(tmp_path):
     assert models.resolve(str(tmp_path)) == str(tmp_path)
 
 
-def test_a_reader_that_stops_reading_ends_the_cli_quietly(services):
-    """`specdec status | head -1` printed "specdec: error: [Errno 32] Broken pipe"."""
+@pytest.mark.parametrize("unbuffered", ["1", ""], ids=["unbuffered", "buffered"])
+def test_a_reader_that_stops_reading_ends_the_cli_quietly(services, unbuffered, monkeypatch):
+    """`specdec status | head -1` printed "specdec: error: [Errno 32] Broken pipe" (stdout unbuffered),
+    or Python's "Exception ignored ... BrokenPipeError" at exit (buffered: a pipe's default)."""
+    monkeypatch.setenv("PYTHONUNBUFFERED", unbuffered)  # empty: unset, as Python reads it
     cmd = [sys.executable, "-m", "cli", "status", "--address", services.addresses["orchestrator"]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # gone before the child's first line (it starts Python and asks the server first)
