@@ -92,6 +92,13 @@ class BenchConfig:
     target_backend: str = "auto"  # what runs the specdec rows' target service (deploy.configs.BACKENDS)
     target_compile: bool | None = None  # its --compile; None: by device
 
+    def __post_init__(self):
+        known = {p["kind"] for p in json.loads(PROMPTS.read_text())}
+        unknown = [kind for kind in self.prompt_kinds if kind not in known]
+        if unknown:  # else it started the pipeline and ran no prompt
+            kinds = ", ".join(sorted(known))
+            raise ValueError(f"--kinds: no prompt is of kind {', '.join(unknown)} (the kinds: {kinds})")
+
 
 def load_prompts(config: BenchConfig) -> list[dict]:
     prompts = json.loads(PROMPTS.read_text())

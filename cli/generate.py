@@ -66,6 +66,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.timeout is not None and not args.timeout > 0:  # else DEADLINE_EXCEEDED at once
+        raise ValueError(f"--timeout is seconds > 0, not {args.timeout:g}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # else protobuf's "Value out of range: -1"
+        raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
     client = options.client_security(args)
     if args.address:
         return _generate_at(args.address, args, client)

@@ -384,6 +384,9 @@ def ids_of(tokens):
         (["serve", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),  # 0 was no flag at all
         (["generate", "hi", "--draft-threads", "-2"], "--draft-threads must be >= 1, got -2"),
         (["ray", "up", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),
+        (["generate", "hi", "--seed", "-1"], "--seed must be in 0..18446744073709551615, got -1"),  # protobuf's words
+        (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
+        (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
     ],
 )
 def test_cli_refuses_bad_limits_before_starting(args, expected):
