@@ -25,6 +25,7 @@ from pathlib import Path
 from cli import options
 from draft_service import METHODS
 from orchestrator import RULES
+from specdec.validation import MAX_LOOKAHEAD
 from specdec.weights import models
 
 DRAFTERS = "model,ngram,llamacpp"
@@ -69,9 +70,21 @@ def _add_pair(p: argparse.ArgumentParser, placement: bool = False, compile: bool
         options.add_compile_flag(p, "target-")
 
 
+def _positive(text: str) -> int:
+    """A count flag's value, >= 1 (0 started the services and ran nothing, or every request refused)."""
+    value = int(text)  # not a number: argparse's "invalid _positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def _add_run_shape(p: argparse.ArgumentParser, max_tokens: int, repeats: int = 1, quick: str = "") -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens a generation (default {max_tokens})")
-    p.add_argument("--repeats", type=int, default=repeats, help=f"timed passes over the prompts (default {repeats})")
+    tokens, passes = (
+        f"new tokens a generation (default {max_tokens})",
+        f"timed passes over the prompts (default {repeats})",
+    )
+    p.add_argument("--max-tokens", type=_positive, default=max_tokens, help=tokens)
+    p.add_argument("--repeats", type=_positive, default=repeats, help=passes)
     if quick:
         p.add_argument("--quick", action="store_true", help=f"a small run that checks it works: {quick}")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
@@ -102,9 +115,18 @@ def _add_ks(p: argparse.ArgumentParser, default: str, adaptive: bool = True) -> 
 
 def _ks(args) -> tuple[int, ...]:
     ks = _ints(args.ks)
-    if not ks or min(ks) < 1:  # adaptive lookahead's bound and the timelines' k are the largest
-        raise SystemExit(f"specdec bench: --ks needs one or more lookaheads >= 1 (e.g. 4 or 2,4,8), not {args.ks!r}")
+    if not ks or not 1 <= min(ks) <= max(ks) <= MAX_LOOKAHEAD:  # adaptive's bound and the timelines' k: the largest
+        raise SystemExit(
+            f"specdec bench: --ks needs one or more lookaheads in 1..{MAX_LOOKAHEAD} (e.g. 4 or 2,4,8), not {args.ks!r}"
+        )
     return ks
+
+
+def _temperatures(args) -> tuple[float, ...]:
+    temperatures = _floats(args.temperatures)
+    if not temperatures or not all(math.isfinite(t) and t >= 0 for t in temperatures):
+        raise SystemExit(f"specdec bench: --temperatures needs values >= 0 (0: greedy), not {args.temperatures!r}")
+    return temperatures
 
 
 def _report(bench, config) -> int:
@@ -195,7 +217,7 @@ def compare(args) -> int:
         adaptive=not args.no_adaptive,
         measured=args.measured,
         trees=_ints(args.trees),
-        temperatures=_floats(args.temperatures),
+        temperatures=_temperatures(args),
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
@@ -369,7 +391,7 @@ def structured(args) -> int:
     config = structured.StructuredConfig(
         drafter=args.drafter,
         k=args.k,
-        temperatures=_floats(args.temperatures),
+        temperatures=_temperatures(args),
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         target=options.model_spec(args, "target-"),

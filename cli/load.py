@@ -12,6 +12,7 @@ from bench.chaos import run as run_chaos
 from bench.chaos import text as chaos_text
 from cli import options
 from cli.generate import local_pipeline
+from specdec import validation
 from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -43,15 +44,6 @@ def add_loadtest_parser(sub) -> None:
 def load_test(args) -> int:
     config = loadtest.LoadTestConfig(args.requests, args.concurrency, args.time_limit)
     client = options.client_security(args)
-    if args.address:
-        loadtest.check_target(args.address, args.allow_remote)
-        return _load_test_at(args.address, args, client, config)
-    with local_pipeline(args, client) as pipeline:
-        return _load_test_at(pipeline.address, args, client, config)
-
-
-def _load_test_at(address: str, args, client: security.ClientSecurity, config: loadtest.LoadTestConfig) -> int:
-    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
     request = orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,
         chat_template=True,
@@ -59,6 +51,16 @@ def _load_test_at(address: str, args, client: security.ClientSecurity, config: l
         max_new_tokens=args.max_tokens,
         speculation=orchestrator_pb2.SpeculationParams(**options.given(lookahead=args.lookahead)),
     )
+    validation.generate_request(request)  # refused now, not as every one of --requests calls
+    if args.address:
+        loadtest.check_target(args.address, args.allow_remote)
+        return _load_test_at(args.address, args, client, config, request)
+    with local_pipeline(args, client) as pipeline:
+        return _load_test_at(pipeline.address, args, client, config, request)
+
+
+def _load_test_at(address: str, args, client: security.ClientSecurity, config: loadtest.LoadTestConfig, request) -> int:
+    stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
     report = loadtest.run(lambda timeout: len(stub.Generate(request, timeout=timeout).token_ids), config)
     print(json.dumps(report.as_dict()) if args.json else report.text())
     return 0 if report.ok else 1

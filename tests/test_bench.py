@@ -164,11 +164,19 @@ def test_a_duration_needs_seconds(seconds):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize(("bench", "ks"), [("compare", ""), ("compare", "0,4"), ("network", "0"), ("concurrency", "")])
+@pytest.mark.parametrize(
+    ("bench", "ks"), [("compare", ""), ("compare", "0,4"), ("network", "0"), ("concurrency", ""), ("compare", "4,99")]
+)
 def test_ks_needs_a_lookahead(bench, ks):
     out = subprocess.run([sys.executable, "-m", "cli", "bench", bench, "--ks", ks], capture_output=True, text=True)
-    assert out.returncode == 1 and "--ks needs one or more lookaheads >= 1" in out.stderr
+    assert out.returncode == 1 and "--ks needs one or more lookaheads in 1..32" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_temperatures_are_refused_before_a_pipeline_starts():
+    cmd = [sys.executable, "-m", "cli", "bench", "compare", "--temperatures", "0,-1"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 1 and "--temperatures needs values >= 0" in out.stderr and "starting" not in out.stderr
 
 
 def test_overlap_bound_is_the_busier_device():

@@ -312,9 +312,11 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         (["serve", "--port", "70000"], "argument --port: a port is 0..65535"),  # it bound 70000 % 65536 = 4464
         (["ray", "up", "--http-port", "-1"], "argument --http-port: a port is 0..65535"),
         (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
+        (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
+        (["bench", "ttft", "--repeats", "0"], "argument --repeats: must be >= 1"),  # started the pipeline, ran nothing
     ],
 )
-def test_a_port_or_address_out_of_form_is_a_usage_error(args, expected):
+def test_a_flag_out_of_form_is_a_usage_error(args, expected):
     out = run_cli(*args)
     assert out.returncode == 2 and expected in out.stderr, out.stderr
 
@@ -387,6 +389,7 @@ def ids_of(tokens):
         (["generate", "hi", "--seed", "-1"], "--seed must be in 0..18446744073709551615, got -1"),  # protobuf's words
         (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
         (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
+        (["loadtest", "--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens must be >= 1"),  # every call refused
     ],
 )
 def test_cli_refuses_bad_limits_before_starting(args, expected):
