@@ -476,14 +476,21 @@ def _add_serving(names) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
 
 
+def _standins(text: str) -> tuple[float, float, float]:
+    try:
+        standins = _floats(text)
+    except ValueError:
+        standins = ()
+    if len(standins) != 3:
+        raise ValueError(f"--standins is TARGET_MS,DRAFT_MS,AGREE, three numbers (e.g. 10,2,0.8), not {text!r}")
+    return standins
+
+
 def serving(args) -> int:
     from bench import serving  # no torch in this process: the stand-ins run in the services
 
     try:
-        standins = _floats(args.standins)
-        if len(standins) != 3:
-            raise ValueError(f"--standins is TARGET_MS,DRAFT_MS,AGREE (e.g. 10,2,0.8), not {args.standins!r}")
-        target_ms, draft_ms, agreement = standins
+        target_ms, draft_ms, agreement = _standins(args.standins)
         config = serving.ServingConfig(
             clients=_ints(args.clients),
             methods=tuple(m for m in args.methods.split(",") if m),

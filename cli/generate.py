@@ -14,6 +14,29 @@ from specdec import validation
 from specdec.serving import security
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
+# The request's fields that generate's and loadtest's flags set; a refusal's message starts with its field.
+FIELD_FLAGS = {
+    "max_new_tokens": "--max-tokens",
+    "sampling.temperature": "--temperature",
+    "sampling.top_p": "--top-p",
+    "sampling.top_k": "--top-k",
+    "sampling.min_p": "--min-p",
+    "sampling.frequency_penalty": "--frequency-penalty",
+    "sampling.presence_penalty": "--presence-penalty",
+    "sampling.repetition_penalty": "--repetition-penalty",
+    "speculation.lookahead": "--lookahead",
+    "speculation.tree_nodes": "--tree",
+    "stop_strings": "--stop",
+}
+
+
+def name_flag(message: str) -> str:
+    """'max_new_tokens must be >= 1' -> 'max_new_tokens (--max-tokens) must be >= 1': the server
+    names the request's field; the user typed the flag."""
+    field = message.split(" ", 1)[0].rstrip(":")
+    flag = FIELD_FLAGS.get(field)
+    return message if flag is None else f"{field} ({flag}){message[len(field) :]}"
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     g = sub.add_parser(

@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # where stdout is a pipe whose reader left: raised here, not at exit
         return code
     except grpc.RpcError as err:
-        print(f"specdec: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"specdec: error: {err.code().name}: {_flagged(args, err.details())}", file=sys.stderr)
         return 1
     except SpecdecError as err:
-        print(f"specdec: error: {err.code.name}: {err.message}", file=sys.stderr)
+        print(f"specdec: error: {err.code.name}: {_flagged(args, err.message)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # stdout's reader stopped reading (`| head`): done, as other tools end there
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _flagged(args, message: str) -> str:
+    """A refusal of a request the command built from its flags names the flag beside the field."""
+    return generate.name_flag(message) if args.command in ("generate", "loadtest") else message
 
 
 if __name__ == "__main__":

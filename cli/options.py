@@ -252,8 +252,16 @@ def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     add_metrics_flag(p, "serve Prometheus metrics on this port at /metrics (0 picks a free one; default: off)")
 
 
-def add_metrics_flag(p: argparse.ArgumentParser, text: str) -> None:
-    p.add_argument("--metrics-port", type=port_number, default=None, help=text + "; traces: see OTEL_* in the README")
+def metrics_base_port(text: str) -> int:
+    """`serve`'s --metrics-port: the orchestrator's, the target's +1 and the draft's +2, each a port."""
+    port = port_number(text)
+    if port > 65533:
+        raise argparse.ArgumentTypeError(f"the draft's metrics take this port + 2, so at most 65533, not {port}")
+    return port
+
+
+def add_metrics_flag(p: argparse.ArgumentParser, text: str, type=port_number) -> None:
+    p.add_argument("--metrics-port", type=type, default=None, help=text + "; traces: see OTEL_* in the README")
 
 
 def add_http_flag(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=options.port_number, default=50051, help="orchestrator port (default 50051)")
     s.add_argument("--ready-file", type=Path, help='write {"address": ..., "services": {...}} here once serving')
-    options.add_metrics_flag(s, "Prometheus metrics: orchestrator on this port, target +1, draft +2 (default: off)")
+    text = "Prometheus metrics: orchestrator on this port, target +1, draft +2 (0: free ones; default: off)"
+    options.add_metrics_flag(s, text, options.metrics_base_port)
     options.add_http_flag(s)
     options.add_overlap_flag(s)
     options.add_rule_flag(s)

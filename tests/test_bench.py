@@ -368,11 +368,20 @@ def test_the_columnar_round_script_serves_the_targets_greedy_text_beside_the_orc
     assert "tokens a verify" in out
 
 
-@pytest.mark.parametrize("flags", [["--clients", "0"], ["--clients", "2", "--methods", "k0"], ["--repeats", "0"]])
-def test_the_serving_bench_refuses_bad_flags(flags):
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--clients", "0"], "--clients"),
+        (["--clients", "2", "--methods", "k0"], "k0"),
+        (["--repeats", "0"], "--repeats"),
+        (["--standins", "a,b,c"], "three numbers"),  # it said "could not convert string to float: 'a'"
+        (["--standins", "10,2"], "three numbers"),
+    ],
+)
+def test_the_serving_bench_refuses_bad_flags(flags, expected):
     cmd = [sys.executable, "-m", "cli", "bench", "serving", *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0 and "specdec bench serving" in run.stderr
+    assert run.returncode != 0 and "specdec bench serving" in run.stderr and expected in run.stderr, run.stderr
 
 
 def test_the_serving_bench_reports_the_median_of_its_repeats():

@@ -269,9 +269,13 @@ def check(argv: list[str] | tuple[str, ...], full: bool = True) -> list[str]:
             elif action.type in (int, float):
                 value = "1"
             elif action.type is not None:  # the CLI's own types, by name
-                value = {"loads": "{}", "port_number": "1", "_positive": "1", "host_port": "127.0.0.1:1"}.get(
-                    action.type.__name__, value
-                )
+                value = {
+                    "loads": "{}",
+                    "port_number": "1",
+                    "metrics_base_port": "1",
+                    "_positive": "1",
+                    "host_port": "127.0.0.1:1",
+                }.get(action.type.__name__, value)
         args.append(value)
         i += 1
     if errors or not full:

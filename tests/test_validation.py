@@ -277,14 +277,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     ("args", "expected"),
     [
         (["", "--raw"], "INVALID_ARGUMENT: prompt must not be empty"),
-        (["hi", "--temperature", "nan"], "INVALID_ARGUMENT: sampling.temperature"),
-        (["hi", "--stream", "--lookahead", "40"], "INVALID_ARGUMENT: speculation.lookahead"),
-        (["hi", "--max-tokens", "100000"], "OUT_OF_RANGE: max_new_tokens 100000"),
-        (["hi", "--top-p", "0"], "INVALID_ARGUMENT: sampling.top_p"),
-        (["hi", "--top-k", "0", "--temperature", "1"], "INVALID_ARGUMENT: sampling.top_k"),
-        (["hi", "--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens"),
-        (["hi", "--lookahead", "0", "--stream"], "INVALID_ARGUMENT: speculation.lookahead"),
-        (["hi", "--stop", ""], "INVALID_ARGUMENT: stop_strings"),
+        (["hi", "--temperature", "nan"], "INVALID_ARGUMENT: sampling.temperature (--temperature) must"),
+        (["hi", "--stream", "--lookahead", "40"], "INVALID_ARGUMENT: speculation.lookahead (--lookahead) must"),
+        (["hi", "--max-tokens", "100000"], "OUT_OF_RANGE: max_new_tokens (--max-tokens) 100000"),
+        (["hi", "--top-p", "0"], "INVALID_ARGUMENT: sampling.top_p (--top-p) must"),
+        (["hi", "--top-k", "0", "--temperature", "1"], "INVALID_ARGUMENT: sampling.top_k (--top-k) must"),
+        (["hi", "--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens (--max-tokens) must"),
+        (["hi", "--lookahead", "0", "--stream"], "INVALID_ARGUMENT: speculation.lookahead (--lookahead) must"),
+        (["hi", "--stop", ""], "INVALID_ARGUMENT: stop_strings (--stop) must"),
     ],
 )
 def test_cli_reports_bad_input_in_one_line(services, args, expected):
@@ -294,10 +294,10 @@ def test_cli_reports_bad_input_in_one_line(services, args, expected):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens must be >= 1, got 0"),
-        (["--lookahead", "99"], "INVALID_ARGUMENT: speculation.lookahead"),
-        (["--min-p", "-0.1"], "INVALID_ARGUMENT: sampling.min_p must be in [0, 1] (0: off), got -0.1"),
-        (["--stop", ""], "INVALID_ARGUMENT: stop_strings"),
+        (["--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens (--max-tokens) must be >= 1, got 0"),
+        (["--lookahead", "99"], "INVALID_ARGUMENT: speculation.lookahead (--lookahead) must"),
+        (["--min-p", "-0.1"], "INVALID_ARGUMENT: sampling.min_p (--min-p) must be in [0, 1] (0: off), got -0.1"),
+        (["--stop", ""], "INVALID_ARGUMENT: stop_strings (--stop) must"),
     ],
 )
 def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
@@ -311,6 +311,7 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
     [
         (["serve", "--port", "70000"], "argument --port: a port is 0..65535"),  # it bound 70000 % 65536 = 4464
         (["ray", "up", "--http-port", "-1"], "argument --http-port: a port is 0..65535"),
+        (["serve", "--metrics-port", "65534"], "argument --metrics-port: the draft's metrics take this port + 2"),
         (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
         (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
         (["bench", "ttft", "--repeats", "0"], "argument --repeats: must be >= 1"),  # started the pipeline, ran nothing
@@ -389,7 +390,10 @@ def ids_of(tokens):
         (["generate", "hi", "--seed", "-1"], "--seed must be in 0..18446744073709551615, got -1"),  # protobuf's words
         (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
         (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
-        (["loadtest", "--max-tokens", "0"], "INVALID_ARGUMENT: max_new_tokens must be >= 1"),  # every call refused
+        (
+            ["loadtest", "--max-tokens", "0"],
+            "INVALID_ARGUMENT: max_new_tokens (--max-tokens) must be >= 1",
+        ),  # every call refused
     ],
 )
 def test_cli_refuses_bad_limits_before_starting(args, expected):
