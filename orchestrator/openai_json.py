@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 # The field a gRPC message names first -> the OpenAI parameter ("prompt": the endpoint's input).
+DOWNSTREAM = re.compile(r"^/[\w./]+: downstream [A-Z_]+: ")  # "/pkg.Service/Method: downstream CODE: "
 PARAMS = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
@@ -127,6 +129,7 @@ class APIError(Exception):
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
             return cls(413, f"the request is too large for the orchestrator: {message}")
         if status == 400:
+            message = DOWNSTREAM.sub("", message)  # a model service's refusal passed on: its words name the field
             field = message.split(" ", 1)[0].rstrip(":")
             param = {**PARAMS, "max_new_tokens": max_tokens}.get(field)
             if field.startswith("constraint"):

@@ -26,6 +26,7 @@ from orchestrator.openai_api import MAX_BODY_BYTES, serve_http
 from orchestrator.openai_json import APIError, generate_request
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
+from specdec.runtime.standin import StandinBackend
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
 from specdec.v1 import orchestrator_pb2
 from specdec.weights.models import ModelSpec
@@ -276,6 +277,18 @@ def test_a_refused_value_is_shown_as_the_client_sent_it(stack):
     body = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES, "min_p": -0.1}
     got, reply = http_json(http.url + "/v1/chat/completions", body)
     assert got == 400 and reply["error"]["message"] == "min_p must be in [0, 1] (0: off), got -0.1", reply
+
+
+def test_a_model_services_refusal_names_the_parameter_not_the_rpc():
+    """The target service refuses a grammar it cannot build (a stand-in model has no tokenizer); the
+    orchestrator passes it on as "/specdec.v1.Orchestrator/Generate: downstream FAILED_PRECONDITION:
+    constraint: ...", which came back over HTTP as is, with param null."""
+    with http_pipeline(StandinBackend("standin:0:0.8"), StandinBackend("standin:0")) as (p, http):
+        body = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES, "response_format": {"type": "json_object"}}
+        got, reply = http_json(http.url + "/v1/chat/completions", body)
+        assert got == 400 and reply["error"]["param"] == "response_format", reply
+        assert reply["error"]["message"].startswith("response_format: the model 'standin:0' has no tokenizer"), reply
+        assert p.sessions_freed_within(10)
 
 
 def test_user_salts_the_history_and_speculation_turns_it_off():

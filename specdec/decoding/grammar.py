@@ -118,7 +118,8 @@ class TokenTable:
         """The backend's table, built on first use and kept (one per tokenizer object)."""
         tokenizer = getattr(backend, "tokenizer", None)
         if tokenizer is None:
-            raise FailedPrecondition("constraint: this service's backend has no tokenizer to build the grammar's masks")
+            model = getattr(backend, "name", type(backend).__name__)
+            raise FailedPrecondition(f"constraint: the model {model!r} has no tokenizer to build the grammar's masks")
         with _TABLES_LOCK:
             held = _TABLES.get(id(tokenizer))
             if held is None or held[0] is not tokenizer:
