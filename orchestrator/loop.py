@@ -135,7 +135,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self.overlap = config.overlap and self.draft is not None and (config.adaptive or not config.tree_nodes)
         self.costs = costs or PairCosts()
         self.policy = None
-        if config.adaptive:
+        if config.adaptive and self.draft is not None:  # target-only: nothing to choose, steps in one Score
             self.policy = AdaptiveLookahead(
                 config.lookahead, overlap=self.overlap, load=RUNNING.count, costs=self.costs
             )

@@ -144,14 +144,17 @@ def test_target_only_runs_several_steps_a_score_greedy(monkeypatch):
 
 def test_an_answer_read_at_its_end_runs_longer_target_only_rounds(monkeypatch):
     """Speculation off, a unary call without stop strings (LoopConfig.streamed False): MAX_UNARY_STEPS
-    steps a Score from the first round on (no token streams alone); greedy, the target's argmax
-    chain; the Leviathan rule, a seed's text as the streamed rounds' and as one step a Score (each
-    step takes its plain round's draws)."""
+    steps a Score from the first round on (no token streams alone); streamed, several a Score,
+    adaptive lookahead asked or not; greedy, the target's argmax chain; the Leviathan rule, a seed's
+    text as the streamed rounds' and as one step a Score (each step takes its plain round's draws)."""
     target_probs = random_markov(20, 3)
     draft, target, _, target_engine = pair(target_probs, random_markov(20, 4))
     tokens, stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False, streamed=False)
     assert tokens == argmax_chain(target_probs, 201)
     assert stats.rounds == math.ceil(201 / MAX_UNARY_STEPS)
+    # adaptive lookahead (a server's --adaptive) with speculation off has no k to choose: it ran 201 rounds
+    adaptive, adaptive_stats = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False, adaptive=True)
+    assert adaptive == tokens and adaptive_stats.rounds <= 1 + 200 // PLAIN_STEPS
     _, streamed = run(draft, target, SamplingParams(), 4, 201, seed=0, speculate=False)
     assert streamed.rounds >= 1 + math.ceil((201 - 1) / MAX_PLAIN_STEPS) > stats.rounds
     sampling = SamplingParams(temperature=1.0)
