@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 
+from orchestrator import logprobs as token_logprobs
 from orchestrator.pair_costs import DraftCost, RoundReport
 from orchestrator.rounds import Draws, Round
 from specdec.v1 import model_pb2
@@ -46,7 +47,7 @@ class PlainRounds:
     def _plain_steps(self, k: int) -> int | None:
         """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
         where no draft is waited for: speculation off or the draft lost, no policy measuring the
-        round, and no logprobs; or the draft's session still opening (its prefill beside these
+        round (logprobs come with each step's token); or the draft's session still opening (its prefill beside these
         rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
         off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
         speculation off at 16 clients; the policy measures the steps as plain rounds,
@@ -59,7 +60,7 @@ class PlainRounds:
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
         waiting = self.draft is not None and not self._draft_lost and not opening
-        if k or cfg.logprobs is not None:
+        if k:
             return None
         if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
             return None
@@ -91,6 +92,7 @@ class PlainRounds:
                 stop_token_ids=sorted(cfg.stop_token_ids),
                 step_uniforms=draws.steps,
                 close_session=last,
+                logprobs=cfg.logprobs,
             ),
         )
         self.stats.add_scores(scores)
@@ -104,7 +106,10 @@ class PlainRounds:
         self._plain_costs = ((last[0] + measured[0]) / 2, (last[1] + measured[1]) / 2)
         if self._policy_plain:
             self._measure_steps(scores, target_time)
-        return self._commit(list(scores.argmax_token_ids), proposed=0, accepted=0)
+        tokens = list(scores.argmax_token_ids)
+        # the target chose each step's token, under every rule, and reports it as a row's own token
+        logprobs = None if cfg.logprobs is None else token_logprobs.chain(scores, tokens, 0)
+        return self._commit(tokens, proposed=0, accepted=0, logprobs=logprobs)
 
     def _measure_steps(self, scores, target_time: float) -> None:
         """A decode round's steps, to the policy, as the plain rounds they replace: each step's

@@ -208,8 +208,6 @@ def decode_steps(request, vocab_size: int) -> None:
         raise InvalidArgument("decode_steps: a plain decode scores no draft_token_ids")
     if request.sampling.temperature > 0 and not request.HasField("noise_seed"):
         uniforms(request.step_uniforms, request.decode_steps, "step_uniforms")
-    if request.HasField("logprobs"):
-        raise InvalidArgument("decode_steps: logprobs are reported one step a request")
     token_ids(request.stop_token_ids, vocab_size, "stop_token_ids")
 
 

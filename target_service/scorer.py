@@ -124,6 +124,7 @@ def decode(
     noise_seed: int | None,
     stop_token_ids: frozenset[int],
     uniforms: list[float] = (),
+    logprobs: int | None = None,
 ) -> Generator[Forward, torch.Tensor, Scores]:
     """Plain decoding, `steps` one-token forwards in one request (ScoreRequest.decode_steps): each
     feeds the token the one before chose (greedy: the argmax; the invariant rule: the Gumbel-max
@@ -132,12 +133,14 @@ def decode(
     row, rule.final_token), stopping after a stop token. `argmax` holds the tokens; the session
     keeps all but the last as a speculative tail (accepted drafts, for the next commit). The
     steps' figures are summed (step_tokens and step_sessions: the largest; a chain's tokens: its
-    steps' mean)."""
+    steps' mean). `logprobs`: each step's token's log probability and its row's most likely
+    tokens, as `score` reports a row's own token."""
     assert params.greedy or noise_seed is not None or len(uniforms) == steps, (steps, len(uniforms))
     grammar = session.constraint
     spent = grammar.seconds if grammar is not None else 0.0
-    plain = params.raw_greedy and grammar is None  # each row as it comes: the step's argmax is the token
-    scores = Scores([], [], 0, None)
+    # each row as it comes: the step's argmax is the token (and no row is read)
+    plain = params.raw_greedy and grammar is None and logprobs is None
+    scores = Scores([], [], 0, None, logprobs=None if logprobs is None else Logprobs([], [], []))
     chosen = scores.argmax
     while len(chosen) < steps and not (chosen and chosen[-1] in stop_token_ids):
         # plain: one greedy chain of them all, on the worker (session.Forward.chain)
@@ -158,6 +161,10 @@ def decode(
             else:
                 token = rule.sample(probs_from_logits(logits, params)[0].cpu().numpy(), uniforms[len(chosen)])
             chosen.append(token)
+            if logprobs is not None:
+                row = logprobs_of(logits, params, [], [], [token], logprobs)
+                scores.logprobs.own += row.own
+                scores.logprobs.top += row.top
         scores.step_tokens = max(scores.step_tokens, -(-forward.step_tokens // forward.steps))
         scores.step_sessions = max(scores.step_sessions, forward.step_sessions)
         scores.step_threads = forward.step_threads

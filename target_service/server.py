@@ -43,7 +43,9 @@ class TargetServicer(SessionServicer, model_pb2_grpc.TargetServiceServicer):
             if steps:
                 stops = frozenset(request.stop_token_ids)
                 uniforms = list(request.step_uniforms)
-                scores = yield from scorer.decode(self.engine, session, steps, params, noise_seed, stops, uniforms)
+                scores = yield from scorer.decode(
+                    self.engine, session, steps, params, noise_seed, stops, uniforms, logprobs
+                )
             elif request.draft_parent_ids:
                 walk = None
                 if not params.greedy and noise_seed is None:

@@ -350,13 +350,24 @@ def test_logprobs_are_the_target_alones_masked_log_softmax(json_models, json_sta
         (0.8, {"lookahead": 3, "tree_nodes": 6}),
         (0.8, {"lookahead": 4, "rule": orchestrator_pb2.RULE_INVARIANT}),
     ]
-    for temperature, speculation in cases:
-        reply = stub.Generate(schema_request(7, temperature, logprobs=3, **speculation), timeout=120)
+    cases = [(*case, True) for case in cases]  # and without the grammar (the target's own greedy chain):
+    cases += [
+        (0.0, {"disabled": True}, False),
+        (0.8, {"disabled": True, "rule": orchestrator_pb2.RULE_INVARIANT}, False),
+    ]
+    for temperature, speculation, constrained in cases:
+        request = schema_request(7, temperature, logprobs=3, **speculation)
+        if not constrained:
+            request.ClearField("constraint")
+        reply = stub.Generate(request, timeout=120)
         ids = list(reply.token_ids)
         assert len(reply.logprobs) == len(ids) > 0
-        logits = target_logits(backend, JSON_PROMPT + ids)[len(JSON_PROMPT) - 1 : -1]
-        matcher = grammar.Matcher(table, grammar.grammar_of(schema_request().constraint), 0)
-        masked = matcher.apply(logits, matcher.masks(ids)[: len(ids)])
+        if speculation.get("disabled"):  # several steps a Score, each with its row's: it ran a Score a token
+            assert reply.stats.rounds < len(ids) / 2, (reply.stats.rounds, len(ids))
+        masked = target_logits(backend, JSON_PROMPT + ids)[len(JSON_PROMPT) - 1 : -1]
+        if constrained:
+            matcher = grammar.Matcher(table, grammar.grammar_of(schema_request().constraint), 0)
+            masked = matcher.apply(masked, matcher.masks(ids)[: len(ids)])
         expected = torch.log_softmax(masked / (temperature or 1.0), dim=-1)
         for i, (token, entry) in enumerate(zip(ids, reply.logprobs, strict=True)):
             assert entry.token_id == token and entry.token == backend.tokenizer.decode([token])

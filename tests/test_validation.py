@@ -200,7 +200,6 @@ SERVICE_CASES = [
      step_uniforms=[0.5]), INVALID, "step_uniforms"),
     ("decode_steps, a step uniform = 1", score(draft_token_ids=[], decode_steps=2, sampling=SAMPLE,
      step_uniforms=[0.5, 1.0]), INVALID, "step_uniforms"),
-    ("decode_steps with logprobs", score(draft_token_ids=[], decode_steps=2, logprobs=1), INVALID, "decode_steps"),
     ("decode_steps, stop beyond vocab", score(draft_token_ids=[], decode_steps=2, stop_token_ids=[VOCAB]), INVALID,
      "stop_token_ids"),
     ("score on an unknown session", score(session=ref("nope")), Code.NOT_FOUND, "session_id"),
