@@ -46,8 +46,9 @@ def decode_steps(overhead: float, step: float) -> int:
 class PlainRounds:
     def _plain_steps(self, k: int) -> int | None:
         """The target's one-token steps a round of `k` drafts asks for in one Score (PLAIN_STEPS),
-        where no draft is waited for: speculation off or the draft lost, no policy measuring the
-        round (logprobs come with each step's token); or the draft's session still opening (its prefill beside these
+        where no draft is waited for: speculation off; the draft lost (a policy has nothing to
+        choose then: a draft known lost ran a round a token under the measured default); no
+        policy measuring the round; or the draft's session still opening (its prefill beside these
         rounds: a short answer, under a grammar say, ran 1-token rounds to its end, 0.7x speculation
         off); or, under load, the adaptive policy chose a plain round (one-token rounds ran 0.87x
         speculation off at 16 clients; the policy measures the steps as plain rounds,
@@ -55,14 +56,15 @@ class PlainRounds:
         answer read at its end (LoopConfig.streamed False) with no draft to open or policy to
         measure, or the policy's plain choice, runs MAX_UNARY_STEPS a round, the first included.
         Under the Leviathan rule each step's token takes the draws of a plain round (Draws.stepped),
-        so the text does not depend on how the steps are grouped."""
+        so the text does not depend on how the steps are grouped; logprobs come with each step's."""
         cfg = self.config
         remaining = cfg.max_new_tokens - len(self.generated)
         opening = self._draft_opening is not None and not self._draft_opening.done()
         waiting = self.draft is not None and not self._draft_lost and not opening
+        measuring = self.policy is not None and not opening and not self._draft_lost  # lost: nothing to choose
         if k:
             return None
-        if not self._policy_plain and (waiting or (self.policy is not None and not opening)):
+        if not self._policy_plain and (waiting or measuring):
             return None
         if remaining <= 1:
             return None

@@ -120,6 +120,10 @@ def test_a_lost_draft_leaves_the_target_serving_and_is_found_again(slowed):
         reply = stack.stub.Generate(long_request(40), timeout=30)  # a new request: served target-only at once
         assert reply.stats.draft_tokens == 0
         assert reply.stats.rounds_without_draft == reply.stats.rounds and list(reply.token_ids) == expected[:40]
+        adaptive = long_request(40)  # a policy has no k to choose: several steps a Score (it ran a Score a token)
+        adaptive.speculation.adaptive = True
+        reply = stack.stub.Generate(adaptive, timeout=30)
+        assert list(reply.token_ids) == expected[:40] and reply.stats.rounds < 40 / 2, reply.stats.rounds
 
         stack.start("draft")  # back on its address: the probe finds it, requests speculate again
         assert wait_until(lambda: stack.status() == "ok", 30)
