@@ -10,6 +10,7 @@ a process (cli.main), and the OTEL_* variables by the commands that serve (cli.s
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import sys
@@ -212,7 +213,7 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
         role if role != "serve" else "all"
     ]
     if role != "all":
-        flags.append(("--drain-timeout", float, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
+        flags.append(("--drain-timeout", seconds, DRAIN_TIMEOUT, "on SIGTERM, seconds to let in-flight work finish"))
     for flag, kind, default, text in flags:
         shown = "--max-sessions: a session on each service a generation" if default is None else f"{default:g}"
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {shown})")
@@ -236,6 +237,14 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: a free one), not {port}")
     return port
+
+
+def seconds(text: str) -> float:
+    """A duration flag's value, finite and >= 0 (--drain-timeout -1 started the services and drained nothing)."""
+    value = float(text)  # not a number: argparse's "invalid seconds value"
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"seconds >= 0, not {text}")
+    return value
 
 
 def host_port(text: str) -> str:

@@ -275,6 +275,7 @@ def check(argv: list[str] | tuple[str, ...], full: bool = True) -> list[str]:
                     "metrics_base_port": "1",
                     "_positive": "1",
                     "host_port": "127.0.0.1:1",
+                    "seconds": "1",
                 }.get(action.type.__name__, value)
         args.append(value)
         i += 1

@@ -310,6 +310,7 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
     [
         (["serve", "--port", "70000"], "argument --port: a port is 0..65535"),  # it bound 70000 % 65536 = 4464
         (["ray", "up", "--http-port", "-1"], "argument --http-port: a port is 0..65535"),
+        (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: seconds >= 0, not -1"),  # it served
         (["serve", "--metrics-port", "65534"], "argument --metrics-port: the draft's metrics take this port + 2"),
         (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
         (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
