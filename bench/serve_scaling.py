@@ -37,6 +37,7 @@ import grpc
 from deploy import ray_cluster, ray_deploy, ray_serve
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec.limits import AdmissionLimits
+from specdec.runtime.standin import StandinSpec
 from specdec.serving.security import ServerSecurity
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.weights.models import ModelSpec
@@ -66,6 +67,13 @@ class ScalingConfig:
             raise ValueError(f"--replicas needs replica counts >= 1, got {self.replicas}")
         if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1 or self.overhead_requests < 1:
             raise ValueError("--duration > 0, --warmup >= 0, --max-tokens >= 1 and --overhead-requests >= 1")
+        # The stand-ins' own checks, here rather than in an actor once Ray has started.
+        draft = f"--draft-ms {self.draft_ms:g} --agreement {self.agreement:g}"
+        for flags, ms, agreement in ((draft, self.draft_ms, self.agreement), ("--target-ms", self.target_ms, 1)):
+            try:
+                StandinSpec(ms / 1000, agreement)
+            except ValueError as err:
+                raise ValueError(f"{flags}: {err}") from None
 
     @property
     def clients(self) -> int:

@@ -70,21 +70,13 @@ def _add_pair(p: argparse.ArgumentParser, placement: bool = False, compile: bool
         options.add_compile_flag(p, "target-")
 
 
-def _positive(text: str) -> int:
-    """A count flag's value, >= 1 (0 started the services and ran nothing, or every request refused)."""
-    value = int(text)  # not a number: argparse's "invalid _positive value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
-
-
 def _add_run_shape(p: argparse.ArgumentParser, max_tokens: int, repeats: int = 1, quick: str = "") -> None:
     tokens, passes = (
         f"new tokens a generation (default {max_tokens})",
         f"timed passes over the prompts (default {repeats})",
     )
-    p.add_argument("--max-tokens", type=_positive, default=max_tokens, help=tokens)
-    p.add_argument("--repeats", type=_positive, default=repeats, help=passes)
+    p.add_argument("--max-tokens", type=options.positive, default=max_tokens, help=tokens)
+    p.add_argument("--repeats", type=options.positive, default=repeats, help=passes)
     if quick:
         p.add_argument("--quick", action="store_true", help=f"a small run that checks it works: {quick}")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # where stdout is a pipe whose reader left: raised here, not at exit
         return code
     except grpc.RpcError as err:
-        print(f"specdec: error: {err.code().name}: {_flagged(args, err.details())}", file=sys.stderr)
+        print(f"specdec: error: {err.code().name}: {_flagged(args, _reached(args, err.details()))}", file=sys.stderr)
         return 1
     except SpecdecError as err:
         print(f"specdec: error: {err.code.name}: {_flagged(args, err.message)}", file=sys.stderr)
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _reached(args, message: str) -> str:
+    """gRPC's "failed to connect to all addresses; last error: ...: <cause>" as the address the user gave."""
+    address = getattr(args, "address", None)
+    if address and message.startswith("failed to connect to all addresses"):
+        return f"no orchestrator answers at {address} ({message.rsplit(': ', 1)[-1]})"
+    return message
 
 
 def _flagged(args, message: str) -> str:

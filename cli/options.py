@@ -201,13 +201,13 @@ def add_limit_flags(p: argparse.ArgumentParser, role: str) -> None:
     a, s = AdmissionLimits(), SessionLimits()
     concurrent = a.max_concurrent if role == "orchestrator" else None  # None: --max-sessions (admission_limits)
     orchestrator = [
-        ("--max-concurrent", int, concurrent, "generations running at once"),
-        ("--max-queue", int, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
+        ("--max-concurrent", positive, concurrent, "generations running at once"),
+        ("--max-queue", non_negative, a.max_queue, "requests waiting for a slot; beyond it RESOURCE_EXHAUSTED"),
     ]
     model = [
-        ("--max-sessions", int, s.max_sessions, "sessions open at once"),
-        ("--max-kv-tokens", int, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
-        ("--session-ttl", float, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
+        ("--max-sessions", positive, s.max_sessions, "sessions open at once"),
+        ("--max-kv-tokens", non_negative, s.max_kv_tokens, "KV-cache tokens held across sessions; 0: no cap"),
+        ("--session-ttl", seconds, s.idle_ttl, "close sessions idle this many seconds; 0: never"),
     ]
     flags = {"orchestrator": orchestrator, "model": model, "all": orchestrator + model}[
         role if role != "serve" else "all"
@@ -237,6 +237,22 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: a free one), not {port}")
     return port
+
+
+def positive(text: str) -> int:
+    """A count flag's value, >= 1 (0 started the services and ran nothing, or every request refused)."""
+    value = int(text)  # not a number: argparse's "invalid positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """A count flag's value where 0 is one (none queued, no cap)."""
+    value = int(text)  # not a number: argparse's "invalid non_negative value"
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
 
 
 def seconds(text: str) -> float:

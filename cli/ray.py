@@ -158,18 +158,24 @@ def _add_bench_parser(rsub) -> None:
         "called directly. Prints a markdown table. Run it on a quiet machine.",
     )
     b.add_argument("--replicas", default=",".join(map(str, d.replicas)), help="comma list of pair counts")
-    b.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="generations a pair runs at once")
-    b.add_argument("--clients-per-replica", type=int, help="clients per pair (default: --max-concurrent + 1)")
+    b.add_argument(
+        "--max-concurrent", type=options.positive, default=d.max_concurrent, help="generations a pair runs at once"
+    )
+    b.add_argument(
+        "--clients-per-replica", type=options.positive, help="clients per pair (default: --max-concurrent + 1)"
+    )
     b.add_argument("--duration", type=float, default=d.duration, help="seconds measured per row")
     b.add_argument("--warmup", type=float, default=d.warmup, help="seconds of load before each row's window")
-    b.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens a request")
-    b.add_argument("--lookahead", type=int, default=d.lookahead, help="draft tokens a round")
+    b.add_argument("--max-tokens", type=options.positive, default=d.max_tokens, help="tokens a request")
+    b.add_argument("--lookahead", type=options.positive, default=d.lookahead, help="draft tokens a round")
     b.add_argument("--draft-ms", type=float, default=d.draft_ms, help="the draft stand-in's forward, ms")
     b.add_argument("--target-ms", type=float, default=d.target_ms, help="the target stand-in's forward, ms")
     b.add_argument(
         "--agreement", type=float, default=d.agreement, help="how often the draft proposes the target's token"
     )
-    b.add_argument("--overhead-requests", type=int, default=d.overhead_requests, help="requests per path, one client")
+    b.add_argument(
+        "--overhead-requests", type=options.positive, default=d.overhead_requests, help="requests per path, one client"
+    )
     b.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -273,7 +273,8 @@ def check(argv: list[str] | tuple[str, ...], full: bool = True) -> list[str]:
                     "loads": "{}",
                     "port_number": "1",
                     "metrics_base_port": "1",
-                    "_positive": "1",
+                    "positive": "1",
+                    "non_negative": "1",
                     "host_port": "127.0.0.1:1",
                     "seconds": "1",
                 }.get(action.type.__name__, value)

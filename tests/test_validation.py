@@ -315,6 +315,11 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
         (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
         (["bench", "ttft", "--repeats", "0"], "argument --repeats: must be >= 1"),  # started the pipeline, ran nothing
+        # The limits' own checks named their fields (max_sessions, idle_ttl, max_queue), not the flags.
+        (["target-service", "--max-sessions", "0"], "argument --max-sessions: must be >= 1, not 0"),
+        (["draft-service", "--session-ttl", "nan"], "argument --session-ttl: seconds >= 0, not nan"),
+        (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "argument --max-queue: must be"),
+        (["ray", "bench", "--clients-per-replica", "0"], "argument --clients-per-replica: must be >= 1"),  # Ray's trace
     ],
 )
 def test_a_flag_out_of_form_is_a_usage_error(args, expected):
@@ -381,9 +386,8 @@ def ids_of(tokens):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["target-service", "--max-sessions", "0"], "max_sessions must be >= 1"),
-        (["draft-service", "--session-ttl", "nan"], "idle_ttl must be >= 0"),
-        (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "max_queue must be >= 0"),
+        (["ray", "bench", "--draft-ms", "-1"], "--draft-ms -1 --agreement 0.8: a stand-in"),  # in an actor
+        (["status", "--address", "127.0.0.1:1"], "UNAVAILABLE: no orchestrator answers at 127.0.0.1:1 ("),
         (["serve", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),  # 0 was no flag at all
         (["generate", "hi", "--draft-threads", "-2"], "--draft-threads must be >= 1, got -2"),
         (["ray", "up", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),
