@@ -43,8 +43,9 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# A model service's refusal as the orchestrator passes it on: "/pkg.Service/Method: downstream CODE: ".
+DOWNSTREAM = re.compile(r"^/[\w./]+: downstream [A-Z_]+: ")
 # The field a gRPC message names first -> the OpenAI parameter ("prompt": the endpoint's input).
-DOWNSTREAM = re.compile(r"^/[\w./]+: downstream [A-Z_]+: ")  # "/pkg.Service/Method: downstream CODE: "
 PARAMS = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
