@@ -10,6 +10,7 @@ before its OpenSession reaches a service to the middle of its rounds.
 
 from __future__ import annotations
 
+import queue
 import random
 import time
 
@@ -84,6 +85,46 @@ def test_service_reaps_sessions_whose_opener_left(tiny_backends):
     unused (here after 0.5 s; by default 30 s)."""
     with slow_pipeline(tiny_backends, delay=0.02, limits=SessionLimits(unclaimed_ttl=0.5)) as p:
         _open_and_leave(p)
+
+
+def test_sessions_of_a_step_stream_that_ended_are_reaped_as_unclaimed(tiny_backends):
+    """An orchestrator killed mid-generation (`specdec serve` starts a new one) never closes the
+    sessions it held: they held the service's slots and KV budget for the idle TTL (300 s). Those
+    its step stream opened and did not close are reaped once its stream ends, after the unclaimed
+    TTL; a session opened otherwise, or used since, stays."""
+    with slow_pipeline(tiny_backends, limits=SessionLimits(unclaimed_ttl=0.3)) as p:
+        calls: queue.SimpleQueue = queue.SimpleQueue()
+        stream = p.target.Steps(iter(calls.get, None))
+        ids = ("a", "b", "closed")
+        opens = [model_pb2.StepCall(id=i, open_session=_open(sid)) for i, sid in enumerate(ids)]
+        calls.put(model_pb2.StepCalls(calls=opens))
+        close = model_pb2.StepCall(id=9, close_session=model_pb2.CloseSessionRequest(session_id="closed"))
+        assert _results(stream, 3) == {0: 0, 1: 0, 2: 0}
+        calls.put(model_pb2.StepCalls(calls=[close]))
+        assert _results(stream, 1) == {9: 0}
+        p.target.OpenSession(_open("unary"))
+        for sid in ("a", "b", "unary"):  # each used: claimed, as a generation's sessions are
+            p.target.GetSession(model_pb2.GetSessionRequest(session_id=sid))
+        time.sleep(0.6)  # two unclaimed TTLs: nothing reaped while the stream lives
+        assert held(p)["target"][0] == 3
+        stream.cancel()  # as a killed orchestrator's connection ends
+        assert wait_until(lambda: held(p)["target"][0] == 1, 10), held(p)
+        assert p.target.GetSession(model_pb2.GetSessionRequest(session_id="unary")).length == 2
+        with pytest.raises(grpc.RpcError) as err:
+            p.target.GetSession(model_pb2.GetSessionRequest(session_id="a"))
+        assert err.value.code() == Code.NOT_FOUND
+
+
+def _open(session_id: str) -> model_pb2.OpenSessionRequest:
+    return model_pb2.OpenSessionRequest(session_id=session_id, prompt_token_ids=[3, 4])
+
+
+def _results(stream, n: int) -> dict[int, int]:
+    """The next `n` results of a step stream: call id -> status code."""
+    got: dict[int, int] = {}
+    while len(got) < n:
+        got.update({r.id: r.code for r in next(stream).results})
+    return got
 
 
 def _open_and_leave(p) -> None:

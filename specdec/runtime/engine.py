@@ -363,6 +363,22 @@ class SessionEngine:
 
         return self.worker.call(None, reap)
 
+    def disown(self, session_ids) -> None:
+        """The caller that opened these sessions is gone (its step stream ended): each still open
+        counts as unclaimed from now, closed after the unclaimed TTL unless a request uses it
+        again (its caller reconnected), not after the idle TTL. Queued; returns at once."""
+
+        def unclaim():
+            now = time.monotonic()
+            for sid in session_ids:
+                session = self._sessions.get(sid)
+                if session is not None:
+                    session.last_used, session.claimed = now, False
+            return
+            yield  # a generator that feeds nothing
+
+        self.worker.submit_all([Item(None, unclaim)])
+
     def _retire(self, session_id: str, session: Session) -> None:
         """Forget a session and free its cache (or keep it for the prefix cache)."""
         if self._sessions.get(session_id) is session:

@@ -10,7 +10,10 @@ the worker ends many calls at once, and they leave in one message.
 Per call, as a unary call has them: its status (one session's error fails that call only, never
 the stream), its deadline (StepCall.timeout, from when it is read), its cancellation (a StepCall
 with `cancel`), and, with telemetry, a server span in the caller's trace and the server duration.
-A stream that ends (the caller gone, the connection lost) cancels its calls still in flight.
+A stream that ends (the caller gone, the connection lost) cancels its calls still in flight, and
+the sessions it opened and did not close count as unclaimed: closed after the unclaimed TTL unless
+a request uses them again (a caller that reconnected), not after the idle TTL (a caller that died,
+an orchestrator killed, would have held their slots and KV budget for minutes).
 
 Owns the stream's bookkeeping; what a call does is the servicer's (`calls`: StepCall's oneof field
 -> a StepMethod).
@@ -63,6 +66,7 @@ class StepStream:
         self._live: dict[int, object] = {}  # id -> worker item, while in flight
         self._owed = 0  # calls read whose result is not sent yet
         self._ended = False  # the stream ended: calls read after its end are cancelled as they start
+        self._opened: set[str] = set()  # sessions opened here and not closed here (disowned at the end)
         self._lock = threading.Lock()
 
     def serve(self, request_iterator, context) -> Iterator[model_pb2.StepResults]:
@@ -175,6 +179,10 @@ class StepStream:
             span.end(seconds, code)
         with self._lock:
             self._ready.append(result)
+            if item is not None and kind == "open_session" and code is grpc.StatusCode.OK:
+                self._opened.add(item.key)  # the session's id
+            elif item is not None and kind == "close_session":
+                self._opened.discard(item.key)
 
     def _cancel(self, call_id: int) -> None:
         with self._lock:
@@ -186,7 +194,10 @@ class StepStream:
         with self._lock:
             self._ended = True
             items = list(self._live.values())
+            opened = list(self._opened)
         self._cancel_items(items)
+        with contextlib.suppress(Exception):  # a worker already stopped: nothing left to reap
+            self.engine.disown(opened)
 
     def _cancel_items(self, items) -> None:
         """Cancel calls whose caller is gone; not a close, which still frees its session (as
