@@ -28,7 +28,7 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=options.port_number, default=50051, help="orchestrator port (default 50051)")
-    s.add_argument("--ready-file", type=Path, help='write {"address": ..., "services": {...}} here once serving')
+    s.add_argument("--ready-file", type=Path, help='write {"address", "services", "http_url"} (JSON) here once serving')
     text = "Prometheus metrics: orchestrator on this port, target +1, draft +2 (0: free ones; default: off)"
     options.add_metrics_flag(s, text, options.metrics_base_port)
     options.add_http_flag(s)
@@ -141,7 +141,8 @@ def serve(args) -> int:
     )
     stop = stop_on_signal()
     with LocalPipeline(config, log=_log) as pipeline:
-        write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses})
+        http = {"http_url": pipeline.http_url} if pipeline.http_url else {}
+        write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses, **http})
         # SIGHUP: every child re-reads its TLS files (specdec.serving.security.Rotation).
         signal.signal(signal.SIGHUP, lambda *_: pipeline.signal_all(signal.SIGHUP))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])

@@ -16,14 +16,16 @@ argv, which other users can read). Least privilege: the clients' token (`auth_to
 orchestrator only; the model services require a token of their own, made here for this pipeline
 (`service_token`), which only the orchestrator is given: a client's token opens no session on them.
 
-Supervision: a monitor thread watches the children. A model service that fails (a non-zero
-exit or a signal: a crash, SIGKILL, the OOM killer) is started again on the port it first
-bound, so the orchestrator finds it at the same address and its generations in flight go on
-(orchestrator.recovery re-opens their sessions). A restart that does not come up (the port
-still held, say) is retried after a backoff that doubles up to a bound; more than
-`RestartPolicy.max_per_minute` attempts for one service within 60 s end the pipeline. The
-orchestrator exiting, or a model service exiting cleanly (exit 0: it was told to stop), ends
-it too: `failure` then says why, and `specdec serve` exits non-zero with that message.
+Supervision: a monitor thread watches the children. A child that fails (a non-zero exit or a
+signal: a crash, SIGKILL, the OOM killer) is started again on the ports it first bound. A model
+service restarted so is found by the orchestrator at the same address, and its generations in
+flight go on (orchestrator.recovery re-opens their sessions). A restarted orchestrator serves
+new requests on the same gRPC, HTTP and metrics ports (those in flight failed with it); the
+sessions it held on the model services are reaped as unclaimed (specdec.serving.steps: its
+step streams ended). A restart that does not come up (the port still held, say) is retried after
+a backoff that doubles up to a bound; more than `RestartPolicy.max_per_minute` attempts for one
+child within 60 s end the pipeline, as does a child exiting cleanly (exit 0: it was told to
+stop): `failure` then says why, and `specdec serve` exits non-zero with that message.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ POLL_SECONDS = 0.1  # how often the monitor looks at the children
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """How a failed model service is restarted (a clean exit, code 0, is never restarted)."""
+    """How a failed child is restarted (a clean exit, code 0, is never restarted)."""
 
     first_backoff: float = 0.5  # seconds before retrying a restart that did not come up; doubles
     max_backoff: float = 8.0
@@ -140,7 +142,7 @@ class LocalPipeline:
     def __post_init__(self):
         self._commands: dict[str, list[str]] = {}  # name -> argv without --port
         self._serving: dict[str, int | None] = {}  # name -> pid of the process serving, None while down
-        self._attempts = {name: deque() for name in MODEL_SERVICES}  # restart times in the last minute
+        self._attempts = {name: deque() for name in (*MODEL_SERVICES, "orchestrator")}  # restarts in the last minute
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -222,16 +224,26 @@ class LocalPipeline:
         self._commands[name] = cmd + args + self._limit_args(name) + self._metrics_args(name)
         self._start(name, port)
 
-    def _start(self, name: str, port: int) -> None:
+    def _start(self, name: str, port: int, extra: list[str] = ()) -> None:
         self._ready(name).unlink(missing_ok=True)
         self.log(f"specdec: starting {name} service")
         with open(self.workdir / f"{name}.log", "ab") as logfile:  # appended: a restart keeps the crash's log
             self.procs[name] = subprocess.Popen(
-                [*self._commands[name], "--port", str(port)],
+                [*self._commands[name], "--port", str(port), *extra],
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 env=self._env(name),
             )
+
+    def _bound_args(self, name: str) -> list[str]:
+        """A restart's flags for the ports its first start chose (`--http-port 0`, `--metrics-port 0`):
+        the last of a flag given twice is the one argparse keeps."""
+        extra = []
+        if name in self.metrics_addresses:
+            extra += ["--metrics-port", self.metrics_addresses[name].rsplit(":", 1)[1]]
+        if name == "orchestrator" and self.http_url:
+            extra += ["--http-port", self.http_url.rsplit(":", 1)[1].rstrip("/")]
+        return extra
 
     def _ready(self, name: str) -> Path:
         return self.workdir / f"{name}.ready"
@@ -309,8 +321,8 @@ class LocalPipeline:
 
     # -- supervision ---------------------------------------------------------------------
     def _watch(self) -> None:
-        """The monitor thread: restarts failed model services (both at once if both failed),
-        notes the end of the pipeline. Never blocks on a child."""
+        """The monitor thread: restarts failed children (all at once if all failed), notes the end
+        of the pipeline. Never blocks on a child."""
         restarting: dict[str, _Restart] = {}
         while not self._stopping.wait(POLL_SECONDS) and self.failure is None:
             for name in list(self.procs):
@@ -324,7 +336,7 @@ class LocalPipeline:
                     continue
                 self._set_serving(name, None)
                 what = f"the {name} service (pid {proc.pid}) {_exit_text(code)}"
-                if name == "orchestrator" or code == 0:
+                if code == 0:
                     self._fail(f"{what}; the pipeline cannot go on without it")
                     return
                 self.log(f"specdec: {what}; restarting it on {self.addresses[name]}")
@@ -345,7 +357,7 @@ class LocalPipeline:
                 self._fail(f"{r.what}; giving up after {len(attempts)} restart attempts within 60 s")
                 return False
             attempts.append(now)
-            self._start(name, int(address.rsplit(":", 1)[1]))  # the same port: clients find it again
+            self._start(name, int(address.rsplit(":", 1)[1]), self._bound_args(name))  # clients find it again
             r.started = now
             return False
         try:

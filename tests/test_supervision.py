@@ -1,7 +1,8 @@
-"""A supervised local stack (deploy.local): a killed model service comes back on its port,
-a restart that cannot bind is retried after a backoff, too many restarts in a minute end the
-pipeline, and `specdec serve` ends with exit code 1 and a clear message when the orchestrator
-dies. Real processes with tiny random models, real SIGKILLs."""
+"""A supervised local stack (deploy.local): a killed model service comes back on its port, a
+killed orchestrator on its gRPC and HTTP ports, a restart that cannot bind is retried after a
+backoff, too many restarts in a minute end the pipeline, and `specdec serve` ends with exit code 1
+and a clear message when a child exits cleanly. Real processes with tiny random models, real
+SIGKILLs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -51,9 +53,9 @@ def generate(address: str) -> list[int]:
     return list(stub.Generate(REQUEST, timeout=120).token_ids)
 
 
-def test_serve_restarts_a_killed_target_on_its_port_and_exits_1_when_the_orchestrator_dies(tiny_models, tmp_path):
+def test_serve_restarts_a_killed_service_on_its_ports_and_exits_1_when_one_stops(tiny_models, tmp_path):
     models = ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
-    models += ["--target-dtype", "float32", "--draft-dtype", "float32", "--max-sessions", "7"]
+    models += ["--target-dtype", "float32", "--draft-dtype", "float32", "--max-sessions", "7", "--http-port", "0"]
     log = tmp_path / "serve.log"
     with cli_process("serve", *models, ready_file=tmp_path / "ready", log=log) as (serve, address):
         services = {}
@@ -71,15 +73,29 @@ def test_serve_restarts_a_killed_target_on_its_port_and_exits_1_when_the_orchest
             assert generate(address) == before  # the orchestrator found the target at the same address
             services = children(serve.pid)
 
+            # The orchestrator: back on its gRPC and HTTP ports (a crash of the front door cost the
+            # requests in flight, not the models loaded behind it).
+            http = json.loads((tmp_path / "ready").read_text())["http_url"]
             os.kill(services["orchestrator"], signal.SIGKILL)
+            assert wait_until(lambda: f"the orchestrator service is back on {address}" in log.read_text(), 120, 0.2)
+            assert generate(address) == before
+            assert http_get(f"{http}/health")["services"]["orchestrator"] == "SERVING"
+            services = children(serve.pid)
+
+            os.kill(services["orchestrator"], signal.SIGTERM)  # stopped on purpose: drains, exits 0
             assert serve.wait(120) == 1
-            message = f"the orchestrator service (pid {services['orchestrator']}) was killed by SIGKILL"
+            message = f"the orchestrator service (pid {services['orchestrator']}) exited with code 0"
             assert f"specdec: error: {message}" in log.read_text()
             assert not alive(services["draft-service"]) and not alive(services["target-service"])  # none orphaned
         finally:
             for pid in services.values():
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def http_get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return json.loads(reply.read())
 
 
 def bound(sock: socket.socket, address: tuple[str, int]) -> bool:
