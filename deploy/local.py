@@ -224,7 +224,7 @@ class LocalPipeline:
         self._commands[name] = cmd + args + self._limit_args(name) + self._metrics_args(name)
         self._start(name, port)
 
-    def _start(self, name: str, port: int, extra: list[str] = ()) -> None:
+    def _start(self, name: str, port: int, extra: tuple[str, ...] | list[str] = ()) -> None:
         self._ready(name).unlink(missing_ok=True)
         self.log(f"specdec: starting {name} service")
         with open(self.workdir / f"{name}.log", "ab") as logfile:  # appended: a restart keeps the crash's log
