@@ -7,16 +7,18 @@ host something, so `specdec --help` and the client commands stay light.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
 from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from deploy.local import LocalPipeline
+from deploy.local import LOOPBACK, LocalPipeline
 from specdec.runtime import placement
 from specdec.runtime.placement import parse_cpus
 from specdec.weights import models
@@ -77,6 +79,7 @@ def add_orchestrator_parser(sub) -> None:
 
 def model_service(args, role: str) -> int:
     limits = options.session_limits(args)  # checked before a model loads
+    refuse_taken_port(args.host, args.port, f"--port {args.port}")  # bound once the model has loaded
     spec = options.model_spec(args)
     server_security = options.server_security(args)
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
@@ -95,6 +98,8 @@ def model_service(args, role: str) -> int:
 
 def orchestrator(args) -> int:
     admission = options.admission_limits(args)
+    refuse_taken_port(args.host, args.port, f"--port {args.port}")  # bound once the pair is priced
+    refuse_taken_port(args.host, args.http_port, f"--http-port {args.http_port}")
     server_security = options.server_security(args)
     client = options.service_client_security(args, server_security)
     telemetry = _telemetry(args, "orchestrator")
@@ -122,9 +127,18 @@ def orchestrator(args) -> int:
 
 
 def serve(args) -> int:
-    """The three services, supervised (deploy.local): a model service that dies is restarted
-    on its port; the orchestrator dying ends `serve` with exit code 1."""
+    """The three services, supervised (deploy.local): one that dies is restarted on its ports;
+    one that exits cleanly ends `serve` with exit code 1."""
     server_security = options.server_security(args)  # fails here, before any process starts
+    # The orchestrator's ports are bound once both models have loaded: a second `serve` on them
+    # is refused now, not a minute later.
+    refuse_taken_port(args.host, args.port, f"--port {args.port}")
+    refuse_taken_port(args.host, args.http_port, f"--http-port {args.http_port}")
+    if args.metrics_port:  # the orchestrator's; the target's (+1) and the draft's (+2) on loopback
+        for offset, (host, whose) in enumerate(
+            ((args.host, ""), (LOOPBACK, ", the target's +1"), (LOOPBACK, ", the draft's +2"))
+        ):
+            refuse_taken_port(host, args.metrics_port + offset, f"--metrics-port {args.metrics_port}{whose}")
     config = options.pipeline_config(
         args,
         host=args.host,
@@ -159,6 +173,25 @@ def serve(args) -> int:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def refuse_taken_port(host: str, port: int | None, flag: str) -> None:
+    """ValueError naming `flag` (the flag and its value) where another process listens on host:port
+    (None or 0: a free port). A port held only by connections closing (TIME_WAIT) is free: the
+    servers reuse it so."""
+    if not port:
+        return
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:  # a host this machine cannot resolve: the server's own bind says so
+        return
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ValueError(f"{flag}: another process listens on {host}:{port}") from None
 
 
 def _telemetry(args, role: str):

@@ -4,6 +4,7 @@ tiny models; the CLI as a separate process."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -325,6 +326,18 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
 def test_a_flag_out_of_form_is_a_usage_error(args, expected):
     out = run_cli(*args)
     assert out.returncode == 2 and expected in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [["serve"], ["target-service"], ["orchestrator", "--target-address", "127.0.0.1:9"]]
+)
+def test_a_port_another_process_listens_on_is_refused_before_anything_loads(command):
+    """A second `specdec serve` on the same --port loaded both models (a minute on the default pair)
+    before its orchestrator failed to bind, with gRPC's C++ log line."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = run_cli(*command, "--port", str(port))
+    assert_one_line_error(out, f"--port {port}: another process listens on 127.0.0.1:{port}")
 
 
 def test_a_device_torch_cannot_run_is_named():
