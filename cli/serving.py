@@ -79,7 +79,7 @@ def add_orchestrator_parser(sub) -> None:
 
 def model_service(args, role: str) -> int:
     limits = options.session_limits(args)  # checked before a model loads
-    refuse_taken_port(args.host, args.port, f"--port {args.port}")  # bound once the model has loaded
+    refuse_taken_ports(_own_ports(args))  # --port is bound once the model has loaded
     spec = options.model_spec(args)
     server_security = options.server_security(args)
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
@@ -98,8 +98,7 @@ def model_service(args, role: str) -> int:
 
 def orchestrator(args) -> int:
     admission = options.admission_limits(args)
-    refuse_taken_port(args.host, args.port, f"--port {args.port}")  # bound once the pair is priced
-    refuse_taken_port(args.host, args.http_port, f"--http-port {args.http_port}")
+    refuse_taken_ports(_own_ports(args))  # --port and --http-port are bound once the pair is priced
     server_security = options.server_security(args)
     client = options.service_client_security(args, server_security)
     telemetry = _telemetry(args, "orchestrator")
@@ -132,13 +131,13 @@ def serve(args) -> int:
     server_security = options.server_security(args)  # fails here, before any process starts
     # The orchestrator's ports are bound once both models have loaded: a second `serve` on them
     # is refused now, not a minute later.
-    refuse_taken_port(args.host, args.port, f"--port {args.port}")
-    refuse_taken_port(args.host, args.http_port, f"--http-port {args.http_port}")
-    if args.metrics_port:  # the orchestrator's; the target's (+1) and the draft's (+2) on loopback
-        for offset, (host, whose) in enumerate(
-            ((args.host, ""), (LOOPBACK, ", the target's +1"), (LOOPBACK, ", the draft's +2"))
-        ):
-            refuse_taken_port(host, args.metrics_port + offset, f"--metrics-port {args.metrics_port}{whose}")
+    ports = _own_ports(args)
+    if args.metrics_port:  # the target's (+1) and the draft's (+2), on loopback
+        for offset, whose in ((1, "the target's"), (2, "the draft's")):
+            ports.append(
+                (LOOPBACK, args.metrics_port + offset, f"--metrics-port {args.metrics_port} + {offset} ({whose})")
+            )
+    refuse_taken_ports(ports)
     config = options.pipeline_config(
         args,
         host=args.host,
@@ -175,12 +174,30 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def refuse_taken_port(host: str, port: int | None, flag: str) -> None:
-    """ValueError naming `flag` (the flag and its value) where another process listens on host:port
-    (None or 0: a free port). A port held only by connections closing (TIME_WAIT) is free: the
-    servers reuse it so."""
-    if not port:
-        return
+def _own_ports(args) -> list[tuple[str, int | None, str]]:
+    """The ports a server command binds on --host: (host, port, the flag and its value)."""
+    flags = ("port", "http_port", "metrics_port")
+    return [
+        (args.host, getattr(args, f), f"--{f.replace('_', '-')} {getattr(args, f)}") for f in flags if hasattr(args, f)
+    ]
+
+
+def refuse_taken_ports(ports: list[tuple[str, int | None, str]]) -> None:
+    """Before anything loads: ValueError naming the flag where two of a command's servers would bind
+    one port, or another process listens on one (None or 0: a free port each)."""
+    named: dict[int, str] = {}
+    for host, port, flag in ports:
+        if not port:
+            continue
+        if port in named:
+            raise ValueError(f"{named[port]} and {flag} are one port: each server needs its own")
+        named[port] = flag
+        _refuse_taken(host, port, flag)
+
+
+def _refuse_taken(host: str, port: int, flag: str) -> None:
+    """ValueError naming `flag` where another process listens on host:port. A port held only by
+    connections closing (TIME_WAIT) is free: the servers reuse it so."""
     try:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError:  # a host this machine cannot resolve: the server's own bind says so

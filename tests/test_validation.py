@@ -340,6 +340,13 @@ def test_a_port_another_process_listens_on_is_refused_before_anything_loads(comm
     assert_one_line_error(out, f"--port {port}: another process listens on 127.0.0.1:{port}")
 
 
+def test_two_servers_of_one_command_on_one_port_are_refused():
+    """`serve --port 50561 --metrics-port 50560` started the target's metrics on 50561, then the
+    orchestrator failed: "another process" was its own."""
+    out = run_cli("serve", "--port", "50561", "--metrics-port", "50560")
+    assert_one_line_error(out, "--port 50561 and --metrics-port 50560 + 1 (the target's) are one port")
+
+
 def test_a_device_torch_cannot_run_is_named():
     """Before a model loads: torch's own error was an AssertionError deep in the model's .to()."""
     import torch
