@@ -184,24 +184,26 @@ def _own_ports(args) -> list[tuple[str, int | None, str]]:
 
 def refuse_taken_ports(ports: list[tuple[str, int | None, str]]) -> None:
     """Before anything loads: ValueError naming the flag where two of a command's servers would bind
-    one port, or another process listens on one (None or 0: a free port each)."""
+    one port, another process listens on one, or --host is no address of this machine (None: no such
+    server; 0: a free port)."""
     named: dict[int, str] = {}
     for host, port, flag in ports:
-        if not port:
+        if port is None:
             continue
-        if port in named:
+        if port and port in named:
             raise ValueError(f"{named[port]} and {flag} are one port: each server needs its own")
         named[port] = flag
-        _refuse_taken(host, port, flag)
+        _refuse_unbindable(host, port, flag)
 
 
-def _refuse_taken(host: str, port: int, flag: str) -> None:
-    """ValueError naming `flag` where another process listens on host:port. A port held only by
-    connections closing (TIME_WAIT) is free: the servers reuse it so."""
+def _refuse_unbindable(host: str, port: int, flag: str) -> None:
+    """ValueError where host:port cannot be bound: naming `flag` where another process listens on
+    it, --host where it is no address here. A port held only by connections closing (TIME_WAIT) is
+    free: the servers reuse it so."""
     try:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except OSError:  # a host this machine cannot resolve: the server's own bind says so
-        return
+    except OSError as err:
+        raise ValueError(f"--host {host}: no such host ({err.strerror or err})") from None
     with socket.socket(family, kind) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -209,6 +211,8 @@ def _refuse_taken(host: str, port: int, flag: str) -> None:
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
                 raise ValueError(f"{flag}: another process listens on {host}:{port}") from None
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host}: not an address of this machine") from None
 
 
 def _telemetry(args, role: str):

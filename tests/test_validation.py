@@ -347,6 +347,11 @@ def test_two_servers_of_one_command_on_one_port_are_refused():
     assert_one_line_error(out, "--port 50561 and --metrics-port 50560 + 1 (the target's) are one port")
 
 
+def test_a_host_that_is_no_address_here_is_refused_before_anything_loads():
+    out = run_cli("target-service", "--host", "192.0.2.1", "--allow-insecure")  # TEST-NET-1: no host's
+    assert_one_line_error(out, "--host 192.0.2.1: not an address of this machine")
+
+
 def test_a_device_torch_cannot_run_is_named():
     """Before a model loads: torch's own error was an AssertionError deep in the model's .to()."""
     import torch
