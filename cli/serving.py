@@ -79,9 +79,9 @@ def add_orchestrator_parser(sub) -> None:
 
 def model_service(args, role: str) -> int:
     limits = options.session_limits(args)  # checked before a model loads
-    refuse_taken_ports(_own_ports(args))  # --port is bound once the model has loaded
     spec = options.model_spec(args)
-    server_security = options.server_security(args)
+    server_security = options.server_security(args)  # plaintext on a network address: refused first
+    refuse_taken_ports(_own_ports(args))  # --port is bound once the model has loaded
     telemetry = _telemetry(args, role)  # first: a bad OTEL_* setting fails before the model loads
     for name, value in placement.SERVICE_ENV.items():  # read by OpenMP when torch loads it, just below
         os.environ.setdefault(name, value)
@@ -98,9 +98,9 @@ def model_service(args, role: str) -> int:
 
 def orchestrator(args) -> int:
     admission = options.admission_limits(args)
-    refuse_taken_ports(_own_ports(args))  # --port and --http-port are bound once the pair is priced
-    server_security = options.server_security(args)
+    server_security = options.server_security(args)  # plaintext on a network address: refused first
     client = options.service_client_security(args, server_security)
+    refuse_taken_ports(_own_ports(args))  # --port and --http-port are bound once the pair is priced
     telemetry = _telemetry(args, "orchestrator")
     from deploy import hosting  # the orchestrator imports transformers for its tokenizer
 
