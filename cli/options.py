@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.configs import BACKENDS, OrchestratorConfig
-from deploy.local import PipelineConfig, Placement
+from deploy.local import METRICS_OFFSETS, PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
 from orchestrator import CALIBRATION_TOKENS, RULES
 from specdec import validation
@@ -279,9 +279,11 @@ def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
 
 def metrics_base_port(text: str) -> int:
     """`serve`'s --metrics-port: the orchestrator's, the target's +1 and the draft's +2, each a port."""
-    port = port_number(text)
-    if port > 65533:
-        raise argparse.ArgumentTypeError(f"the draft's metrics take this port + 2, so at most 65533, not {port}")
+    port, top = port_number(text), max(METRICS_OFFSETS.values())
+    if port > 65535 - top:
+        raise argparse.ArgumentTypeError(
+            f"the draft's metrics take this port + {top}, so at most {65535 - top}, not {port}"
+        )
     return port
 
 

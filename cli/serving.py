@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from deploy.local import LOOPBACK, LocalPipeline
+from deploy.local import LOOPBACK, METRICS_OFFSETS, MODEL_SERVICES, LocalPipeline
 from specdec.runtime import placement
 from specdec.runtime.placement import parse_cpus
 from specdec.weights import models
@@ -132,11 +132,11 @@ def serve(args) -> int:
     # The orchestrator's ports are bound once both models have loaded: a second `serve` on them
     # is refused now, not a minute later.
     ports = _own_ports(args)
-    if args.metrics_port:  # the target's (+1) and the draft's (+2), on loopback
-        for offset, whose in ((1, "the target's"), (2, "the draft's")):
-            ports.append(
-                (LOOPBACK, args.metrics_port + offset, f"--metrics-port {args.metrics_port} + {offset} ({whose})")
-            )
+    if args.metrics_port:  # the model services' metrics, on loopback
+        for whose in MODEL_SERVICES:
+            offset = METRICS_OFFSETS[whose]
+            what = f"--metrics-port {args.metrics_port} + {offset} (the {whose}'s)"
+            ports.append((LOOPBACK, args.metrics_port + offset, what))
     refuse_taken_ports(ports)
     config = options.pipeline_config(
         args,

@@ -52,6 +52,8 @@ from specdec.weights import embedded, models
 
 LOOPBACK = "127.0.0.1"
 MODEL_SERVICES = ("draft", "target")
+# serve's Prometheus ports: each process's offset from the base --metrics-port.
+METRICS_OFFSETS = {"orchestrator": 0, "target": 1, "draft": 2}
 POLL_SECONDS = 0.1  # how often the monitor looks at the children
 
 
@@ -280,7 +282,7 @@ class LocalPipeline:
         base = self.config.metrics_port
         if base is None:
             return []
-        offset = {"orchestrator": 0, "target": 1, "draft": 2}[name] if base else 0
+        offset = METRICS_OFFSETS[name] if base else 0
         return ["--metrics-port", str(base + offset)]
 
     def _wait(self, name: str) -> None:
