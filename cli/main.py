@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import grpc
@@ -69,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options.apply_environment()
+    # SIGTERM (`timeout`, `kill`, a CI job cancelled) unwinds as Ctrl-C does, so what a command
+    # started (a bench's pipeline, `ray bench`'s cluster) is stopped on the way out; the servers
+    # install their own drain in its place.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
+    """The command; a failure as one line and exit code 1."""
     try:
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # where stdout is a pipe whose reader left: raised here, not at exit
@@ -87,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _reached(args, message: str) -> str:

@@ -70,19 +70,26 @@ def start(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     cluster = LocalCluster(f"{ip}:{port}", proc.pid, str(log))
     state_file.write_text(json.dumps(asdict(cluster)))
+    try:
+        _wait_for_head(proc, cluster, ip, port, timeout)
+    except BaseException:  # Ctrl-C or SIGTERM while it starts too: the head is in a session of its own
+        stop(cluster, state_file)
+        raise
+    return cluster
+
+
+def _wait_for_head(proc: subprocess.Popen, cluster: LocalCluster, ip: str, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            state_file.unlink(missing_ok=True)
-            raise RuntimeError(f"`ray start --head` exited with code {proc.returncode}:\n{_tail(log)}")
+            raise RuntimeError(f"`ray start --head` exited with code {proc.returncode}:\n{_tail(Path(cluster.log))}")
         try:
             socket.create_connection((ip, port), timeout=1).close()
-            return cluster
+            return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            stop(cluster, state_file)
-            raise TimeoutError(f"the local Ray head did not start within {timeout:.0f} s:\n{_tail(log)}")
+            raise TimeoutError(f"the local Ray head did not start within {timeout:.0f} s:\n{_tail(Path(cluster.log))}")
         time.sleep(0.2)
 
 

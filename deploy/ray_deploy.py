@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,9 +115,15 @@ def pg_name(name: str) -> str:
 
 
 def connect(address: str, log_to_driver: bool = False, runtime_env: dict | None = None) -> None:
-    """Connect this process to the cluster at `address` (HOST:PORT or "auto"), in NAMESPACE."""
+    """Connect this process to the cluster at `address` (HOST:PORT or "auto"), in NAMESPACE.
+
+    The process's SIGTERM handler is kept: ray.init installs its own (in `ray bench` the driver
+    aborted with a stack dump, and no `finally` ran: its local cluster was left running).
+    """
     import ray
 
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(
             address=address,
@@ -129,6 +137,9 @@ def connect(address: str, log_to_driver: bool = False, runtime_env: dict | None 
             f"{err} (a cluster with token authentication needs RAY_AUTH_MODE=token and its token in "
             "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
         ) from err
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -> Deployment:

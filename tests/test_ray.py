@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -258,3 +260,23 @@ def test_stream_survives_a_target_kill_mid_generation(packed):
     assert [t for c in chunks for t in c.token_ids] == expected  # each token once, in order
     assert chunks[-1].finish_reason == "length" and len(expected) == 400
     assert ray.get(host.reopens.remote())["target"] > reopens["target"]  # the target's session was re-opened
+
+
+def test_a_driver_connected_by_specdec_keeps_its_sigterm_handler(cluster):
+    """ray.init replaces the process's SIGTERM handler (here with its own exit; in `specdec ray
+    bench` the driver aborted with a stack dump and no `finally` ran: its local cluster was left
+    running); connect() keeps the process's own, so the command unwinds."""
+    code = (
+        "import signal, sys, time; from deploy import ray_deploy; "
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+        f"ray_deploy.connect({cluster.address!r}); print('connected', flush=True); time.sleep(120)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "connected"
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(60) == 143
+    finally:
+        driver.kill()
+        driver.wait()

@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -149,3 +151,20 @@ def test_a_clean_exit_is_not_restarted(tiny_models):
         assert wait_until(lambda: pipeline.failure is not None, 60, 0.1)
         assert pipeline.failure.startswith(f"the draft service (pid {pid}) exited with code 0; the pipeline cannot")
         assert pipeline.restarts["draft"] == 0 and pipeline.procs["draft"].poll() == 0
+
+
+def test_a_command_stopped_by_sigterm_stops_the_pipeline_it_started(tmp_path):
+    """`timeout`, `kill` or a cancelled CI job send SIGTERM to the command alone: a bench's three
+    services were left running (models loaded, ports bound). Now it unwinds as Ctrl-C does."""
+    cmd = [sys.executable, "-m", "cli", "bench", "serving", "--clients", "1", "--methods", "off"]
+    bench = subprocess.Popen(cmd + ["--duration", "120", "--out", str(tmp_path / "out")], stderr=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: len(children(bench.pid)) == 3 or bench.poll() is not None, 120, 0.1)
+        started = children(bench.pid)
+        assert set(started) == {"draft-service", "target-service", "orchestrator"}, bench.stderr.read()
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert not [name for name, pid in started.items() if alive(pid)]
+    finally:
+        bench.kill()
+        bench.wait()
