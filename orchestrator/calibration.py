@@ -60,16 +60,8 @@ def calibrate(
         return None
     overlap = default_overlap(pair, defaults)
     priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)
-    if pair.index_drafts:  # an index's drafts gain on text that copies, which these prompts are not
-        pass
-    elif priced is not None and priced.speedup < 1:  # priced a loss already: no seconds spent timing it
-        pair.costs.alone_gain = priced.speedup
-    else:
-        try:
-            pair.costs.alone_gain, pair.costs.alone_timed = alone_gain(pair, each, chat, defaults), True
-        except Exception as err:  # noqa: BLE001 - as above: the price stands, untimed
-            if log:
-                log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
+    if not pair.index_drafts:  # an index's drafts gain on text that copies, which these prompts are not
+        _set_alone_gain(pair, priced, each, chat, defaults, log)
     pair.costs.pool_acceptance(since)  # the timing's rounds too
     priced = price(pair.costs, MEASURED_LOOKAHEAD, overlap)  # with the timing (Price.timed)
     if log:
@@ -78,6 +70,21 @@ def calibrate(
         what = priced.summary() if priced else f"not priced{timed}"
         log(f"priced the pair in {time.perf_counter() - start:.1f} s: {what}")
     return priced
+
+
+def _set_alone_gain(
+    pair: ModelPair, priced: Price | None, tokens: int, chat: bool, defaults: RequestDefaults, log
+) -> None:
+    """pair.costs.alone_gain: the price's own where it says speculation loses (no seconds spent
+    timing it), else timed (alone_gain); a timing that fails leaves the price standing, untimed."""
+    if priced is not None and priced.speedup < 1:
+        pair.costs.alone_gain = priced.speedup
+        return
+    try:
+        pair.costs.alone_gain, pair.costs.alone_timed = alone_gain(pair, tokens, chat, defaults), True
+    except Exception as err:  # noqa: BLE001 - a start-up measurement, as calibrate's
+        if log:
+            log(f"timing the pair's regimes failed ({err}); a request alone speculates at the price's k")
 
 
 def alone_gain(pair: ModelPair, tokens: int, chat: bool, defaults: RequestDefaults) -> float:
