@@ -70,6 +70,7 @@ VICTIMS = ("draft", "target")
 # orchestrator holding every packet (dropped: TCP delivers them once they pass again); the link
 # slowed to SLOW_ONE_WAY seconds a message. All but kill last `stop_seconds`.
 FAULTS = ("kill", "stop", "drop", "slow")
+MAX_SEED = 2**32 - 1  # --seed: the schedule's; each request's sampling seed is derived from it
 SLOW_ONE_WAY = (0.2, 2.0)  # seconds a message: a slow link, and one slower than keepalive's 3 s timeout
 REFUSED_RETRY_SECONDS = 0.25  # a client's pause before sending a refused request again
 
@@ -95,6 +96,10 @@ class ChaosConfig:
             raise ValueError("--streams and --requests-per-stream must be >= 1, --max-tokens >= 4, --kills >= 0")
         if not 0 < self.duration < float("inf"):
             raise ValueError("--duration must be a positive number of seconds")
+        if not 0 <= self.rss_slack_mb < float("inf"):  # nan passed every check; -5 failed every run
+            raise ValueError(f"--rss-slack-mb must be a number of MB >= 0, not {self.rss_slack_mb}")
+        if not 0 <= self.seed <= MAX_SEED:  # a request's seed is 1000 x this + n + 1, a uint64
+            raise ValueError(f"--seed must be in 0..{MAX_SEED}, not {self.seed}")
         unknown = [f for f in self.faults if f not in FAULTS]
         if unknown or not self.faults:
             raise ValueError(f"--faults is a comma list of {', '.join(FAULTS)}, not {','.join(self.faults)!r}")

@@ -419,6 +419,8 @@ def ids_of(tokens):
         (["generate", "hi", "--seed", "-1"], "--seed must be in 0..18446744073709551615, got -1"),  # protobuf's words
         (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
         (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
+        (["chaos", "--seed", "-1"], "--seed must be in 0..4294967295, not -1"),  # protobuf's "Value out of range"
+        (["chaos", "--rss-slack-mb", "nan"], "--rss-slack-mb must be a number of MB >= 0, not nan"),  # ran 3 min
         (
             ["loadtest", "--max-tokens", "0"],
             "INVALID_ARGUMENT: max_new_tokens (--max-tokens) must be >= 1",
