@@ -26,6 +26,7 @@ run ends.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import threading
@@ -62,9 +63,10 @@ class ServingConfig:
             raise ValueError(f"--clients needs client counts >= 1, got {self.clients}")
         for method in self.methods:
             request(method, 1)  # raises on an unknown one
-        if self.duration <= 0 or self.warmup < 0 or self.max_tokens < 1 or self.repeats < 1:
+        timed = 0 < self.duration < math.inf and 0 <= self.warmup < math.inf  # nan: refused, not slept on
+        if not timed or self.max_tokens < 1 or self.repeats < 1:
             raise ValueError("--duration > 0, a warm-up >= 0, --max-tokens >= 1 and --repeats >= 1")
-        if not 0 <= self.agreement <= 1 or self.target_ms < 0 or self.draft_ms < 0:
+        if not (0 <= self.agreement <= 1 and 0 <= self.target_ms < math.inf and 0 <= self.draft_ms < math.inf):
             raise ValueError("stand-ins: forwards of >= 0 ms, an agreement in [0, 1]")
 
 

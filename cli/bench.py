@@ -25,7 +25,7 @@ from pathlib import Path
 from cli import options
 from draft_service import METHODS
 from orchestrator import RULES
-from specdec.validation import MAX_LOOKAHEAD
+from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 from specdec.weights import models
 
 DRAFTERS = "model,ngram,llamacpp"
@@ -50,12 +50,28 @@ def bench(args) -> int:
 # --- flag groups several benches share ---
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    """Finite numbers >= 0 (temperatures, round trips): `--rtt-ms -5` started the pipeline first."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        values = None
+    if values is None or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise SystemExit(f"specdec bench: {flag} is a comma list of numbers >= 0, not {text!r}")
+    return values
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in _floats(text))
+def _ints(text: str, flag: str, low: int = 1, high: int | None = None) -> tuple[int, ...]:
+    """Whole numbers in low..high, checked before anything starts (`--clients 1.5` ran 1 client,
+    `--prompt-tokens 0` or `--trees -3` started the pipeline and every generation)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        values = None
+    if values is None or not all(low <= v and (high is None or v <= high) for v in values):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise SystemExit(f"specdec bench: {flag} is a comma list of whole numbers {span}, not {text!r}")
+    return values
 
 
 def _add_pair(p: argparse.ArgumentParser, placement: bool = False, compile: bool = False) -> None:
@@ -106,18 +122,16 @@ def _add_ks(p: argparse.ArgumentParser, default: str, adaptive: bool = True) -> 
 
 
 def _ks(args) -> tuple[int, ...]:
-    ks = _ints(args.ks)
-    if not ks or not 1 <= min(ks) <= max(ks) <= MAX_LOOKAHEAD:  # adaptive's bound and the timelines' k: the largest
-        raise SystemExit(
-            f"specdec bench: --ks needs one or more lookaheads in 1..{MAX_LOOKAHEAD} (e.g. 4 or 2,4,8), not {args.ks!r}"
-        )
+    ks = _ints(args.ks, "--ks", 1, MAX_LOOKAHEAD)  # adaptive's bound and the timelines' k: the largest
+    if not ks:
+        raise SystemExit(f"specdec bench: --ks needs one or more lookaheads in 1..{MAX_LOOKAHEAD} (e.g. 4 or 2,4,8)")
     return ks
 
 
 def _temperatures(args) -> tuple[float, ...]:
-    temperatures = _floats(args.temperatures)
-    if not temperatures or not all(math.isfinite(t) and t >= 0 for t in temperatures):
-        raise SystemExit(f"specdec bench: --temperatures needs values >= 0 (0: greedy), not {args.temperatures!r}")
+    temperatures = _floats(args.temperatures, "--temperatures")
+    if not temperatures:
+        raise SystemExit("specdec bench: --temperatures needs one or more values >= 0 (0: greedy)")
     return temperatures
 
 
@@ -208,12 +222,12 @@ def compare(args) -> int:
         ks=_ks(args),
         adaptive=not args.no_adaptive,
         measured=args.measured,
-        trees=_ints(args.trees),
+        trees=_ints(args.trees, "--trees", 1, MAX_TREE_NODES),
         temperatures=_temperatures(args),
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         prompt_kinds=tuple(k for k in args.kinds.split(",") if k),
-        prompt_tokens=_ints(args.prompt_tokens),
+        prompt_tokens=_ints(args.prompt_tokens, "--prompt-tokens"),
         hf_baselines=not args.no_hf,
         hf_static=args.hf_static,
         out=args.out,
@@ -269,7 +283,7 @@ def concurrency(args) -> int:
 
     if args.duration is not None and not 0 < args.duration < math.inf:
         raise SystemExit("specdec bench concurrency: --duration needs a number of seconds > 0")
-    clients = _ints(args.clients)
+    clients = _ints(args.clients, "--clients")
     if not clients or min(clients) < 1:
         raise SystemExit(f"specdec bench concurrency: --clients needs client counts >= 1, not {args.clients!r}")
     config = concurrency.ConcurrencyConfig(
@@ -278,7 +292,7 @@ def concurrency(args) -> int:
         ks=_ks(args),
         adaptive=not args.no_adaptive,
         measured=args.measured,
-        trees=_ints(args.trees),
+        trees=_ints(args.trees, "--trees", 1, MAX_TREE_NODES),
         max_tokens=args.max_tokens,
         prompts=args.prompts,
         duration=args.duration,
@@ -329,7 +343,7 @@ def network(args) -> int:
     from bench import network  # torch and the models
 
     config = network.NetworkConfig(
-        rtts_ms=_floats(args.rtt_ms),
+        rtts_ms=_floats(args.rtt_ms, "--rtt-ms"),
         remote=args.remote,
         ks=_ks(args),
         adaptive=not args.no_adaptive,
@@ -470,7 +484,7 @@ def _add_serving(names) -> None:
 
 def _standins(text: str) -> tuple[float, float, float]:
     try:
-        standins = _floats(text)
+        standins = tuple(float(x) for x in text.split(",") if x)
     except ValueError:
         standins = ()
     if len(standins) != 3:
@@ -484,7 +498,7 @@ def serving(args) -> int:
     try:
         target_ms, draft_ms, agreement = _standins(args.standins)
         config = serving.ServingConfig(
-            clients=_ints(args.clients),
+            clients=_ints(args.clients, "--clients"),
             methods=tuple(m for m in args.methods.split(",") if m),
             target_ms=target_ms,
             draft_ms=draft_ms,
