@@ -265,7 +265,7 @@ def _add_concurrency(names) -> None:
         help="add a row per drafter with the lookahead unset: under load the k or plain rounds the pair measures",
     )
     _add_trees(p, "comma list of node budgets: adaptive rows with draft trees of each beside the chains-only one")
-    p.add_argument("--prompts", type=int, default=4, help="prompts cycled (default 4)")
+    p.add_argument("--prompts", type=options.positive, default=4, help="prompts cycled (default 4)")
     p.add_argument(
         "--duration",
         type=float,
@@ -392,8 +392,8 @@ def _add_structured(names) -> None:
 def structured(args) -> int:
     from bench import structured  # torch and the models
 
-    if args.k < 1:
-        raise SystemExit(f"specdec bench structured: --k needs a lookahead >= 1, not {args.k}")
+    if not 1 <= args.k <= MAX_LOOKAHEAD:  # past it every generation was refused, once the pipeline ran
+        raise SystemExit(f"specdec bench structured: --k needs a lookahead in 1..{MAX_LOOKAHEAD}, not {args.k}")
     config = structured.StructuredConfig(
         drafter=args.drafter,
         k=args.k,
@@ -421,7 +421,7 @@ def _add_ttft(names) -> None:
     )
     p.add_argument(
         "--system-chars",
-        type=int,
+        type=options.non_negative,
         default=0,
         metavar="N",
         help="the system prompt cut to its first N characters (default 0: whole)",
