@@ -25,7 +25,10 @@ sessions it held on the model services are reaped as unclaimed (specdec.serving.
 step streams ended). A restart that does not come up (the port still held, say) is retried after
 a backoff that doubles up to a bound; more than `RestartPolicy.max_per_minute` attempts for one
 child within 60 s end the pipeline, as does a child exiting cleanly (exit 0: it was told to
-stop): `failure` then says why, and `specdec serve` exits non-zero with that message.
+stop): `failure` then says why, and `specdec serve` exits non-zero with that message. A child
+that is alive but answers no gRPC health check for `RestartPolicy.unresponsive` seconds (a hung
+host: stopped, deadlocked) is killed, then restarted so; the orchestrator is probed only where it
+serves plaintext (a probe has no client certificate for its TLS).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ MODEL_SERVICES = ("draft", "target")
 # serve's Prometheus ports: each process's offset from the base --metrics-port.
 METRICS_OFFSETS = {"orchestrator": 0, "target": 1, "draft": 2}
 POLL_SECONDS = 0.1  # how often the monitor looks at the children
+PROBE_SECONDS = 5.0  # how often the prober checks the children's health, and each check's deadline
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class RestartPolicy:
     first_backoff: float = 0.5  # seconds before retrying a restart that did not come up; doubles
     max_backoff: float = 8.0
     max_per_minute: int = 5  # restart attempts of one service within 60 s; one more ends the pipeline
+    # A child that answers no health check for this long is killed (then restarted); 0: never.
+    unresponsive: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,8 @@ class LocalPipeline:
             raise
         self._monitor = threading.Thread(target=self._watch, name="specdec-supervisor", daemon=True)
         self._monitor.start()
+        if cfg.restart.unresponsive > 0:
+            threading.Thread(target=self._probe, name="specdec-prober", daemon=True).start()
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
 
@@ -343,6 +351,46 @@ class LocalPipeline:
                     return
                 self.log(f"specdec: {what}; restarting it on {self.addresses[name]}")
                 restarting[name] = _Restart(what, self.config.restart.first_backoff)
+
+    def _probe(self) -> None:
+        """The prober thread: a child serving that answers no health check (any answer counts,
+        NOT_SERVING while it drains too) for `unresponsive` seconds is killed; the monitor then
+        restarts it as it does a crashed one. A child's exit is the monitor's, never the prober's."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        limit, answered, channels = self.config.restart.unresponsive, {}, {}
+        probed = [*MODEL_SERVICES, *(() if self.config.tls.flags() else ("orchestrator",))]
+        try:
+            while not self._stopping.wait(PROBE_SECONDS) and self.failure is None:
+                calls = {}
+                for name in probed:
+                    pid = self._serving.get(name)
+                    if pid is None:  # down or restarting: the monitor's
+                        continue
+                    if channels.get(name, ("",))[0] != self.addresses[name]:
+                        channels[name] = (self.addresses[name], grpc.insecure_channel(self.addresses[name]))
+                    answered.setdefault(pid, time.monotonic())
+                    stub = health_pb2_grpc.HealthStub(channels[name][1])
+                    calls[name] = pid, stub.Check.future(health_pb2.HealthCheckRequest(), timeout=PROBE_SECONDS)
+                for name, (pid, call) in calls.items():
+                    if call.exception() is None:
+                        answered[pid] = time.monotonic()
+                    elif time.monotonic() - answered[pid] > limit and not self._stopping.is_set():
+                        self._kill_unresponsive(name, pid, limit)
+        finally:
+            for _, channel in channels.values():
+                channel.close()
+
+    def _kill_unresponsive(self, name: str, pid: int, limit: float) -> None:
+        with self._cond:
+            if self._serving.get(name) != pid:  # exited (and maybe restarted) meanwhile
+                return
+            self.log(f"specdec: the {name} service (pid {pid}) answered no health check for {limit:g} s; killing it")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _step_restart(self, name: str, r: _Restart) -> bool:
         """Advance the restart of `name` by one step; True once it serves at its old address."""

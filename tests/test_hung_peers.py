@@ -29,7 +29,7 @@ import pytest
 from bench.relay import DelayRelay
 from deploy import hosting
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from deploy.local import LocalPipeline, PipelineConfig
+from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
 from orchestrator.availability import CallBudget
 from specdec.limits import RecoveryConfig
 from specdec.runtime.standin import StandinBackend
@@ -82,7 +82,9 @@ def draft_fault(stub, start, end) -> None:
 
 @pytest.mark.slow
 def test_a_stopped_draft_then_a_stopped_target():
-    cfg = PipelineConfig(target=ModelSpec(model=TARGET), draft=ModelSpec(model=DRAFT), lookahead=4)
+    # The supervisor's liveness probe off: these stops are the orchestrator's to survive, not to be ended by a kill.
+    restart = RestartPolicy(unresponsive=0)
+    cfg = PipelineConfig(target=ModelSpec(model=TARGET), draft=ModelSpec(model=DRAFT), lookahead=4, restart=restart)
     with LocalPipeline(cfg, log=lambda *_: None) as pipeline:
         stub = client(pipeline.address)
         draft = pipeline.procs["draft"].pid

@@ -143,6 +143,26 @@ def test_a_restart_that_cannot_bind_is_retried_and_too_many_restarts_end_the_pip
         )
 
 
+def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_models):
+    """A hung host (SIGSTOP: alive, its port open, nothing answering) is not an exit: the prober
+    kills what answers no health check for `unresponsive` seconds, and the monitor restarts it."""
+    config = tiny_config(tiny_models, restart=RestartPolicy(unresponsive=3.0), calibration_tokens=0)
+    lines: list[str] = []
+    with LocalPipeline(config, log=lines.append) as pipeline:
+        before = generate(pipeline.address)
+        for name in ("target", "orchestrator"):
+            frozen = pipeline.serving_pid(name, 10)
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                pipeline.serving_pid(name, 120, exclude={frozen})
+            finally:
+                if alive(frozen):
+                    os.kill(frozen, signal.SIGCONT)
+            assert not alive(frozen) and pipeline.restarts[name] == 1
+            assert f"specdec: the {name} service (pid {frozen}) answered no health check for 3 s; killing it" in lines
+            assert generate(pipeline.address) == before
+
+
 def test_a_clean_exit_is_not_restarted(tiny_models):
     """A service stopped on purpose (SIGTERM: it drains and exits 0) stays stopped."""
     with LocalPipeline(tiny_config(tiny_models), log=lambda msg: None) as pipeline:
