@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cli import options
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from deploy.local import LOOPBACK, METRICS_OFFSETS, MODEL_SERVICES, LocalPipeline
+from deploy.local import LOOPBACK, METRICS_OFFSETS, MODEL_SERVICES, LocalPipeline, RestartPolicy
 from specdec.runtime import placement
 from specdec.runtime.placement import parse_cpus
 from specdec.weights import models
@@ -41,6 +41,13 @@ def add_serve_parser(sub) -> None:
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
     options.add_limit_flags(s, "serve")
+    s.add_argument(
+        "--health-timeout",
+        type=options.seconds,
+        default=RestartPolicy().unresponsive,
+        help="seconds a process may answer no health check (a hung host) before it is killed and restarted; "
+        f"0: never (default {RestartPolicy().unresponsive:g})",
+    )
 
 
 def add_service_parsers(sub) -> None:
@@ -151,6 +158,7 @@ def serve(args) -> int:
         session_limits=options.session_limits(args),
         admission=options.admission_limits(args),
         drain_timeout=args.drain_timeout,
+        restart=RestartPolicy(unresponsive=args.health_timeout),
     )
     stop = stop_on_signal()
     with LocalPipeline(config, log=_log) as pipeline:

@@ -453,6 +453,7 @@ class LocalPipeline:
             for proc in stage:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(signal.SIGCONT)  # a stopped child drains now, not killed after `timeout`
             for proc in stage:
                 try:
                     proc.wait(timeout)

@@ -163,6 +163,16 @@ def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_mod
             assert generate(pipeline.address) == before
 
 
+def test_a_stopped_child_drains_when_the_pipeline_stops(tiny_models):
+    """A child stopped (SIGSTOP) when the pipeline stops takes its SIGTERM and drains (exit 0); it
+    was killed once the drain timeout and 10 s had passed."""
+    pipeline = LocalPipeline(tiny_config(tiny_models), log=lambda msg: None).start()
+    procs = dict(pipeline.procs)
+    os.kill(procs["draft"].pid, signal.SIGSTOP)
+    pipeline.stop()
+    assert {name: proc.returncode for name, proc in procs.items()} == {"draft": 0, "target": 0, "orchestrator": 0}
+
+
 def test_a_clean_exit_is_not_restarted(tiny_models):
     """A service stopped on purpose (SIGTERM: it drains and exits 0) stays stopped."""
     with LocalPipeline(tiny_config(tiny_models), log=lambda msg: None) as pipeline:

@@ -321,6 +321,7 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         # The limits' own checks named their fields (max_sessions, idle_ttl, max_queue), not the flags.
         (["target-service", "--max-sessions", "0"], "argument --max-sessions: must be >= 1, not 0"),
         (["draft-service", "--session-ttl", "nan"], "argument --session-ttl: seconds >= 0, not nan"),
+        (["serve", "--health-timeout", "-1"], "argument --health-timeout: seconds >= 0, not -1"),
         (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "argument --max-queue: must be"),
         (["ray", "bench", "--clients-per-replica", "0"], "argument --clients-per-replica: must be >= 1"),  # Ray's trace
     ],
