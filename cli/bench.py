@@ -284,8 +284,8 @@ def concurrency(args) -> int:
     if args.duration is not None and not 0 < args.duration < math.inf:
         raise SystemExit("specdec bench concurrency: --duration needs a number of seconds > 0")
     clients = _ints(args.clients, "--clients")
-    if not clients or min(clients) < 1:
-        raise SystemExit(f"specdec bench concurrency: --clients needs client counts >= 1, not {args.clients!r}")
+    if not clients:
+        raise SystemExit("specdec bench concurrency: --clients needs one or more client counts")
     config = concurrency.ConcurrencyConfig(
         concurrency=clients,
         drafters=_drafters(args),

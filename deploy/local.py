@@ -368,10 +368,11 @@ class LocalPipeline:
                     pid = self._serving.get(name)
                     if pid is None:  # down or restarting: the monitor's
                         continue
-                    if channels.get(name, ("",))[0] != self.addresses[name]:
-                        channels[name] = (self.addresses[name], grpc.insecure_channel(self.addresses[name]))
+                    address = self.addresses[name]  # a restart keeps it: one channel each
+                    if address not in channels:
+                        channels[address] = grpc.insecure_channel(address)
                     answered.setdefault(pid, time.monotonic())
-                    stub = health_pb2_grpc.HealthStub(channels[name][1])
+                    stub = health_pb2_grpc.HealthStub(channels[address])
                     calls[name] = pid, stub.Check.future(health_pb2.HealthCheckRequest(), timeout=PROBE_SECONDS)
                 for name, (pid, call) in calls.items():
                     if call.exception() is None:
@@ -379,7 +380,7 @@ class LocalPipeline:
                     elif time.monotonic() - answered[pid] > limit and not self._stopping.is_set():
                         self._kill_unresponsive(name, pid, limit)
         finally:
-            for _, channel in channels.values():
+            for channel in channels.values():
                 channel.close()
 
     def _kill_unresponsive(self, name: str, pid: int, limit: float) -> None:
