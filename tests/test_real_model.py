@@ -120,17 +120,20 @@ def test_cli_json_reports_high_greedy_acceptance():
     """The default pair is matched: the Q8_0 draft is the target's weights requantised, so greedy
     drafts are mostly accepted (a wrong tokenizer or a broken draft accepts next to nothing).
     Not all: each weight moved by up to half a Q8_0 step, which flips near-ties, and this
-    repetitive poem has many (measured 0.75-0.77 here, 0.85-1.0 on the bench's 8 prompts,
-    mean 0.91; the shipped Q4_1 file 0.91 here, mean 0.97)."""
+    repetitive poem has many (0.64 on 2026-12-06, 0.75-0.77 earlier; 0.85-1.0 on the bench's 8
+    prompts, mean 0.91). The Q8_0 draft alone (`--drafter llamacpp`): the hybrid's index chains,
+    which copy the poem's repeats, read 0.55-0.57 here and more on a loaded machine (its kind of
+    round is timed), so the default drafter's figure says less about the pair."""
     # a lookahead named: where the start timed plain rounds faster (a CPU whose draft step is half the
     # target's), a request alone that names none drafts nothing
     cmd = [sys.executable, "-m", "cli", "generate", "Write a short poem about the sea.", "--json", "--lookahead", "8"]
+    cmd += ["--drafter", "llamacpp"]
     out = subprocess.run(cmd + ["--max-tokens", "64"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     stats = result["stats"]
     assert stats["acceptance_rate"] == pytest.approx(stats["accepted_tokens"] / stats["draft_tokens"])
-    assert result["text"] and stats["acceptance_rate"] > 0.6, result
+    assert result["text"] and stats["acceptance_rate"] > 0.5, result
 
 
 def test_4_concurrent_clients_equal_their_sequential_runs(local):
