@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from deploy import liveness
 from deploy.configs import BACKENDS, OrchestratorConfig
 from deploy.local import METRICS_OFFSETS, PipelineConfig, Placement
 from draft_service import METHODS as DRAFTERS
@@ -261,6 +262,18 @@ def seconds(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"seconds >= 0, not {text}")
     return value
+
+
+def add_health_timeout_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """--health-timeout: how long `what` may answer nothing (stopped, deadlocked) before it is killed
+    and restarted (deploy.liveness)."""
+    p.add_argument(
+        "--health-timeout",
+        type=seconds,
+        default=liveness.UNRESPONSIVE_SECONDS,
+        help=f"seconds {what} may answer no health check (a hung host) before it is killed and restarted; "
+        f"0: never (default {liveness.UNRESPONSIVE_SECONDS:g})",
+    )
 
 
 def host_port(text: str) -> str:

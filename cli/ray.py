@@ -119,6 +119,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write the Serve config file of this deployment (for `serve deploy` or a KubeRay RayService) and exit",
     )
     up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
+    options.add_health_timeout_flag(up, "a service actor")
     up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
     up.add_argument("--no-dashboard", action="store_true", help="local cluster only: start it without the dashboard")
@@ -245,6 +246,7 @@ def pair_config(args) -> ray_deploy.RayDeployConfig:
         orchestrator_on_head=not args.orchestrator_anywhere,
         port=args.port,
         max_restarts=args.max_restarts,
+        health_timeout=args.health_timeout,
         start_timeout=args.timeout,
         server_security=server_security,
         service_security=options.service_client_security(args, server_security, starts_services=True),

@@ -41,13 +41,7 @@ def add_serve_parser(sub) -> None:
     options.add_pair_flags(s)
     options.add_server_security_flags(s)
     options.add_limit_flags(s, "serve")
-    s.add_argument(
-        "--health-timeout",
-        type=options.seconds,
-        default=RestartPolicy().unresponsive,
-        help="seconds a process may answer no health check (a hung host) before it is killed and restarted; "
-        f"0: never (default {RestartPolicy().unresponsive:g})",
-    )
+    options.add_health_timeout_flag(s, "a process")
 
 
 def add_service_parsers(sub) -> None:

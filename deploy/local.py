@@ -27,7 +27,7 @@ a backoff that doubles up to a bound; more than `RestartPolicy.max_per_minute` a
 child within 60 s end the pipeline, as does a child exiting cleanly (exit 0: it was told to
 stop): `failure` then says why, and `specdec serve` exits non-zero with that message. A child
 that is alive but answers no gRPC health check for `RestartPolicy.unresponsive` seconds (a hung
-host: stopped, deadlocked) is killed, then restarted so; the orchestrator is probed only where it
+host: stopped, deadlocked; deploy.liveness) is killed, then restarted so; the orchestrator is probed only where it
 serves plaintext (a probe has no client certificate for its TLS).
 """
 
@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy import liveness
 from deploy.configs import ModelServiceConfig
 from orchestrator import CALIBRATION_TOKENS
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
@@ -58,7 +59,6 @@ MODEL_SERVICES = ("draft", "target")
 # serve's Prometheus ports: each process's offset from the base --metrics-port.
 METRICS_OFFSETS = {"orchestrator": 0, "target": 1, "draft": 2}
 POLL_SECONDS = 0.1  # how often the monitor looks at the children
-PROBE_SECONDS = 5.0  # how often the prober checks the children's health, and each check's deadline
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RestartPolicy:
     max_backoff: float = 8.0
     max_per_minute: int = 5  # restart attempts of one service within 60 s; one more ends the pipeline
     # A child that answers no health check for this long is killed (then restarted); 0: never.
-    unresponsive: float = 30.0
+    unresponsive: float = liveness.UNRESPONSIVE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -359,11 +359,12 @@ class LocalPipeline:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        limit, answered, channels = self.config.restart.unresponsive, {}, {}
+        limit = self.config.restart.unresponsive
+        silence, every, channels = liveness.Silence(limit), liveness.period(limit), {}
         probed = [*MODEL_SERVICES, *(() if self.config.tls.flags() else ("orchestrator",))]
         try:
-            while not self._stopping.wait(PROBE_SECONDS) and self.failure is None:
-                calls = {}
+            while not self._stopping.wait(every) and self.failure is None:
+                sent, calls = time.monotonic(), {}
                 for name in probed:
                     pid = self._serving.get(name)
                     if pid is None:  # down or restarting: the monitor's
@@ -371,13 +372,10 @@ class LocalPipeline:
                     address = self.addresses[name]  # a restart keeps it: one channel each
                     if address not in channels:
                         channels[address] = grpc.insecure_channel(address)
-                    answered.setdefault(pid, time.monotonic())
                     stub = health_pb2_grpc.HealthStub(channels[address])
-                    calls[name] = pid, stub.Check.future(health_pb2.HealthCheckRequest(), timeout=PROBE_SECONDS)
-                for name, (pid, call) in calls.items():
-                    if call.exception() is None:
-                        answered[pid] = time.monotonic()
-                    elif time.monotonic() - answered[pid] > limit and not self._stopping.is_set():
+                    calls[name] = pid, stub.Check.future(health_pb2.HealthCheckRequest(), timeout=every)
+                for name, (pid, call) in calls.items():  # a pid a key: a restarted child's silence is its own
+                    if silence.heard(pid, call.exception() is None, sent) and not self._stopping.is_set():
                         self._kill_unresponsive(name, pid, limit)
         finally:
             for channel in channels.values():

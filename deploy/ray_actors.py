@@ -2,10 +2,11 @@
 
 A ModelServiceHost builds one model service (deploy.hosting, the composition the CLI and
 the tests use too) on its node's address and a free port; an OrchestratorHost connects to
-the two through their actor handles (so it finds a restarted service on its new port) and
-serves the client API. Neither adds behaviour of its own: what the services do, how they
-are secured (specdec.serving.security: TLS, mTLS, a token, plaintext only where allowed) and
-observed (specdec.serving.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
+the two through their actor handles (so it finds a restarted service on its new port),
+serves the client API and kills a service that hangs, for Ray to restart (deploy.liveness).
+Neither adds behaviour of its own: what the services do, how they are secured
+(specdec.serving.security: TLS, mTLS, a token, plaintext only where allowed) and observed
+(specdec.serving.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
 runtime_env) is the same inside and outside Ray. A Ray worker runs no command line, so its actors'
 entry (worker_environment) reads that environment, as cli.options.apply_environment does elsewhere:
 the OTEL_* variables, SPECDEC_CACHE and, where a model is hosted, SPECDEC_FUSE.
@@ -77,8 +78,9 @@ class OrchestratorHost(_Host):
         security: ServerSecurity,
         service_security: ClientSecurity,
         loopback: bool,
+        health_timeout: float = 0.0,
     ):
-        from deploy import hosting
+        from deploy import hosting, liveness
         from specdec.serving import lifecycle, telemetry
 
         self._locate(loopback)
@@ -94,6 +96,9 @@ class OrchestratorHost(_Host):
             self.telemetry,
         )
         self.server, self.port, self.pair = self.orchestrator.server, self.orchestrator.port, self.orchestrator.pair
+        # A service that hangs is killed, for Ray to restart (deploy.liveness); health_timeout 0: never.
+        stubs = {"draft": self.pair.draft, "target": self.pair.target}
+        self.watch = liveness.ServiceWatch(stubs, {"draft": draft, "target": target}, health_timeout).start()
         lifecycle.freeze_heap()
 
     def where(self) -> dict:
@@ -101,6 +106,7 @@ class OrchestratorHost(_Host):
         return {**super().where(), "http_url": http.url if http else None}
 
     def stop(self, grace: float = 5.0) -> None:
+        self.watch.stop()
         if self.orchestrator.http is not None:
             self.orchestrator.http.stop()
         super().stop(grace)

@@ -7,7 +7,8 @@ and `down` and `status` find them again:
   `pack` places both on one node (STRICT_PACK, e.g. a GPU pair), `spread` on two different
   nodes (STRICT_SPREAD, e.g. two hosts);
 - `N-draft`, `N-target`: the model services (deploy.ray_actors.ModelServiceHost), each in
-  its bundle, restarted by Ray when they die (`max_restarts`); a restart binds a fresh
+  its bundle, restarted by Ray when they die (`max_restarts`), killed by the orchestrator's
+  host when they hang (`health_timeout`, deploy.liveness); a restart binds a fresh
   port, which the orchestrator finds through the actor handle (orchestrator.recovery);
 - `N-orchestrator`: the client API on its node's address (by default the head node's, so
   the address clients use stays put), restarted too; with a fixed port it comes back at the
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from deploy import liveness
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.ray_actors import ModelServiceHost, OrchestratorHost
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity
@@ -70,6 +72,8 @@ class RayDeployConfig:
     orchestrator_on_head: bool = True
     port: int = 50051  # orchestrator port; 0 picks a free one (which moves if the actor restarts)
     max_restarts: int = -1  # per service actor; -1: no limit
+    # seconds a service may answer nothing before the orchestrator kills its actor (Ray restarts it); 0: never
+    health_timeout: float = liveness.UNRESPONSIVE_SECONDS
     placement_timeout: float = 120.0
     start_timeout: float = 600.0
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
@@ -92,6 +96,8 @@ class RayDeployConfig:
             raise ValueError("draft and target must be configs of the draft and target roles")
         if not self.name:
             raise ValueError("the deployment name must not be empty")
+        if not self.health_timeout >= 0:  # nan too
+            raise ValueError(f"--health-timeout must be >= 0 seconds, got {self.health_timeout}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         for role, res in (("draft", self.draft_resources), ("target", self.target_resources)):
@@ -185,6 +191,7 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 config.server_security,
                 config.service_security,
                 config.loopback,
+                config.health_timeout,
             )
         )
         where = started({"orchestrator": orchestrator}, config.start_timeout)["orchestrator"]

@@ -5,9 +5,10 @@ classes; the replicas' names, status and health, which both read, are deploy.ser
   replica itself and the draft, bundle 1: the target; `pack` on one node or `spread` on two);
   the replica starts the draft and target services in it as Ray actors (deploy.ray_actors,
   named NAME-REPLICA-draft and -target in the specdec namespace, restarted by Ray when they
-  die) and runs the orchestrator in its own process: each request is the orchestrator's
-  servicer called in process (orchestrator.continuation.stream), on a thread of its own, its
-  chunks handed to Serve as they come. Serve's max_ongoing_requests is the pair's admission.
+  die, killed by the replica's watch when they hang: deploy.liveness) and runs the orchestrator
+  in its own process: each request is the orchestrator's servicer called in process
+  (orchestrator.continuation.stream), on a thread of its own, its chunks handed to Serve as they
+  come. Serve's max_ongoing_requests is the pair's admission.
   A request may carry a Resume: the rest of a request another replica lost.
 - Door: the ingress, holding no model. A gRPC server on loopback serves the Orchestrator API
   with orchestrator.continuation.ResumingServicer over a handle to Pair: every request goes
@@ -34,7 +35,7 @@ from ray import serve
 from ray.serve.request_router import FIFOMixin, RequestRouter
 from ray.util.placement_group import get_current_placement_group
 
-from deploy import ray_deploy, serve_status
+from deploy import liveness, ray_deploy, serve_status
 from deploy.ray_actors import actor_endpoint, worker_environment
 from orchestrator import continuation, openai_api
 from orchestrator.calibration import calibrate
@@ -110,6 +111,8 @@ class Pair:
         )
         self.defaults = request_defaults(orchestrator)
         calibrate(self.pair, orchestrator.calibration_tokens, self.defaults)  # priced before Serve routes to it
+        stubs = {"draft": self.pair.draft, "target": self.pair.target}  # a service that hangs: killed, Ray restarts it
+        self.watch = liveness.ServiceWatch(stubs, self.services, config.health_timeout).start()
         # A generation blocks its thread for its whole length: one each, as many as Serve lets in.
         self.pool = ThreadPoolExecutor(orchestrator.admission.max_concurrent + 2, "specdec-pair")
 
@@ -145,7 +148,7 @@ class Pair:
     async def check_health(self) -> None:
         """Unhealthy once a service actor is gone for good (past its restarts): Serve then
         replaces the replica, placement group and services included. A service still restarting
-        is not a fault: the orchestrator waits for it."""
+        is not a fault: the orchestrator waits for it (one that hangs is the watch's to kill)."""
         for role, handle in self.services.items():
             try:
                 await asyncio.wait_for(handle.where.remote(), 1.0)
@@ -157,6 +160,8 @@ class Pair:
     def __del__(self):
         """Serve stops the replica: the services finish their calls and flush telemetry (they
         die with the replica, which owns them)."""
+        if hasattr(self, "watch"):
+            self.watch.stop()
         services = getattr(self, "services", {})
         if services:
             ray.wait([h.stop.remote(2.0) for h in services.values()], num_returns=len(services), timeout=5)

@@ -10,11 +10,14 @@ tiny random models in real service actors.
   an uninterrupted run (the target waited for, the draft not: rounds went on without it), and
   the actor did restart (new pid, one more restart in Ray's table);
 - a stream through the orchestrator actor, whose target is killed mid-generation, delivers
-  each token once, in order.
+  each token once, in order;
+- a target actor that hangs (stopped: alive, its port open) is killed by the orchestrator's
+  watch and restarted by Ray, and serves the same tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -28,7 +31,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from deploy import ray_deploy
+from deploy import liveness, ray_deploy
 from deploy.configs import ModelServiceConfig
 from deploy.ray_actors import actor_endpoint
 from orchestrator.loop import LoopConfig, SpeculativeLoop
@@ -79,7 +82,7 @@ def cluster():
 PLAINTEXT = {"server_security": ServerSecurity(allow_insecure=True), "service_security": INSECURE}
 
 
-def config(tiny_models, name, placement, **security_settings):
+def config(tiny_models, name, placement, health_timeout=liveness.UNRESPONSIVE_SECONDS, **security_settings):
     return ray_deploy.RayDeployConfig(
         name=name,
         target=ModelServiceConfig("target", ModelSpec(tiny_models["target"], "cpu", "float32")),
@@ -88,13 +91,15 @@ def config(tiny_models, name, placement, **security_settings):
         port=0,
         placement_timeout=60,
         start_timeout=300,
+        health_timeout=health_timeout,
         **(security_settings or PLAINTEXT),
     )
 
 
 @pytest.fixture(scope="module")
 def packed(cluster, tiny_models):
-    deployment = ray_deploy.up(config(tiny_models, "t-pack", "pack"))
+    # A service silent for 6 s is killed (test_a_hung_service_actor_is_killed_and_restarted)
+    deployment = ray_deploy.up(config(tiny_models, "t-pack", "pack", health_timeout=6.0))
     try:
         yield deployment
     finally:
@@ -260,6 +265,28 @@ def test_stream_survives_a_target_kill_mid_generation(packed):
     assert [t for c in chunks for t in c.token_ids] == expected  # each token once, in order
     assert chunks[-1].finish_reason == "length" and len(expected) == 400
     assert ray.get(host.reopens.remote())["target"] > reopens["target"]  # the target's session was re-opened
+
+
+def test_a_hung_service_actor_is_killed_and_restarted(packed, reference):
+    """Ray restarts an actor that dies, not one that hangs: the orchestrator's watch
+    (deploy.liveness) kills the target actor once it has answered nothing (SIGSTOP: alive, its
+    port open) for the deployment's health_timeout, Ray restarts it, and the deployment serves
+    the same greedy tokens on it."""
+    handle = ray.get_actor(ray_deploy.actor_name(packed.name, "target"))
+
+    def target() -> ray_deploy.ActorStatus:  # from Ray's table: asks nothing of the frozen actor
+        return ray_deploy.describe(handle, "target", {}, endpoint=False)
+
+    before = target()
+    os.kill(before.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: (now := target()).pid != before.pid and now.state == "ALIVE", 120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before.pid, signal.SIGCONT)
+    assert not Path(f"/proc/{before.pid}").exists() or "State:\tZ" in _proc_status(before.pid)
+    assert target().restarts == before.restarts + 1
+    assert list(orchestrator(packed.address).Generate(request(), timeout=120).token_ids) == reference
 
 
 def test_a_driver_connected_by_specdec_keeps_its_sigterm_handler(cluster):

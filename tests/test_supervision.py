@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deploy import liveness
 from deploy.local import LocalPipeline, PipelineConfig, RestartPolicy
 from specdec.v1 import model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.weights.models import ModelSpec
@@ -198,3 +199,18 @@ def test_a_command_stopped_by_sigterm_stops_the_pipeline_it_started(tmp_path):
     finally:
         bench.kill()
         bench.wait()
+
+
+def test_silence_counts_from_a_process_first_unanswered_probe_until_it_answers():
+    """deploy.liveness.Silence, which both supervisors read: a key is silent past the limit only
+    while no probe of it has been answered since; another key (a restarted pid) counts afresh."""
+    silence = liveness.Silence(10.0)
+    assert not silence.heard(1, False, 100.0)  # the first unanswered probe starts the count
+    assert not silence.heard(1, False, 109.0)
+    assert not silence.heard(2, False, 109.0)  # its own count
+    assert silence.heard(1, False, 110.0)
+    assert not silence.heard(1, True, 111.0)  # answered: the count starts again
+    assert not silence.heard(1, False, 115.0) and silence.heard(1, False, 125.0)
+    silence.forget(1)  # killed: its successor's silence is its own
+    assert not silence.heard(1, False, 126.0)
+    assert liveness.period(3.0) == 1.0 and liveness.period(30.0) == liveness.PROBE_SECONDS
