@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
@@ -101,8 +102,23 @@ class RayDeployConfig:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}")
         for role, res in (("draft", self.draft_resources), ("target", self.target_resources)):
-            if res.cpus < 0 or res.gpus < 0 or not res.bundle():
-                raise ValueError(f"the {role} service needs some CPUs or GPUs, got {res}")
+            if not (_amount(res.cpus) and _amount(res.gpus) and res.bundle()):
+                raise ValueError(
+                    f"the {role} service needs some CPUs or GPUs (--{role}-cpus, --{role}-gpus: >= 0, one > 0), "
+                    f"got {res.cpus:g} CPUs and {res.gpus:g} GPUs"
+                )
+        if not _amount(self.orchestrator_cpus):
+            raise ValueError(f"--orchestrator-cpus must be >= 0, got {self.orchestrator_cpus:g}")
+        if self.max_restarts < -1:
+            raise ValueError(f"--max-restarts is a count >= 0, or -1 for no limit, got {self.max_restarts}")
+        for flag, value in (("--timeout", self.start_timeout), ("the placement timeout", self.placement_timeout)):
+            if not (_amount(value) and value > 0):
+                raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
+
+
+def _amount(value: float) -> bool:
+    """A finite quantity >= 0 (NaN is not)."""
+    return math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -159,15 +175,24 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     name = config.name
     if _find_actor(actor_name(name, "orchestrator")) or _find_pg(name):
         raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
+    bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
+    strategy = PLACEMENTS[config.placement]
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    why = unplaceable(bundles, config.placement, nodes)
+    if why:  # Ray would wait placement_timeout for it, saying nothing
+        raise RuntimeError(
+            f"cannot place draft {_amounts(bundles[0])} and target {_amounts(bundles[1])} with {config.placement} "
+            f"({strategy}): {why}; the cluster has {_describe_nodes()}: ask less (--draft-cpus, --target-cpus, "
+            "--target-gpus ...), place them otherwise (--placement), or add nodes"
+        )
     t0 = time.perf_counter()
     try:
-        bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
-        strategy = PLACEMENTS[config.placement]
         pg = placement_group(bundles, strategy=strategy, name=pg_name(name), lifetime="detached")
         if not pg.wait(config.placement_timeout):
-            raise RuntimeError(
-                f"cannot place draft {bundles[0]} and target {bundles[1]} with {config.placement} ({strategy}) "
-                f"within {config.placement_timeout:.0f} s; the cluster has {_describe_nodes()}"
+            raise RuntimeError(  # it fits the cluster, but other work holds what it needs
+                f"cannot place draft {_amounts(bundles[0])} and target {_amounts(bundles[1])} with "
+                f"{config.placement} ({strategy}) within {config.placement_timeout:.0f} s: the cluster has "
+                f"{_describe_nodes()}, some of it held by other work"
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
         services = start_services(config, pg, lambda role: actor_name(name, role), lifetime="detached")
@@ -366,6 +391,23 @@ def _actor_record(handle) -> dict | None:
     from ray._private import state
 
     return state.actors(handle._actor_id.hex()) or None
+
+
+def unplaceable(bundles: list[dict[str, float]], placement: str, nodes: list[dict[str, float]]) -> str:
+    """Why no node (each a node's total resources) can ever hold the pair's bundles (draft's,
+    target's) placed so: `pack`, one node both; `spread`, two different nodes. "" where some can."""
+
+    def fits(node: dict[str, float], *need: dict[str, float]) -> bool:
+        return all(node.get(k, 0.0) + 1e-9 >= sum(b.get(k, 0.0) for b in need) for b in need for k in b)
+
+    if placement == "pack":
+        return "" if any(fits(n, *bundles) for n in nodes) else "no node has both"
+    pairs = ((a, b) for i, a in enumerate(nodes) for j, b in enumerate(nodes) if i != j)
+    return "" if any(fits(a, bundles[0]) and fits(b, bundles[1]) for a, b in pairs) else "no two nodes have them"
+
+
+def _amounts(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in bundle.items())
 
 
 def _describe_nodes() -> str:

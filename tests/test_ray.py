@@ -18,6 +18,7 @@ tiny random models in real service actors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -170,6 +171,23 @@ def test_plaintext_on_the_cluster_network_must_be_allowed(tiny_models):
         config(tiny_models, "t-refused", "pack", server_security=ServerSecurity(allow_insecure=True))
     # A cluster that is this one machine binds loopback, where plaintext is fine.
     assert config(tiny_models, "t-local", "pack", server_security=ServerSecurity(), loopback=True).loopback
+
+
+@pytest.mark.parametrize(
+    ("placement", "target_cpus", "why"),
+    [("pack", 2.5, "no node has both"), ("spread", 4.0, "no two nodes have them")],  # two nodes of 3 CPUs
+)
+def test_a_pair_the_cluster_cannot_hold_is_refused_at_once(cluster, tiny_models, placement, target_cpus, why):
+    """Refused before anything is created, naming what it needs and what the cluster has (Ray
+    would wait the placement timeout for it, saying nothing)."""
+    big = dataclasses.replace(
+        config(tiny_models, "t-big", placement), target_resources=ray_deploy.Resources(cpus=target_cpus)
+    )
+    refusal = f"target {target_cpus:g} CPU with {placement} .*: {why}; the cluster has 2 node"
+    with pytest.raises(RuntimeError, match=refusal):
+        ray_deploy.up(big)
+    assert ray_deploy.status("t-big") == [ray_deploy.ActorStatus(role, "ABSENT") for role in ray_deploy.ROLES]
+    assert ray_deploy.placement("t-big") == ""  # no placement group either
 
 
 def test_pack_places_both_on_one_node(packed, reference):

@@ -419,6 +419,12 @@ def ids_of(tokens):
         (["serve", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),  # 0 was no flag at all
         (["generate", "hi", "--draft-threads", "-2"], "--draft-threads must be >= 1, got -2"),
         (["ray", "up", "--target-threads", "0"], "--target-threads must be >= 1, got 0"),
+        # Each of these started a Ray cluster, placed the pair (and for the last two started its
+        # services) before Ray's words or a wait of 0 s ended it
+        (["ray", "up", "--max-restarts", "-5"], "--max-restarts is a count >= 0, or -1 for no limit, got -5"),
+        (["ray", "up", "--orchestrator-cpus", "-2"], "--orchestrator-cpus must be >= 0, got -2"),
+        (["ray", "up", "--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+        (["ray", "up", "--target-cpus", "nan"], "the target service needs some CPUs or GPUs (--target-cpus,"),
         (["generate", "hi", "--seed", "-1"], "--seed must be in 0..18446744073709551615, got -1"),  # protobuf's words
         (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
         (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
