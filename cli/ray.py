@@ -119,7 +119,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write the Serve config file of this deployment (for `serve deploy` or a KubeRay RayService) and exit",
     )
     up.add_argument("--max-restarts", type=int, default=-1, help="restarts per service actor; -1: no limit (default)")
-    options.add_health_timeout_flag(up, "a service actor")
+    options.add_health_timeout_flag(up, "an actor")
     up.add_argument("--runtime-env", type=json.loads, help="Ray runtime_env (JSON), e.g. to install specdec")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the services to start")
     up.add_argument("--no-dashboard", action="store_true", help="local cluster only: start it without the dashboard")

@@ -5,12 +5,15 @@ alive and silent as it is: its port open, every call to it waiting out its deadl
 probes what it watches every `period(limit)` seconds; `Silence` says which has answered nothing
 for `limit` seconds, and the supervisor kills it, so that it is restarted as a crashed one is:
 - `specdec serve` (deploy.local.LocalPipeline): a gRPC health check of each child; SIGKILL;
-- an orchestrator hosted by Ray (`ray up`'s actor, a Serve replica of `ray serve`): `ServiceWatch`,
-  a Describe of each model service on the pair's own links; the service's actor killed through
-  its handle, which Ray restarts (`max_restarts`) and the pair finds on its new port.
+- under Ray, a `Watch` thread (deploy.ray_actors): the orchestrator's host (`ray up`'s actor, each
+  Serve replica) probes each model service by a Describe on the pair's own link (`service_probe`),
+  and `ray up`'s target service probes the orchestrator by an actor call (a Serve replica is
+  Serve's to check); the actor is killed through its handle, Ray restarts it (`max_restarts`), and
+  the pair finds a service on its new port.
 A health check answers NOT_SERVING while a process drains, and a Describe may answer an error
-status: an answer all the same. Where the watch cannot tell a live process from a dead one (Ray's),
-a refused connection is one down or restarting, its restarter's business, not silence.
+status: an answer all the same. Where the watch cannot tell a live process from a dead one (a
+service under Ray), a refused connection is one down or restarting, its restarter's business, not
+silence; an actor that Ray's table does not list ALIVE (being created, restarting) is not asked.
 """
 
 from __future__ import annotations
@@ -65,20 +68,23 @@ def silent(call: grpc.Future, address: str) -> bool:
     return not refuses(address)
 
 
-class ServiceWatch:
-    """A thread beside an orchestrator hosted by Ray: a model service of its pair that answers no
-    Describe for `limit` seconds is killed through its actor handle (Ray restarts only an actor that
-    dies; a stopped or deadlocked one would stay hung, each request through it waiting out its
-    deadline or the pair's hang_seconds). `stubs`: role -> the pair's orchestrator.recovery stub;
-    `handles`: role -> the service's actor handle."""
+# A probe of one process, given its deadline in seconds: True it answered, False it did not, None it
+# is not there to ask (not started, restarting, gone: its restarter's business, not silence).
+Probe = Callable[[float], "bool | None"]
 
-    def __init__(self, stubs: dict, handles: dict, limit: float, kill: Callable | None = None):
-        self.stubs, self.handles, self.limit = stubs, handles, limit
-        self._kill = kill or _ray_kill
+
+class Watch:
+    """A thread that probes each named process every `period(limit)` seconds and calls `kill(name)`
+    for one that has answered nothing for `limit` seconds (0: never); what restarts a dead process
+    restarts it (Ray, for an actor: Ray restarts only one that dies, and a stopped or deadlocked one
+    would stay hung, each request through it waiting out its deadline)."""
+
+    def __init__(self, probes: dict[str, Probe], kill: Callable[[str], None], limit: float):
+        self.probes, self.kill, self.limit = probes, kill, limit
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specdec-service-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="specdec-watch", daemon=True)
 
-    def start(self) -> ServiceWatch:
+    def start(self) -> Watch:
         if self.limit > 0:
             self._thread.start()
         return self
@@ -87,26 +93,32 @@ class ServiceWatch:
         self._stopping.set()
 
     def _run(self) -> None:
-        from specdec.v1 import model_pb2
-
         silence, every = Silence(self.limit), period(self.limit)
         while not self._stopping.wait(every):
-            sent, calls = time.monotonic(), {}
-            for role, stub in self.stubs.items():
+            for name, probe in self.probes.items():
+                sent = time.monotonic()
                 try:
-                    calls[role] = stub.Describe.future(model_pb2.DescribeRequest(), timeout=every)
-                except Exception:  # noqa: BLE001 - not connected (a restart under way): not silence
-                    silence.forget(role)
-            for role, call in calls.items():
-                quiet = silent(call, self.stubs[role].address)
-                if silence.heard(role, not quiet, sent) and not self._stopping.is_set():
-                    what = f"the {role} service answered nothing for {self.limit:g} s (stopped or hung)"
-                    log.warning("%s; killing its actor: Ray restarts it", what)
-                    self._kill(self.handles[role])
-                    silence.forget(role)
+                    answered = probe(every)
+                except Exception:  # noqa: BLE001 - a probe that cannot ask (a cluster call failing): not silence
+                    log.debug("probing %s failed", name, exc_info=True)
+                    answered = None
+                if answered is None:
+                    silence.forget(name)
+                elif silence.heard(name, answered, sent) and not self._stopping.is_set():
+                    log.warning("%s answered nothing for %g s (stopped or hung); killing it", name, self.limit)
+                    self.kill(name)
+                    silence.forget(name)
 
 
-def _ray_kill(handle) -> None:
-    import ray
+def service_probe(stub) -> Probe:
+    """A model service probed by a Describe on the pair's link to it (an orchestrator.recovery stub)."""
+    from specdec.v1 import model_pb2
 
-    ray.kill(handle, no_restart=False)  # a stopped process too: Ray ends it (~5 s), then restarts the actor
+    def probe(timeout: float) -> bool | None:
+        try:
+            call = stub.Describe.future(model_pb2.DescribeRequest(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - not connected: a restart under way
+            return None
+        return not silent(call, stub.address)
+
+    return probe

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from deploy import liveness
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from specdec.serving.security import ClientSecurity, ServerSecurity
 
@@ -54,16 +55,30 @@ class _Host:
 
 
 class ModelServiceHost(_Host):
-    """The draft or target service, in a Ray actor."""
+    """The draft or target service, in a Ray actor; `watch`: the name of an orchestrator actor to
+    kill when it answers nothing for `health_timeout` seconds (`ray up`'s target watches its
+    orchestrator, which watches the services)."""
 
-    def __init__(self, config: ModelServiceConfig, security: ServerSecurity, loopback: bool):
+    def __init__(
+        self,
+        config: ModelServiceConfig,
+        security: ServerSecurity,
+        loopback: bool,
+        watch: str | None = None,
+        health_timeout: float = 0.0,
+    ):
         from deploy import hosting
         from specdec.serving import lifecycle, telemetry
 
         self._locate(loopback)
         self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
         self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
+        self.watch = watch_orchestrator(watch, health_timeout if watch else 0.0)
         lifecycle.freeze_heap()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.watch.stop()
+        super().stop(grace)
 
 
 class OrchestratorHost(_Host):
@@ -80,7 +95,7 @@ class OrchestratorHost(_Host):
         loopback: bool,
         health_timeout: float = 0.0,
     ):
-        from deploy import hosting, liveness
+        from deploy import hosting
         from specdec.serving import lifecycle, telemetry
 
         self._locate(loopback)
@@ -96,9 +111,7 @@ class OrchestratorHost(_Host):
             self.telemetry,
         )
         self.server, self.port, self.pair = self.orchestrator.server, self.orchestrator.port, self.orchestrator.pair
-        # A service that hangs is killed, for Ray to restart (deploy.liveness); health_timeout 0: never.
-        stubs = {"draft": self.pair.draft, "target": self.pair.target}
-        self.watch = liveness.ServiceWatch(stubs, {"draft": draft, "target": target}, health_timeout).start()
+        self.watch = watch_services(self.pair, {"draft": draft, "target": target}, health_timeout)
         lifecycle.freeze_heap()
 
     def where(self) -> dict:
@@ -131,6 +144,61 @@ def worker_environment(hosts_model: bool = False) -> dict[str, str]:
 
         graphs.set_fuse(environ.get(graphs.FUSE_ENV))
     return environ
+
+
+def watch_services(pair, handles: dict, limit: float) -> liveness.Watch:
+    """The pair's model services (`handles`: role -> actor handle) watched from the orchestrator's
+    host: one that answers no Describe on the pair's link for `limit` seconds while its port takes
+    connections is killed, and Ray restarts it; the pair finds it on its new port (0: never)."""
+    import ray
+
+    roles = {f"the {role} service": role for role in handles}
+    stubs = {"draft": pair.draft, "target": pair.target}
+    return liveness.Watch(
+        {name: liveness.service_probe(stubs[role]) for name, role in roles.items()},
+        # a stopped process too: Ray ends it (~5 s), then restarts the actor (max_restarts)
+        lambda name: ray.kill(handles[roles[name]], no_restart=False),
+        limit,
+    ).start()
+
+
+def watch_orchestrator(name: str | None, limit: float) -> liveness.Watch:
+    """The orchestrator actor named `name` watched from a service's host (`ray up`: nothing else
+    would): one alive in Ray's table that answers no actor call for `limit` seconds is killed, and
+    Ray restarts it (at the same address where its port is fixed). One being created or restarted
+    (its start prices the pair) is not asked (0: never)."""
+    import ray
+
+    def probe(timeout: float) -> bool | None:
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:  # not created yet, or removed
+            return None
+        record = actor_record(handle)
+        if record is None or record["State"] != "ALIVE":
+            return None
+        try:
+            ray.get(handle.where.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return False
+        except ray.exceptions.RayError:  # died meanwhile: Ray's to restart
+            return None
+        return True
+
+    return liveness.Watch(
+        {"the orchestrator": probe}, lambda _name: ray.kill(ray.get_actor(name), no_restart=False), limit
+    ).start()
+
+
+def actor_record(handle) -> dict | None:
+    """The actor's entry in GCS's actor table (State, Address.NodeID, Pid, NumRestarts).
+
+    Read from the GCS directly: Ray's public state API (ray.util.state) needs the dashboard,
+    which a cluster may run without. `_actor_id` is how Ray's own docs name a handle's id.
+    """
+    from ray._private import state
+
+    return state.actors(handle._actor_id.hex()) or None
 
 
 def actor_endpoint(handle) -> Callable[[float], str]:

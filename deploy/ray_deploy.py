@@ -11,7 +11,8 @@ and `down` and `status` find them again:
   host when they hang (`health_timeout`, deploy.liveness); a restart binds a fresh
   port, which the orchestrator finds through the actor handle (orchestrator.recovery);
 - `N-orchestrator`: the client API on its node's address (by default the head node's, so
-  the address clients use stays put), restarted too; with a fixed port it comes back at the
+  the address clients use stays put), restarted too, and killed by the target's host when it
+  hangs; with a fixed port it comes back at the
   same address.
 
 The actors bind their node's address, so their links cross the cluster's network: they need
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from deploy import liveness
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
-from deploy.ray_actors import ModelServiceHost, OrchestratorHost
+from deploy.ray_actors import ModelServiceHost, OrchestratorHost, actor_record
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity
 
 NAMESPACE = "specdec"
@@ -195,13 +196,16 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
                 f"{_describe_nodes()}, some of it held by other work"
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
-        services = start_services(config, pg, lambda role: actor_name(name, role), lifetime="detached")
+        orchestrator_name = actor_name(name, "orchestrator")  # watched by the target: nothing else would
+        services = start_services(
+            config, pg, lambda role: actor_name(name, role), watch=orchestrator_name, lifetime="detached"
+        )
         for role, where in started(services, config.start_timeout).items():
             log(f"specdec: {role} service ready at {where['endpoint']} (node {where['node_id'][:12]})")
         orchestrator = (
             ray.remote(OrchestratorHost)
             .options(
-                name=actor_name(name, "orchestrator"),
+                name=orchestrator_name,
                 lifetime="detached",
                 max_restarts=-1,
                 max_task_retries=-1,
@@ -230,10 +234,13 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
     return Deployment(name, address, where.get("http_url"))
 
 
-def start_services(config: RayDeployConfig, group, name: Callable[[str], str], **options) -> dict:
+def start_services(
+    config: RayDeployConfig, group, name: Callable[[str], str], watch: str | None = None, **options
+) -> dict:
     """The draft and the target service actors (not waited for), each in its bundle of the
     placement group (0: the draft's, 1: the target's), named name(role), restarted by Ray up to
-    config.max_restarts; `options`: more of Ray's actor options (lifetime, namespace)."""
+    config.max_restarts; `watch`: the orchestrator actor's name, for the target to kill it when it
+    hangs (config.health_timeout); `options`: more of Ray's actor options (lifetime, namespace)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -252,7 +259,13 @@ def start_services(config: RayDeployConfig, group, name: Callable[[str], str], *
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
                 **options,
             )
-            .remote(service, services_security(config), config.loopback)
+            .remote(
+                service,
+                services_security(config),
+                config.loopback,
+                watch if service.role == "target" else None,
+                config.health_timeout,
+            )
         )
     return services
 
@@ -317,7 +330,7 @@ def describe(
     (one of deploy.ray_actors' hosts) when it is alive."""
     import ray
 
-    record = _actor_record(handle)
+    record = actor_record(handle)
     if record is None:
         return ActorStatus(role, "ABSENT")
     where = ""
@@ -380,17 +393,6 @@ def _find_pg(name: str):
     except ValueError:
         return None
     return pg if ray.util.placement_group_table(pg).get("state") != "REMOVED" else None
-
-
-def _actor_record(handle) -> dict | None:
-    """The actor's entry in GCS's actor table (State, Address.NodeID, Pid, NumRestarts).
-
-    Read from the GCS directly: Ray's public state API (ray.util.state) needs the dashboard,
-    which a cluster may run without. `_actor_id` is how Ray's own docs name a handle's id.
-    """
-    from ray._private import state
-
-    return state.actors(handle._actor_id.hex()) or None
 
 
 def unplaceable(bundles: list[dict[str, float]], placement: str, nodes: list[dict[str, float]]) -> str:

@@ -35,8 +35,8 @@ from ray import serve
 from ray.serve.request_router import FIFOMixin, RequestRouter
 from ray.util.placement_group import get_current_placement_group
 
-from deploy import liveness, ray_deploy, serve_status
-from deploy.ray_actors import actor_endpoint, worker_environment
+from deploy import ray_deploy, serve_status
+from deploy.ray_actors import actor_endpoint, watch_services, worker_environment
 from orchestrator import continuation, openai_api
 from orchestrator.calibration import calibrate
 from orchestrator.generation import request_defaults
@@ -111,8 +111,7 @@ class Pair:
         )
         self.defaults = request_defaults(orchestrator)
         calibrate(self.pair, orchestrator.calibration_tokens, self.defaults)  # priced before Serve routes to it
-        stubs = {"draft": self.pair.draft, "target": self.pair.target}  # a service that hangs: killed, Ray restarts it
-        self.watch = liveness.ServiceWatch(stubs, self.services, config.health_timeout).start()
+        self.watch = watch_services(self.pair, self.services, config.health_timeout)  # Serve watches this replica
         # A generation blocks its thread for its whole length: one each, as many as Serve lets in.
         self.pool = ThreadPoolExecutor(orchestrator.admission.max_concurrent + 2, "specdec-pair")
 

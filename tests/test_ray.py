@@ -12,7 +12,8 @@ tiny random models in real service actors.
 - a stream through the orchestrator actor, whose target is killed mid-generation, delivers
   each token once, in order;
 - a target actor that hangs (stopped: alive, its port open) is killed by the orchestrator's
-  watch and restarted by Ray, and serves the same tokens.
+  watch and restarted by Ray, and serves the same tokens; so is a hung orchestrator, by the
+  target's watch.
 """
 
 from __future__ import annotations
@@ -305,6 +306,22 @@ def test_a_hung_service_actor_is_killed_and_restarted(packed, reference):
     assert not Path(f"/proc/{before.pid}").exists() or "State:\tZ" in _proc_status(before.pid)
     assert target().restarts == before.restarts + 1
     assert list(orchestrator(packed.address).Generate(request(), timeout=120).token_ids) == reference
+
+
+def test_a_hung_orchestrator_actor_is_killed_and_restarted(packed, reference):
+    """The same for the orchestrator, watched from the target's host (under `ray up` nothing else
+    would): stopped, it is killed and restarted (on a port of its own: the deployment's is 0), and
+    serves the same greedy tokens. The last test of the packed deployment: its address moved."""
+    before = by_role(packed.name)["orchestrator"]
+    os.kill(before.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: (now := by_role(packed.name)["orchestrator"]).pid != before.pid and now.endpoint, 180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before.pid, signal.SIGCONT)
+    after = by_role(packed.name)["orchestrator"]
+    assert after.state == "ALIVE" and after.restarts == before.restarts + 1
+    assert list(orchestrator(after.endpoint).Generate(request(), timeout=120).token_ids) == reference
 
 
 def test_a_driver_connected_by_specdec_keeps_its_sigterm_handler(cluster):
