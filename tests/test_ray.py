@@ -296,6 +296,7 @@ def test_a_hung_service_actor_is_killed_and_restarted(packed, reference):
     def target() -> ray_deploy.ActorStatus:  # from Ray's table: asks nothing of the frozen actor
         return ray_deploy.describe(handle, "target", {}, endpoint=False)
 
+    assert wait_until(lambda: target().state == "ALIVE" and target().pid > 0, 120)  # os.kill(0) stops our group
     before = target()
     os.kill(before.pid, signal.SIGSTOP)
     try:
@@ -312,6 +313,7 @@ def test_a_hung_orchestrator_actor_is_killed_and_restarted(packed, reference):
     """The same for the orchestrator, watched from the target's host (under `ray up` nothing else
     would): stopped, it is killed and restarted (on a port of its own: the deployment's is 0), and
     serves the same greedy tokens. The last test of the packed deployment: its address moved."""
+    assert wait_until(lambda: by_role(packed.name)["orchestrator"].pid > 0, 120)  # os.kill(0) stops our group
     before = by_role(packed.name)["orchestrator"]
     os.kill(before.pid, signal.SIGSTOP)
     try:

@@ -11,6 +11,8 @@ the config file that `specdec ray up --min-replicas 1 --max-replicas 2 --serve-c
 - a pair's replica killed (SIGKILL) mid-generation, while two streams and a unary call run:
   every request finishes with the target's greedy tokens, each streamed token once, and Serve
   starts a replica in its place;
+- a pair's target service stopped (SIGSTOP): the replica's watch kills it, Ray restarts it,
+  the same tokens served;
 - once the load is gone, Serve removes a pair: one left, healthy.
 (A test that needs two pairs makes them when an earlier one has not.)
 
@@ -22,6 +24,7 @@ config), and opens Serve's plaintext gRPC proxy only on a local cluster or with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -80,6 +83,7 @@ def app(tiny_models, tmp_path_factory):
     argv += ["--target-model", tiny_models["target"], "--draft-model", tiny_models["draft"]]
     argv += ["--target-dtype", "float32", "--draft-dtype", "float32", "--target-cpus", "0.5", "--draft-cpus", "0.5"]
     argv += ["--auth-token-file", str(token), "--max-concurrent", "4"]
+    argv += ["--health-timeout", "6"]  # test_a_hung_service_of_a_pair_is_killed_and_restarted
     args = build_parser().parse_args(argv)
     config = ray_cli.serve_config(args)
     document = ray_serve.config_file(config, ray_cli.config_flags(args, args.up_parser))
@@ -288,6 +292,36 @@ def test_a_pair_killed_mid_generation_loses_no_request(app, two_pairs, reference
     # Serve replaces the replica: a new one starts.
     assert wait_until(lambda: len({r.id for r in pairs()} - {r.id for r in replicas}) == 1, 120, step=0.5)
     assert victim.id not in {r.id for r in pairs()}
+
+
+@pytest.mark.slow
+def test_a_hung_service_of_a_pair_is_killed_and_restarted(app, reference):
+    """Ray restarts a service actor that dies, not one that hangs: the pair replica's watch
+    (deploy.liveness) kills its target once it has answered nothing (SIGSTOP) for the
+    deployment's --health-timeout, Ray restarts it, and the deployment serves the same tokens."""
+
+    def serving(replica) -> ray_deploy.ActorStatus | None:
+        """Its target once alive: a pair the test before started may still be starting it."""
+        target = next((s for s in replica.services if s.role == "target"), None)
+        return target if target is not None and target.state == "ALIVE" and target.pid > 0 else None
+
+    assert wait_until(lambda: any(serving(r) for r in pairs()), 180, step=0.5)
+    replica = next(r for r in pairs() if serving(r))
+
+    def target() -> ray_deploy.ActorStatus:
+        (now,) = [r for r in pairs() if r.id == replica.id]
+        return next(s for s in now.services if s.role == "target")
+
+    before = serving(replica)
+    assert before.pid > 0  # os.kill(0, ...) would stop this process's own group
+    os.kill(before.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: (now := target()).pid != before.pid and now.state == "ALIVE", 180, step=0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before.pid, signal.SIGCONT)
+    assert target().restarts == before.restarts + 1
+    assert list(app.stub().Generate(request(), metadata=AUTH, timeout=300).token_ids) == reference
 
 
 @pytest.mark.slow
