@@ -73,7 +73,7 @@ class ModelServiceHost(_Host):
         self._locate(loopback)
         self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
         self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
-        self.watch = watch_orchestrator(watch, health_timeout if watch else 0.0)
+        self.watch = watch_orchestrator(watch, health_timeout)
         lifecycle.freeze_heap()
 
     def stop(self, grace: float = 5.0) -> None:
@@ -166,8 +166,10 @@ def watch_orchestrator(name: str | None, limit: float) -> liveness.Watch:
     """The orchestrator actor named `name` watched from a service's host (`ray up`: nothing else
     would): one alive in Ray's table that answers no actor call for `limit` seconds is killed, and
     Ray restarts it (at the same address where its port is fixed). One being created or restarted
-    (its start prices the pair) is not asked (0: never)."""
+    (its start prices the pair) is not asked (None or 0: never)."""
     import ray
+
+    limit = limit if name is not None else 0.0
 
     def probe(timeout: float) -> bool | None:
         try:

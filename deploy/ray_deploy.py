@@ -178,12 +178,12 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
         raise RuntimeError(f"a deployment named {name!r} is already up: run `specdec ray down --name {name}` first")
     bundles = [config.draft_resources.bundle(), config.target_resources.bundle()]
     strategy = PLACEMENTS[config.placement]
-    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    nodes = live_nodes()
     why = unplaceable(bundles, config.placement, nodes)
     if why:  # Ray would wait placement_timeout for it, saying nothing
         raise RuntimeError(
-            f"cannot place draft {_amounts(bundles[0])} and target {_amounts(bundles[1])} with {config.placement} "
-            f"({strategy}): {why}; the cluster has {_describe_nodes()}: ask less (--draft-cpus, --target-cpus, "
+            f"cannot place draft {amounts(bundles[0])} and target {amounts(bundles[1])} with {config.placement} "
+            f"({strategy}): {why}; the cluster has {describe_nodes(nodes)}: ask less (--draft-cpus, --target-cpus, "
             "--target-gpus ...), place them otherwise (--placement), or add nodes"
         )
     t0 = time.perf_counter()
@@ -191,9 +191,9 @@ def up(config: RayDeployConfig, log: Callable[[str], None] = lambda msg: None) -
         pg = placement_group(bundles, strategy=strategy, name=pg_name(name), lifetime="detached")
         if not pg.wait(config.placement_timeout):
             raise RuntimeError(  # it fits the cluster, but other work holds what it needs
-                f"cannot place draft {_amounts(bundles[0])} and target {_amounts(bundles[1])} with "
+                f"cannot place draft {amounts(bundles[0])} and target {amounts(bundles[1])} with "
                 f"{config.placement} ({strategy}) within {config.placement_timeout:.0f} s: the cluster has "
-                f"{_describe_nodes()}, some of it held by other work"
+                f"{describe_nodes(live_nodes())}, some of it held by other work"
             )
         log(f"specdec: placement group {pg_name(name)} ready ({config.placement}: {strategy})")
         orchestrator_name = actor_name(name, "orchestrator")  # watched by the target: nothing else would
@@ -408,13 +408,17 @@ def unplaceable(bundles: list[dict[str, float]], placement: str, nodes: list[dic
     return "" if any(fits(a, bundles[0]) and fits(b, bundles[1]) for a, b in pairs) else "no two nodes have them"
 
 
-def _amounts(bundle: dict[str, float]) -> str:
+def amounts(bundle: dict[str, float]) -> str:
     return ", ".join(f"{v:g} {k}" for k, v in bundle.items())
 
 
-def _describe_nodes() -> str:
+def live_nodes() -> list[dict[str, float]]:
+    """Each live node's total resources (Ray's table; a connected driver)."""
     import ray
 
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    parts = [", ".join(f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if k in ("CPU", "GPU")) for n in nodes]
+    return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+
+def describe_nodes(nodes: list[dict[str, float]]) -> str:
+    parts = [", ".join(f"{k} {v:g}" for k, v in sorted(n.items()) if k in ("CPU", "GPU")) for n in nodes]
     return f"{len(nodes)} node(s): " + "; ".join(f"[{p}]" for p in parts)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy import serve_status
-from deploy.ray_deploy import PLACEMENTS, RayDeployConfig
+from deploy.ray_deploy import PLACEMENTS, RayDeployConfig, amounts, describe_nodes, live_nodes, unplaceable
 from specdec.limits import AdmissionLimits, ResumePolicy
 from specdec.serving.security import SecurityError
 
@@ -192,31 +192,33 @@ def pair_bundles(pair: RayDeployConfig) -> list[dict[str, float]]:
     return [_bundle(pair.draft_resources.bundle(), {"CPU": pair.orchestrator_cpus}), pair.target_resources.bundle()]
 
 
-def check_fits(config: ServeConfig, cluster: dict[str, float] | None = None, nodes: int | None = None) -> None:
+def check_fits(config: ServeConfig, nodes: list[dict[str, float]] | None = None) -> None:
     """Refuse at once a deployment the cluster cannot place (Serve would wait for it without an
-    error, saying every 30 s that a replica has not been scheduled): what its pairs need (the
-    replicas it starts with) against what the cluster has (`cluster`, `nodes`: Ray's, by default)."""
-    import ray
-
-    cluster = ray.cluster_resources() if cluster is None else cluster
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive")) if nodes is None else nodes
+    error, saying every 30 s that a replica has not been scheduled): a pair that no node (pack) or
+    no two nodes (spread) can hold, or pairs (the replicas it starts with) that need more than the
+    cluster has, against `nodes` (each live node's total resources: Ray's, by default)."""
+    nodes = live_nodes() if nodes is None else nodes
     pair = config.pair
     count = config.min_replicas if config.autoscaled else config.replicas
-    each = _bundle(*pair_bundles(pair))
+    bundles = pair_bundles(pair)
+    each = _bundle(*bundles)
+    why = unplaceable(bundles, pair.placement, nodes) if count else ""
+    if why:
+        raise RuntimeError(
+            f"the cluster cannot place a pair: draft and orchestrator {amounts(bundles[0])}, target "
+            f"{amounts(bundles[1])} with {pair.placement} ({PLACEMENTS[pair.placement]}): {why}; the cluster has "
+            f"{describe_nodes(nodes)}: ask less a pair (--draft-cpus, --target-cpus, --target-gpus ...), place "
+            "them otherwise (--placement), or add nodes"
+        )
+    cluster = _bundle(*nodes)
     short = {k: v * count for k, v in each.items() if v * count > cluster.get(k, 0.0) + 1e-9}
     if short:
         need = ", ".join(f"{v:g} {k}" for k, v in short.items())
         has = ", ".join(f"{cluster.get(k, 0.0):g} {k}" for k in short)
-        per = ", ".join(f"{v:g} {k}" for k, v in each.items())
         raise RuntimeError(
-            f"the cluster cannot place {count} pair(s): they need {need} ({per} a pair), the cluster has {has}; "
-            "give fewer --replicas (--min-replicas), fewer resources a pair (--draft-cpus, --target-cpus, "
+            f"the cluster cannot place {count} pair(s): they need {need} ({amounts(each)} a pair), the cluster has "
+            f"{has}; give fewer --replicas (--min-replicas), fewer resources a pair (--draft-cpus, --target-cpus, "
             "--target-gpus ...), or add nodes"
-        )
-    if pair.placement == "spread" and count and nodes < 2:
-        raise RuntimeError(
-            f"--placement spread puts a pair's draft and target on two nodes; the cluster has {nodes} node(s): "
-            "add a node, or use --placement pack"
         )
 
 

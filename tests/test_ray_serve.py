@@ -374,14 +374,21 @@ def test_bad_scaling_flags_are_refused_with_the_flag_named():
 
 def test_a_deployment_the_cluster_cannot_place_is_refused_naming_what_it_needs():
     """`ray up --replicas 2` on a 2-CPU cluster (a pair asks 2 CPUs) waited past 5 minutes for Serve
-    to schedule it: now refused at once, with what it needs and what the cluster has."""
+    to schedule it: now refused at once, with what it needs and what the cluster has; so is a pair
+    the cluster's sums hold but no node (pack) or no two nodes (spread) can."""
     two = ray_cli.serve_config(up_args("--replicas", "2"))
     with pytest.raises(RuntimeError, match=r"2 pair\(s\): they need 4 CPU \(2 CPU a pair\), the cluster has 2 CPU"):
-        ray_serve.check_fits(two, cluster={"CPU": 2.0}, nodes=1)
-    ray_serve.check_fits(two, cluster={"CPU": 4.0}, nodes=1)  # fits
+        ray_serve.check_fits(two, nodes=[{"CPU": 2.0}])
+    ray_serve.check_fits(two, nodes=[{"CPU": 4.0}])  # fits
+    ray_serve.check_fits(two, nodes=[{"CPU": 2.0}, {"CPU": 2.0}])  # a pair a node
     gpus = ray_cli.serve_config(up_args("--replicas", "1", "--draft-gpus", "1", "--target-gpus", "1"))
-    with pytest.raises(RuntimeError, match="need 2 GPU .* the cluster has 0 GPU"):
-        ray_serve.check_fits(gpus, cluster={"CPU": 16.0}, nodes=1)
+    with pytest.raises(RuntimeError, match=r"cannot place a pair: .*no node has both; the cluster has 1 node\(s\)"):
+        ray_serve.check_fits(gpus, nodes=[{"CPU": 16.0}])
+    big = ray_cli.serve_config(up_args("--replicas", "1", "--target-cpus", "3"))  # 4 CPU in all, 2 a node
+    with pytest.raises(RuntimeError, match=r"target 3 CPU with pack .*no node has both.*\[CPU 2\]; \[CPU 2\]"):
+        ray_serve.check_fits(big, nodes=[{"CPU": 2.0}, {"CPU": 2.0}])
+    ray_serve.check_fits(big, nodes=[{"CPU": 1.0}, {"CPU": 4.0}])
     spread = ray_cli.serve_config(up_args("--replicas", "1", "--placement", "spread"))
-    with pytest.raises(RuntimeError, match="--placement spread .* 1 node"):
-        ray_serve.check_fits(spread, cluster={"CPU": 8.0}, nodes=1)
+    with pytest.raises(RuntimeError, match="with spread .*no two nodes have them; the cluster has 1 node"):
+        ray_serve.check_fits(spread, nodes=[{"CPU": 8.0}])
+    ray_serve.check_fits(spread, nodes=[{"CPU": 1.0}, {"CPU": 1.0}])
