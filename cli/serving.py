@@ -76,6 +76,12 @@ def add_orchestrator_parser(sub) -> None:
     options.add_server_security_flags(o)
     options.add_client_security_flags(o, "service-", "the model services")
     options.add_limit_flags(o, "orchestrator")
+    o.add_argument(
+        "--health-socket",
+        metavar="PATH",
+        help="also answer gRPC health checks (and nothing else) on this Unix socket: a supervisor's probes "
+        "past the TLS of --port (`specdec serve` gives one where the orchestrator serves TLS)",
+    )
 
 
 def model_service(args, role: str) -> int:
@@ -108,6 +114,7 @@ def orchestrator(args) -> int:
     config = OrchestratorConfig(
         admission=admission,
         http_port=args.http_port,
+        health_socket=args.health_socket,
         **options.request_defaults(args),
     )
     orchestrator = hosting.start_orchestrator(

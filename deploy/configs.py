@@ -107,6 +107,9 @@ class OrchestratorConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP API on the orchestrator's host; 0: a free port
     # greedy tokens generated at start to price the pair before its first request (orchestrator.calibration); 0: none
     calibration_tokens: int = CALIBRATION_TOKENS
+    # a Unix socket's path where the orchestrator also answers health checks, and only those: a
+    # supervisor's probes past its TLS (deploy.local); None: none
+    health_socket: str | None = None
 
     def __post_init__(self):
         if self.calibration_tokens < 0:

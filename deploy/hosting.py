@@ -141,6 +141,7 @@ def start_orchestrator(
         telemetry=telemetry,
         admission=config.admission,
         defaults=defaults,
+        health_socket=config.health_socket,
     )
     admission = server.gate.admission
     if admission.max_concurrent < admission.limits.max_concurrent:

@@ -27,8 +27,9 @@ a backoff that doubles up to a bound; more than `RestartPolicy.max_per_minute` a
 child within 60 s end the pipeline, as does a child exiting cleanly (exit 0: it was told to
 stop): `failure` then says why, and `specdec serve` exits non-zero with that message. A child
 that is alive but answers no gRPC health check for `RestartPolicy.unresponsive` seconds (a hung
-host: stopped, deadlocked; deploy.liveness) is killed, then restarted so; the orchestrator is probed only where it
-serves plaintext (a probe has no client certificate for its TLS).
+host: stopped, deadlocked; deploy.liveness) is killed, then restarted so; an orchestrator that
+serves TLS is probed on a Unix socket in the pipeline's folder (`--health-socket`), where it
+answers health checks and nothing else.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ class LocalPipeline:
                 + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)]
                 + ([] if cfg.lookahead is None else ["--lookahead", str(cfg.lookahead)])
                 + (["--adaptive"] if cfg.adaptive else [])
-                + ["--calibration-tokens", str(cfg.calibration_tokens)],
+                + ["--calibration-tokens", str(cfg.calibration_tokens)]
+                + (["--health-socket", str(self._health_socket)] if cfg.tls.flags() else []),
             )
             self._wait("orchestrator")
         except BaseException:
@@ -207,6 +209,16 @@ class LocalPipeline:
             threading.Thread(target=self._probe, name="specdec-prober", daemon=True).start()
         self.log(f"specdec: services ready in {time.perf_counter() - t0:.1f} s ({self.describe()})")
         return self
+
+    @property
+    def _health_socket(self) -> Path:
+        """Where an orchestrator that serves TLS answers the prober's health checks (workdir: this user's only)."""
+        return self.workdir / "orchestrator-health.sock"
+
+    def _probe_address(self, name: str) -> str:
+        if name == "orchestrator" and self.config.tls.flags():
+            return f"unix:{self._health_socket}"
+        return self.addresses[name]  # a restart keeps it: one channel each
 
     def _linked(self, name: str) -> str:
         link = self.config.link
@@ -361,7 +373,7 @@ class LocalPipeline:
 
         limit = self.config.restart.unresponsive
         silence, every, channels = liveness.Silence(limit), liveness.period(limit), {}
-        probed = [*MODEL_SERVICES, *(() if self.config.tls.flags() else ("orchestrator",))]
+        probed = [*MODEL_SERVICES, "orchestrator"]
         try:
             while not self._stopping.wait(every) and self.failure is None:
                 sent, calls = time.monotonic(), {}
@@ -369,7 +381,7 @@ class LocalPipeline:
                     pid = self._serving.get(name)
                     if pid is None:  # down or restarting: the monitor's
                         continue
-                    address = self.addresses[name]  # a restart keeps it: one channel each
+                    address = self._probe_address(name)
                     if address not in channels:
                         channels[address] = grpc.insecure_channel(address)
                     stub = health_pb2_grpc.HealthStub(channels[address])

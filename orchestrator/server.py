@@ -356,13 +356,16 @@ def serve(
     telemetry: Telemetry | None = None,
     admission: AdmissionLimits | None = None,
     defaults: RequestDefaults | None = None,
+    health_socket: str | None = None,
 ):
     """Start the orchestrator on host:port; returns (server, bound port).
 
     `security` adds TLS / token auth; pass the same `telemetry`
     (specdec.serving.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
     generations running and queued; `defaults` is what requests that leave speculation.overlap
-    or speculation.rule unset get. The server drains with server.drain() (specdec.serving.lifecycle).
+    or speculation.rule unset get; `health_socket`, a Unix socket's path where it also answers
+    health checks (and only those: its supervisor's probes, past TLS). The server drains with
+    server.drain() (specdec.serving.lifecycle).
     """
     telemetry = telemetry or disabled()
     mtls = security is not None and security.client_ca is not None
@@ -385,4 +388,5 @@ def serve(
         # Queued requests hold a thread while they wait; leave some for health checks.
         max_workers=limits.max_concurrent + limits.max_queue + 4,
         max_receive_bytes=MAX_REQUEST_BYTES,
+        health_socket=health_socket,
     )

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 
@@ -390,3 +391,60 @@ def test_cli_services_client_and_loadtest_with_mtls_and_token(tiny_models, pki, 
         out = run_cli(*load[:-1], "--auth-token-file", token_file, "--requests", "2", "--concurrency", "2")  # text
         assert out.returncode == 0, out.stderr
         assert "completed 2, errors 0" in out.stdout and "p50" in out.stdout and "p99" in out.stdout
+
+
+@pytest.mark.slow  # an orchestrator process stopped, killed and restarted
+def test_a_hung_orchestrator_serving_mtls_is_found_on_its_health_socket_and_restarted(tiny_models, pki):
+    """An orchestrator serving mutual TLS is probed on a Unix socket in the pipeline's folder, which
+    answers health checks and refuses anything else, a call with the clients' token too; stopped
+    (SIGSTOP), it is killed and restarted, and serves over mutual TLS again. (Before, an orchestrator
+    serving TLS was not probed: it stayed hung.)"""
+    from deploy.local import RestartPolicy
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    good = pki["good"]
+    config = PipelineConfig(
+        target=ModelSpec(tiny_models["target"], "cpu", "float32"),
+        draft=ModelSpec(tiny_models["draft"], "cpu", "float32"),
+        tls=ServerTLSFiles(good.server_cert, good.server_key, good.ca),
+        auth_token=TOKEN,
+        restart=RestartPolicy(unresponsive=3.0),
+        calibration_tokens=0,
+        start_timeout=120,
+    )
+    request = orchestrator_pb2.GenerateRequest(prompt="hello", max_new_tokens=8)
+    lines: list[str] = []
+    with LocalPipeline(config, log=lines.append) as p:
+        secured = orchestrator_pb2_grpc.OrchestratorStub(security.channel(p.address, client_security(pki)))
+        before = list(secured.Generate(request, timeout=120).token_ids)
+        socket_path = p.workdir / "orchestrator-health.sock"
+        assert oct(p.workdir.stat().st_mode & 0o777) == "0o700"  # this user's only
+        with grpc.insecure_channel(f"unix:{socket_path}") as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+            bearer = [("authorization", f"Bearer {TOKEN}")]
+            for method in (stub.Generate, stub.Describe):
+                with pytest.raises(grpc.RpcError) as refused:
+                    method(
+                        REQUESTS["Generate"] if method is stub.Generate else model_pb2.DescribeRequest(),
+                        metadata=bearer,
+                        timeout=10,
+                    )
+                assert refused.value.code() == Code.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.GenerateStream(REQUESTS["GenerateStream"], metadata=bearer, timeout=10))
+            assert refused.value.code() == Code.PERMISSION_DENIED
+        frozen = p.serving_pid("orchestrator", 10)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            p.serving_pid("orchestrator", 120, exclude={frozen})
+        finally:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert p.restarts["orchestrator"] == 1
+        assert f"specdec: the orchestrator service (pid {frozen}) answered no health check for 3 s; killing it" in lines
+        secured = orchestrator_pb2_grpc.OrchestratorStub(security.channel(p.address, client_security(pki)))
+        assert list(secured.Generate(request, timeout=120).token_ids) == before

@@ -23,7 +23,7 @@ from specdec.decoding import grammar
 from specdec.errors import Cancelled, InvalidArgument, NotFound, SpecdecError
 from specdec.runtime import placement
 from specdec.runtime.engine import SessionEngine
-from specdec.serving.security import SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
+from specdec.serving.security import HEALTH_PREFIX, SERVER_KEEPALIVE, ServerSecurity, bind, server_interceptors
 from specdec.serving.steps import StepMethod, StepStream
 from specdec.v1 import model_pb2
 
@@ -102,18 +102,22 @@ def make_server(
     security: ServerSecurity | None = None,
     interceptors=(),
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    health_socket: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """A server with the error interceptor, bound to host:port (0 picks a free port), with TLS
     and token auth when `security` asks for them. A request over max_receive_bytes is refused
-    by gRPC with RESOURCE_EXHAUSTED.
+    by gRPC with RESOURCE_EXHAUSTED. `health_socket`: the path of a Unix socket where it also
+    answers health checks, and nothing else (HealthOnlyOnUnixSocket).
 
-    Order, outermost first: auth (an unauthenticated call goes no further), `interceptors`
-    (telemetry: outside the error interceptor, so spans see the status codes), errors.
+    Order, outermost first: the Unix socket's guard, auth (an unauthenticated call goes no
+    further), `interceptors` (telemetry: outside the error interceptor, so spans see the status
+    codes), errors.
     """
     security = security or ServerSecurity()
+    guard = [HealthOnlyOnUnixSocket()] if health_socket else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*server_interceptors(security), *interceptors, ErrorInterceptor()],
+        interceptors=[*guard, *server_interceptors(security), *interceptors, ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
@@ -126,7 +130,29 @@ def make_server(
     bound = bind(server, host, port, security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
+    if health_socket and not server.add_insecure_port(f"unix:{health_socket}"):  # a stale socket file is replaced
+        raise RuntimeError(f"cannot bind the Unix socket {health_socket}")
     return server, bound
+
+
+class HealthOnlyOnUnixSocket(grpc.ServerInterceptor):
+    """A server that also listens on a Unix socket (make_server's `health_socket`) answers only
+    health checks there: its supervisor's probes reach it past the TLS (and client certificates)
+    of its network port, which the socket skips; any other call that arrives on the socket is
+    refused with PERMISSION_DENIED. Unary and server-streaming methods (the orchestrator's)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        return wrap_handler(handler, _not_on_unix_socket)
+
+
+@contextmanager
+def _not_on_unix_socket(context):
+    if context.peer().startswith("unix:"):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "this Unix socket answers gRPC health checks only")
+    yield
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:
