@@ -82,6 +82,12 @@ def add_orchestrator_parser(sub) -> None:
         help="also answer gRPC health checks (and nothing else) on this Unix socket: a supervisor's probes "
         "past the TLS of --port (`specdec serve` gives one where the orchestrator serves TLS)",
     )
+    o.add_argument(
+        "--prices-file",
+        metavar="PATH",
+        help="keep the pair's prices here: read at start where an orchestrator before this one on the same pair "
+        "wrote them (no start-up pricing), written after it (`specdec serve` gives one: a restart serves at once)",
+    )
 
 
 def model_service(args, role: str) -> int:
@@ -115,6 +121,7 @@ def orchestrator(args) -> int:
         admission=admission,
         http_port=args.http_port,
         health_socket=args.health_socket,
+        prices_file=args.prices_file,
         **options.request_defaults(args),
     )
     orchestrator = hosting.start_orchestrator(

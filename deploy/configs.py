@@ -110,6 +110,9 @@ class OrchestratorConfig:
     # a Unix socket's path where the orchestrator also answers health checks, and only those: a
     # supervisor's probes past its TLS (deploy.local); None: none
     health_socket: str | None = None
+    # where the pair's prices are kept: read at start where a predecessor on this pair wrote them
+    # (no calibration), written after it (orchestrator.calibration.priced_once); None: calibrated each start
+    prices_file: str | None = None
 
     def __post_init__(self):
         if self.calibration_tokens < 0:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
-from orchestrator.calibration import calibrate
+from orchestrator.calibration import priced_once
 from orchestrator.generation import ModelPair, request_defaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
@@ -132,7 +133,10 @@ def start_orchestrator(
         recovery=config.recovery,
     )
     defaults = request_defaults(config)
-    calibrate(pair, config.calibration_tokens, defaults, log=_log)  # before it serves: the first request priced
+    prices = None if config.prices_file is None else Path(config.prices_file)
+    priced_once(
+        pair, prices, config.calibration_tokens, defaults, log=_log
+    )  # before it serves: the first request priced
     server, bound = serve_orchestrator(
         pair,
         host,

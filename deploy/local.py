@@ -20,7 +20,8 @@ Supervision: a monitor thread watches the children. A child that fails (a non-ze
 signal: a crash, SIGKILL, the OOM killer) is started again on the ports it first bound. A model
 service restarted so is found by the orchestrator at the same address, and its generations in
 flight go on (orchestrator.recovery re-opens their sessions). A restarted orchestrator serves
-new requests on the same gRPC, HTTP and metrics ports (those in flight failed with it); the
+new requests on the same gRPC, HTTP and metrics ports (those in flight failed with it), priced as
+its first start priced the pair (its prices file, in the pipeline's folder); the
 sessions it held on the model services are reaped as unclaimed (specdec.serving.steps: its
 step streams ended). A restart that does not come up (the port still held, say) is retried after
 a backoff that doubles up to a bound; more than `RestartPolicy.max_per_minute` attempts for one
@@ -196,7 +197,7 @@ class LocalPipeline:
                 + ["--rule", cfg.rule, "--tree", str(cfg.tree_nodes)]
                 + ([] if cfg.lookahead is None else ["--lookahead", str(cfg.lookahead)])
                 + (["--adaptive"] if cfg.adaptive else [])
-                + ["--calibration-tokens", str(cfg.calibration_tokens)]
+                + ["--calibration-tokens", str(cfg.calibration_tokens), "--prices-file", str(self.workdir / "prices")]
                 + (["--health-socket", str(self._health_socket)] if cfg.tls.flags() else []),
             )
             self._wait("orchestrator")

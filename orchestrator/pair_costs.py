@@ -7,6 +7,7 @@ loop's rounds feed it, under its lock."""
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections.abc import Callable
@@ -288,6 +289,35 @@ class PairCosts:
         self.last_commit: float | None = None  # when a round of the pair last committed
         self.faster: dict[int, Revisits] = {}  # per load class: the faster regime and its revisits
         self.settled_class = 0  # the load class of the last commit
+
+    # What the pair's services and this process give, not what its rounds measured: not carried over
+    # by `snapshot()` / `carry_over()`.
+    LIVE = frozenset(
+        {
+            "lock",
+            "overlap_load",
+            "index_apart",
+            "draft_profile",
+            "sharing",
+            "prefilling",
+            "prefill_events",
+            "last_commit",
+        }
+    )
+
+    def snapshot(self) -> dict:
+        """A copy of what the rounds measured (the prices' inputs), for a successor on the same pair."""
+        with self.lock:
+            return copy.deepcopy({k: v for k, v in vars(self).items() if k not in self.LIVE})
+
+    def carry_over(self, state: dict) -> bool:
+        """Take a predecessor's `snapshot()`; False (nothing taken) where its fields are not this
+        code's (another version wrote it)."""
+        if set(state) != set(vars(self)) - self.LIVE:
+            return False
+        with self.lock:
+            vars(self).update(state)
+        return True
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:
         """(T1, b): target seconds for a step of one token and per extra token in the step;

@@ -94,3 +94,28 @@ def test_a_drafter_with_index_drafts_is_not_timed_against_plain_rounds(backends)
 def test_a_pair_without_a_draft_is_not_priced(tiny_backends):
     pair = ModelPair(draft=None, target=None, tokenizer=None, max_context=64, vocab_size=8, eos_token_ids=frozenset())
     assert calibrate(pair, 60) is None
+
+
+def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_file(backends, tmp_path):
+    """`specdec serve` gives its orchestrator a prices file: a restarted one serves at once with
+    what the first start measured (its verify line and its timing against plain rounds, to the last
+    digit, which a pricing run of its own would not give; the draft's step is priced from the
+    draft service's own start-up profile, as it is at every start), and a file it cannot read is
+    priced over and rewritten."""
+    prices = tmp_path / "prices"
+
+    def pricing():
+        with pipeline(*backends, lookahead=None, calibration_tokens=60, overlap=False, prices_file=str(prices)) as p:
+            info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)
+            assert p.open_sessions() == (0, 0)
+            k = generate(p.orchestrator).stats.lookahead
+        return (info.pricing.lookahead, info.pricing.verify_seconds, info.pricing.timed), k
+
+    first, k = pricing()
+    assert prices.exists() and first[2] > 1 and k == first[0] == MEASURED_LOOKAHEAD
+    again, k = pricing()
+    assert again == first and k == first[0]  # taken, not measured again
+    prices.write_bytes(b"cut short")
+    fresh, _ = pricing()
+    assert fresh[0] == MEASURED_LOOKAHEAD and fresh[2] > 1 and fresh != first  # priced again
+    assert pricing()[0] == fresh  # and written
