@@ -417,7 +417,7 @@ def _table(rows) -> None:
     """(replica id or "", ray_deploy.ActorStatus) rows as a table; the REPLICA column only if any has one."""
     table = [("REPLICA", "ROLE", "STATE", "NODE", "NODE IP", "ENDPOINT", "PID", "RESTARTS")]
     table += [
-        (replica, r.role, r.state, r.node_id[:12], r.node_ip, r.endpoint, str(r.pid or ""), str(r.restarts))
+        (replica, r.role, r.shown_state, r.node_id[:12], r.node_ip, r.endpoint, str(r.pid or ""), str(r.restarts))
         for replica, r in rows
     ]
     if not any(replica for replica, _ in rows):

@@ -307,6 +307,13 @@ class ActorStatus:
     endpoint: str = ""
     pid: int = 0
     restarts: int = 0
+    # whether an ALIVE actor answered the call for its endpoint in time (None: not asked); one that
+    # did not is stopped, hung or busy past the probe (its watch kills it after --health-timeout)
+    answering: bool | None = None
+
+    @property
+    def shown_state(self) -> str:
+        return f"{self.state} (not answering)" if self.answering is False else self.state
 
 
 def status(name: str, probe_seconds: float = 5.0) -> list[ActorStatus]:
@@ -333,16 +340,17 @@ def describe(
     record = actor_record(handle)
     if record is None:
         return ActorStatus(role, "ABSENT")
-    where = ""
+    where, answering = "", None
     if endpoint and record["State"] == "ALIVE":
         try:
-            where = ray.get(handle.endpoint.remote(), timeout=probe_seconds)
+            where, answering = ray.get(handle.endpoint.remote(), timeout=probe_seconds), True
+        except ray.exceptions.GetTimeoutError:
+            answering = False
         except Exception:  # noqa: BLE001 - status reports what it can; the state says the rest
             where = "?"
     node_id = record["Address"]["NodeID"]
-    return ActorStatus(
-        role, record["State"], node_id, node_ips.get(node_id, ""), where, record["Pid"], record["NumRestarts"]
-    )
+    node_ip = node_ips.get(node_id, "")
+    return ActorStatus(role, record["State"], node_id, node_ip, where, record["Pid"], record["NumRestarts"], answering)
 
 
 def placement(name: str) -> str:

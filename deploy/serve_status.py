@@ -74,7 +74,7 @@ def health(name: str, service_security: ClientSecurity, timeout: float = 2.0) ->
         services = {}
         for s in r.services:
             if not s.endpoint or s.endpoint == "?":
-                services[s.role] = s.state
+                services[s.role] = "NOT_ANSWERING" if s.answering is False else s.state
                 continue
             link = security.channel(s.endpoint, service_security)
             try:

@@ -300,6 +300,8 @@ def test_a_hung_service_actor_is_killed_and_restarted(packed, reference):
     before = target()
     os.kill(before.pid, signal.SIGSTOP)
     try:
+        stopped = ray_deploy.describe(handle, "target", {}, probe_seconds=1)  # `ray status` asks it its endpoint
+        assert stopped.pid != before.pid or (stopped.answering is False and "not answering" in stopped.shown_state)
         assert wait_until(lambda: (now := target()).pid != before.pid and now.state == "ALIVE", 120)
     finally:
         with contextlib.suppress(ProcessLookupError):
