@@ -91,7 +91,8 @@ def test_sessions_of_a_step_stream_that_ended_are_reaped_as_unclaimed(tiny_backe
     """An orchestrator killed mid-generation (`specdec serve` starts a new one) never closes the
     sessions it held: they held the service's slots and KV budget for the idle TTL (300 s). Those
     its step stream opened and did not close are reaped once its stream ends, after the unclaimed
-    TTL; a session opened otherwise, or used since, stays."""
+    TTL (a session opened unary and stepped on it too: a constrained one, whose grammar compiles off
+    the stream); a session opened otherwise and never stepped on it stays."""
     with slow_pipeline(tiny_backends, limits=SessionLimits(unclaimed_ttl=0.3)) as p:
         calls: queue.SimpleQueue = queue.SimpleQueue()
         stream = p.target.Steps(iter(calls.get, None))
@@ -103,16 +104,41 @@ def test_sessions_of_a_step_stream_that_ended_are_reaped_as_unclaimed(tiny_backe
         calls.put(model_pb2.StepCalls(calls=[close]))
         assert _results(stream, 1) == {9: 0}
         p.target.OpenSession(_open("unary"))
+        p.target.OpenSession(_open("constrained"))  # unary, as a session with a grammar opens, then stepped here:
+        score = model_pb2.ScoreRequest(session=model_pb2.SessionRef(session_id="constrained", expected_length=2))
+        calls.put(model_pb2.StepCalls(calls=[model_pb2.StepCall(id=10, score=score)]))
+        assert _results(stream, 1) == {10: 0}
         for sid in ("a", "b", "unary"):  # each used: claimed, as a generation's sessions are
             p.target.GetSession(model_pb2.GetSessionRequest(session_id=sid))
         time.sleep(0.6)  # two unclaimed TTLs: nothing reaped while the stream lives
-        assert held(p)["target"][0] == 3
+        assert held(p)["target"][0] == 4
         stream.cancel()  # as a killed orchestrator's connection ends
         assert wait_until(lambda: held(p)["target"][0] == 1, 10), held(p)
         assert p.target.GetSession(model_pb2.GetSessionRequest(session_id="unary")).length == 2
-        with pytest.raises(grpc.RpcError) as err:
-            p.target.GetSession(model_pb2.GetSessionRequest(session_id="a"))
-        assert err.value.code() == Code.NOT_FOUND
+        for sid in ("a", "constrained"):
+            with pytest.raises(grpc.RpcError) as err:
+                p.target.GetSession(model_pb2.GetSessionRequest(session_id=sid))
+            assert err.value.code() == Code.NOT_FOUND
+
+
+def test_a_call_in_flight_when_its_stream_ends_leaves_its_session_unclaimed(tiny_backends):
+    """A session's call running when its stream ends (cancelled between forwards: a target's plain
+    round of several steps, a constrained one) ends after the stream's sessions were disowned: it
+    used to claim its session again on the way out, which then held its slot for the idle TTL
+    (300 s) instead of the unclaimed one."""
+    with slow_pipeline(tiny_backends, delay=0.5, limits=SessionLimits(unclaimed_ttl=3.0)) as p:
+        calls: queue.SimpleQueue = queue.SimpleQueue()
+        stream = p.target.Steps(iter(calls.get, None))
+        calls.put(model_pb2.StepCalls(calls=[model_pb2.StepCall(id=1, open_session=_open("a"))]))
+        assert _results(stream, 1) == {1: 0}
+        score = model_pb2.ScoreRequest(session=model_pb2.SessionRef(session_id="a", expected_length=2))
+        calls.put(model_pb2.StepCalls(calls=[model_pb2.StepCall(id=2, score=score)]))
+        assert _results(stream, 1) == {2: 0}  # used: claimed
+        score.decode_steps, score.logprobs = 8, 0  # 8 forwards of 0.5 s, one by one
+        calls.put(model_pb2.StepCalls(calls=[model_pb2.StepCall(id=3, score=score)]))
+        time.sleep(1.2)  # inside its third forward or so: 4 s in all
+        stream.cancel()
+        assert wait_until(lambda: held(p)["target"][0] == 0, 15), held(p)
 
 
 def _open(session_id: str) -> model_pb2.OpenSessionRequest:

@@ -136,6 +136,7 @@ class SessionEngine:
         self, session_id: str, expected_length: int | None, request: Callable, threads=None, final: bool = False
     ) -> Generator:
         """request(session) on the worker; `final`: the session is closed once it returns."""
+        began = time.monotonic()
         session = self._get(session_id)
         if expected_length is not None and expected_length != len(session.tokens):
             raise FailedPrecondition(f"expected_length {expected_length} != session length {len(session.tokens)}")
@@ -148,7 +149,9 @@ class SessionEngine:
                 self._retire(session_id, session)
             return result
         finally:
-            session.last_used, session.claimed = time.monotonic(), True
+            session.last_used = time.monotonic()
+            # a call of a caller found gone while it ran (cancelled, its stream ended) claims it no more
+            session.claimed = session.claimed or began > session.disowned
             if not session.closed:
                 self.kv.settle(session, len(session.cached))
                 if self.prefix is not None:
@@ -373,7 +376,7 @@ class SessionEngine:
             for sid in session_ids:
                 session = self._sessions.get(sid)
                 if session is not None:
-                    session.last_used, session.claimed = now, False
+                    session.last_used, session.claimed, session.disowned = now, False, now
             return
             yield  # a generator that feeds nothing
 

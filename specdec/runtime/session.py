@@ -32,6 +32,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     claimed: bool = False  # a request has used it since OpenSession
+    # when its caller was found gone (SessionEngine.disown): a call begun before that claims it no more
+    disowned: float = float("-inf")
     # The cache's positions from tree.floor on hold a draft tree (a target's verify), `cached`
     # its nodes flattened; the next commit keeps the accepted path (kvcache.Tree, compact).
     tree: Tree | None = None

@@ -11,7 +11,7 @@ Per call, as a unary call has them: its status (one session's error fails that c
 the stream), its deadline (StepCall.timeout, from when it is read), its cancellation (a StepCall
 with `cancel`), and, with telemetry, a server span in the caller's trace and the server duration.
 A stream that ends (the caller gone, the connection lost) cancels its calls still in flight, and
-the sessions it opened and did not close count as unclaimed: closed after the unclaimed TTL unless
+the sessions it opened or used and did not close count as unclaimed: closed after the unclaimed TTL unless
 a request uses them again (a caller that reconnected), not after the idle TTL (a caller that died,
 an orchestrator killed, would have held their slots and KV budget for minutes).
 
@@ -66,7 +66,7 @@ class StepStream:
         self._live: dict[int, object] = {}  # id -> worker item, while in flight
         self._owed = 0  # calls read whose result is not sent yet
         self._ended = False  # the stream ended: calls read after its end are cancelled as they start
-        self._opened: set[str] = set()  # sessions opened here and not closed here (disowned at the end)
+        self._opened: set[str] = set()  # sessions opened or used here, not closed here (disowned at the end)
         self._lock = threading.Lock()
 
     def serve(self, request_iterator, context) -> Iterator[model_pb2.StepResults]:
@@ -179,10 +179,10 @@ class StepStream:
             span.end(seconds, code)
         with self._lock:
             self._ready.append(result)
-            if item is not None and kind == "open_session" and code is grpc.StatusCode.OK:
-                self._opened.add(item.key)  # the session's id
-            elif item is not None and kind == "close_session":
+            if item is not None and kind == "close_session":
                 self._opened.discard(item.key)
+            elif item is not None and code is grpc.StatusCode.OK:  # opened or used here (a unary open too:
+                self._opened.add(item.key)  # a constrained session's), by the session's id
 
     def _cancel(self, call_id: int) -> None:
         with self._lock:
