@@ -134,9 +134,8 @@ def start_orchestrator(
     )
     defaults = request_defaults(config)
     prices = None if config.prices_file is None else Path(config.prices_file)
-    priced_once(
-        pair, prices, config.calibration_tokens, defaults, log=_log
-    )  # before it serves: the first request priced
+    # before it serves: the first request priced (as a predecessor on this pair priced it, where one did)
+    priced_once(pair, prices, config.calibration_tokens, defaults, log=_log)
     server, bound = serve_orchestrator(
         pair,
         host,

@@ -11,6 +11,8 @@ the drafter drafts from an index (its gain is on text that copies)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 
 import pytest
 
@@ -101,7 +103,7 @@ def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_fil
     what the first start measured (its verify line and its timing against plain rounds, to the last
     digit, which a pricing run of its own would not give; the draft's step is priced from the
     draft service's own start-up profile, as it is at every start), and a file it cannot read is
-    priced over and rewritten."""
+    priced over and rewritten, as is one that names anything but the measurements' own records."""
     prices = tmp_path / "prices"
 
     def pricing():
@@ -115,7 +117,15 @@ def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_fil
     assert prices.exists() and first[2] > 1 and k == first[0] == MEASURED_LOOKAHEAD
     again, k = pricing()
     assert again == first and k == first[0]  # taken, not measured again
-    prices.write_bytes(b"cut short")
-    fresh, _ = pricing()
-    assert fresh[0] == MEASURED_LOOKAHEAD and fresh[2] > 1 and fresh != first  # priced again
-    assert pricing()[0] == fresh  # and written
+    ran = tmp_path / "ran"
+
+    class Foreign:  # a pickle that calls what it names as it loads
+        def __reduce__(self):
+            return os.mkdir, (str(ran),)
+
+    for foreign in (b"cut short", pickle.dumps({"pair": Foreign(), "costs": {}})):
+        prices.write_bytes(foreign)
+        fresh, _ = pricing()
+        assert fresh[0] == MEASURED_LOOKAHEAD and fresh[2] > 1 and fresh != first  # priced again
+        assert pricing()[0] == fresh  # and written
+    assert not ran.exists()
