@@ -175,7 +175,8 @@ def serve(args) -> int:
         # SIGHUP: every child re-reads its TLS files (specdec.serving.security.Rotation).
         signal.signal(signal.SIGHUP, lambda *_: pipeline.signal_all(signal.SIGHUP))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
-        _log(f"specdec: orchestrator ready at {pipeline.address} (Ctrl-C to stop)")
+        logs = f"the services' logs in {pipeline.workdir}"
+        _log(f"specdec: orchestrator ready at {pipeline.address} ({logs}; Ctrl-C to stop)")
         if pipeline.http_url:
             _log(f"specdec: OpenAI-compatible API at {pipeline.http_url}/v1, playground at {pipeline.http_url}/")
         while not stop.wait(0.5):  # wakes for signals as wait() does

@@ -2,8 +2,10 @@
 keep them running.
 
 Each child is `python -m cli <service> --port 0 --ready-file F`; it binds a free
-port and writes {"address": ...} to F once it serves. Children log to files in a temporary
-folder, shown when one fails to start. They inherit the environment (OTEL_* configures their
+port and writes {"address": ...} to F once it serves. Children log to files in the pipeline's
+folder (`workdir`: a temporary one unless given), shown when one fails to start. stop() removes a
+temporary folder once every child ended cleanly, and keeps it, saying where, when one failed, was
+restarted or had to be killed: its logs are what tells why. They inherit the environment (OTEL_* configures their
 telemetry, SPECDEC_FUSE their fusion: each child's command line reads it again), but for the cache:
 SPECDEC_CACHE is set to this process's (specdec.weights.embedded.cache_dir), where start() built the models.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,7 +143,7 @@ class LocalPipeline:
 
     config: PipelineConfig
     log: callable = print
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="specdec-")))
+    workdir: Path | None = None  # the children's logs, ready files, prices; None: a temporary folder (module doc)
     procs: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
     metrics_addresses: dict = field(default_factory=dict)
@@ -150,6 +153,11 @@ class LocalPipeline:
     placements: tuple[Placement, Placement] | None = None  # the draft's and the target's, as configured
 
     def __post_init__(self):
+        self._temporary = self.workdir is None
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="specdec-"))
+        self._tidied = False
+        self._troubled: str | None = None  # why the folder's logs are kept (stop() removes a temporary one otherwise)
         self._commands: dict[str, list[str]] = {}  # name -> argv without --port
         self._serving: dict[str, int | None] = {}  # name -> pid of the process serving, None while down
         self._attempts = {name: deque() for name in (*MODEL_SERVICES, "orchestrator")}  # restarts in the last minute
@@ -202,6 +210,7 @@ class LocalPipeline:
             )
             self._wait("orchestrator")
         except BaseException:
+            self._troubled = self._troubled or "the start failed"
             self.stop()
             raise
         self._monitor = threading.Thread(target=self._watch, name="specdec-supervisor", daemon=True)
@@ -468,11 +477,29 @@ class LocalPipeline:
                     proc.send_signal(signal.SIGCONT)  # a stopped child drains now, not killed after `timeout`
             for proc in stage:
                 try:
-                    proc.wait(timeout)
+                    code = proc.wait(timeout)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+                    code = None
+                if code not in (0, -signal.SIGTERM):
+                    name = next((n for n, p in self.procs.items() if p is proc), "a")
+                    self._troubled = self._troubled or f"the {name} service " + (
+                        f"did not stop within {timeout:g} s" if code is None else _exit_text(code)
+                    )
         self.procs.clear()
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Remove a temporary folder whose children all ended cleanly; else keep it and say where."""
+        if self._tidied:
+            return
+        self._tidied = True
+        reason = self.failure or self._troubled or (f"restarts: {dict(self.restarts)}" if self.restarts else None)
+        if reason is None and self._temporary:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        elif reason is not None and self.workdir.exists():
+            self.log(f"specdec: the services' logs are kept in {self.workdir} ({reason})")
 
     def __enter__(self):
         return self.start()

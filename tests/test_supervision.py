@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,6 +163,11 @@ def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_mod
             assert not alive(frozen) and pipeline.restarts[name] == 1
             assert f"specdec: the {name} service (pid {frozen}) answered no health check for 3 s; killing it" in lines
             assert generate(pipeline.address) == before
+    # the logs of a pipeline whose services were restarted are kept, and it says where
+    kept = f"specdec: the services' logs are kept in {pipeline.workdir} (restarts: {{'target': 1, 'orchestrator': 1}})"
+    assert kept in lines
+    assert (pipeline.workdir / "target.log").exists()
+    shutil.rmtree(pipeline.workdir)
 
 
 def test_a_stopped_child_drains_when_the_pipeline_stops(tiny_models):
@@ -172,6 +178,7 @@ def test_a_stopped_child_drains_when_the_pipeline_stops(tiny_models):
     os.kill(procs["draft"].pid, signal.SIGSTOP)
     pipeline.stop()
     assert {name: proc.returncode for name, proc in procs.items()} == {"draft": 0, "target": 0, "orchestrator": 0}
+    assert not pipeline.workdir.exists()  # every child ended cleanly: its temporary folder went with them
 
 
 def test_a_clean_exit_is_not_restarted(tiny_models):
@@ -182,6 +189,8 @@ def test_a_clean_exit_is_not_restarted(tiny_models):
         assert wait_until(lambda: pipeline.failure is not None, 60, 0.1)
         assert pipeline.failure.startswith(f"the draft service (pid {pid}) exited with code 0; the pipeline cannot")
         assert pipeline.restarts["draft"] == 0 and pipeline.procs["draft"].poll() == 0
+    assert (pipeline.workdir / "draft.log").exists()  # the pipeline failed: its logs are kept
+    shutil.rmtree(pipeline.workdir)
 
 
 def test_a_command_stopped_by_sigterm_stops_the_pipeline_it_started(tmp_path):
