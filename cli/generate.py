@@ -265,5 +265,6 @@ def status(args) -> int:
             from orchestrator.lookahead import Price
 
             price = Price(**{f.name: getattr(info.pricing, f.name) for f in dataclasses.fields(Price)})
-            print(f"  priced: {price.summary()}")
+            carried = " (as before its restart)" if info.pricing.carried_over else ""
+            print(f"  priced{carried}: {price.summary()}")
     return 1 if info.status.startswith("unavailable") else 0

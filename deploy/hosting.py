@@ -20,7 +20,7 @@ from pathlib import Path
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
-from orchestrator.calibration import priced_once
+from orchestrator.calibration import PricesFile, PricesStore, priced_once
 from orchestrator.generation import ModelPair, request_defaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
@@ -118,10 +118,12 @@ def start_orchestrator(
     security: ServerSecurity | None = None,
     service_security: ClientSecurity | None = None,
     telemetry: Telemetry | None = None,
+    prices: PricesStore | None = None,
 ) -> Orchestrator:
     """Connect to the two services (no draft: target-only), serve the client API, and with
     config.http_port the HTTP front door (orchestrator.openai_api: a client of this gRPC port
-    over loopback, with the server's own certificate and token)."""
+    over loopback, with the server's own certificate and token). `prices`: where a predecessor's
+    measurements are read and this one's written (None: config.prices_file's, if set)."""
     config = config or OrchestratorConfig()
     security = security or ServerSecurity()
     pair = connect(
@@ -133,7 +135,8 @@ def start_orchestrator(
         recovery=config.recovery,
     )
     defaults = request_defaults(config)
-    prices = None if config.prices_file is None else Path(config.prices_file)
+    if prices is None and config.prices_file is not None:
+        prices = PricesFile(Path(config.prices_file))
     # before it serves: the first request priced (as a predecessor on this pair priced it, where one did)
     priced_once(pair, prices, config.calibration_tokens, defaults, log=_log)
     server, bound = serve_orchestrator(

@@ -3,13 +3,14 @@
 A ModelServiceHost builds one model service (deploy.hosting, the composition the CLI and
 the tests use too) on its node's address and a free port; an OrchestratorHost connects to
 the two through their actor handles (so it finds a restarted service on its new port),
-serves the client API and kills a service that hangs, for Ray to restart (deploy.liveness).
-Neither adds behaviour of its own: what the services do, how they are secured
-(specdec.serving.security: TLS, mTLS, a token, plaintext only where allowed) and observed
-(specdec.serving.telemetry, from the OTEL_* variables of the actor's environment, e.g. a
-runtime_env) is the same inside and outside Ray. A Ray worker runs no command line, so its actors'
-entry (worker_environment) reads that environment, as cli.options.apply_environment does elsewhere:
-the OTEL_* variables, SPECDEC_CACHE and, where a model is hosted, SPECDEC_FUSE.
+serves the client API and kills a service that hangs, for Ray to restart (deploy.liveness); its
+prices wait in the target's actor for its own restart (ActorPrices). Neither adds behaviour of its
+own: what the services do, how they are secured (specdec.serving.security: TLS, mTLS, a token,
+plaintext only where allowed) and observed (specdec.serving.telemetry, from the OTEL_* variables of
+the actor's environment, e.g. a runtime_env) is the same inside and outside Ray. A Ray worker runs
+no command line, so its actors' entry (worker_environment) reads that environment, as
+cli.options.apply_environment does elsewhere: the OTEL_* variables, SPECDEC_CACHE and, where a
+model is hosted, SPECDEC_FUSE.
 
 Ray's decorators are applied where the actors are created (deploy.ray_deploy). Ray, and
 deploy.hosting (torch and the models), are imported inside the actors: a driver that only
@@ -74,11 +75,40 @@ class ModelServiceHost(_Host):
         self.telemetry = telemetry.setup(config.role, environ=worker_environment(hosts_model=True))
         self.server, self.port = hosting.start_model_service(config, self.host, 0, security, self.telemetry)
         self.watch = watch_orchestrator(watch, health_timeout)
+        self.prices: bytes | None = None
         lifecycle.freeze_heap()
 
     def stop(self, grace: float = 5.0) -> None:
         self.watch.stop()
         super().stop(grace)
+
+    def hold_prices(self, data: bytes) -> None:
+        """Keep what the orchestrator measured of the pair, for its next start (ActorPrices)."""
+        self.prices = data
+
+    def held_prices(self) -> bytes | None:
+        return self.prices
+
+
+class ActorPrices:
+    """An orchestrator's prices store (orchestrator.calibration) in its target's actor: a restarted
+    orchestrator actor finds it on whatever node it lands; a restarted target holds none, and the
+    pair is priced again (its costs may have moved with it)."""
+
+    TIMEOUT = 10.0  # seconds; a target that does not answer: priced again, or not kept
+
+    def __init__(self, target):
+        self.target = target
+
+    def read(self) -> bytes | None:
+        import ray
+
+        return ray.get(self.target.held_prices.remote(), timeout=self.TIMEOUT)
+
+    def write(self, data: bytes) -> None:
+        import ray
+
+        ray.get(self.target.hold_prices.remote(data), timeout=self.TIMEOUT)
 
 
 class OrchestratorHost(_Host):
@@ -109,6 +139,7 @@ class OrchestratorHost(_Host):
             security,
             service_security,
             self.telemetry,
+            prices=ActorPrices(target),
         )
         self.server, self.port, self.pair = self.orchestrator.server, self.orchestrator.port, self.orchestrator.pair
         self.watch = watch_services(self.pair, {"draft": draft, "target": target}, health_timeout)

@@ -9,11 +9,13 @@ lookahead runs plain rounds
 (generation.default_lookahead; docs/adaptive.md#the-default-k). Requests in service refine the
 prices as before.
 
-A successor on the same pair (an orchestrator restarted by `specdec serve`) takes its predecessor's
-measurements from a file instead (`priced_once`): it serves at once, priced, where the calibration
-took 3-6 s on the default pair (a SIGKILLed orchestrator served again 7-8 s after, against 11-12).
+A successor on the same pair (an orchestrator restarted by `specdec serve`, or by Ray under `ray up`)
+takes its predecessor's measurements from a store instead (`priced_once`): it serves at once, priced,
+where the calibration took 3-6 s on the default pair (a SIGKILLed orchestrator served again 7-8 s
+after, against 11-12). `specdec serve`'s store is a file in its folder; `ray up`'s is the target's
+actor (deploy.ray_actors), which a restart on another node finds as well.
 
-Owns: the prompts, the run, the summary line, the file. Not: the prices themselves
+Owns: the prompts, the run, the summary line, what is stored. Not: the prices themselves
 (orchestrator.lookahead's `price`), nor when it runs (deploy.hosting and deploy.serve_replicas call
 it before serving)."""
 
@@ -24,6 +26,7 @@ import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from orchestrator import CALIBRATION_TOKENS, pair_costs
 from orchestrator.generation import ModelPair, RequestDefaults, default_overlap, generate
@@ -39,20 +42,51 @@ PROMPTS = (
 )
 
 
+class PricesStore(Protocol):
+    """Where a pair's measurements wait for the next orchestrator on it: `read` gives what was
+    written (None: nothing), `write` replaces it whole."""
+
+    def read(self) -> bytes | None: ...
+
+    def write(self, data: bytes) -> None: ...
+
+
+class PricesFile:
+    """A file (`specdec orchestrator --prices-file`, which `specdec serve` gives in its folder)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> bytes | None:
+        return self.path.read_bytes() if self.path.exists() else None
+
+    def write(self, data: bytes) -> None:
+        part = self.path.with_suffix(".part")
+        part.write_bytes(data)
+        part.replace(self.path)  # whole or not at all
+
+
 def priced_once(
     pair: ModelPair,
-    path: Path | None,
+    store: PricesStore | None,
     tokens: int = CALIBRATION_TOKENS,
     defaults: RequestDefaults | None = None,
     log: Callable[[str], None] | None = None,
 ) -> None:
-    """`calibrate`, or where `path` holds what a predecessor on this pair measured, that instead;
-    what the calibration measured is then written to `path` (None: calibrate only). A file of
-    another pair, or of another version, or unreadable, is calibrated over."""
+    """`calibrate`, or where `store` holds what a predecessor on this pair measured, that instead;
+    what the calibration measured is then written to `store` (None: calibrate only). What another
+    pair or another version wrote, or what cannot be read, is calibrated over."""
     identity = _identity(pair)
-    if path is not None and path.exists():
+    data = None
+    if store is not None:
         try:
-            saved = _Measurements(io.BytesIO(path.read_bytes())).load()
+            data = store.read()
+        except Exception as err:  # noqa: BLE001 - a store that cannot be read (a holder gone): price again
+            if log:
+                log(f"the prices kept for this pair could not be read ({err}); pricing it again")
+    if data is not None:
+        try:
+            saved = _Measurements(io.BytesIO(data)).load()
             taken = saved["pair"] == identity and pair.costs.carry_over(saved["costs"])
         except Exception:  # noqa: BLE001 - a file cut short, of an old layout or not one of ours: price again
             taken = False
@@ -62,10 +96,12 @@ def priced_once(
                 log(f"priced the pair as before its restart: {priced.summary() if priced else 'not priced'}")
             return
     priced = calibrate(pair, tokens, defaults, log)
-    if path is not None and (priced is not None or pair.costs.alone_timed):  # a calibration that ran through
-        part = path.with_suffix(".part")
-        part.write_bytes(pickle.dumps({"pair": identity, "costs": pair.costs.snapshot()}))
-        part.replace(path)  # whole or not at all
+    if store is not None and (priced is not None or pair.costs.alone_timed):  # a calibration that ran through
+        try:
+            store.write(pickle.dumps({"pair": identity, "costs": pair.costs.snapshot()}))
+        except Exception as err:  # noqa: BLE001 - serving priced matters more than a successor's start
+            if log:
+                log(f"the pair's prices could not be kept for a restart ({err})")
 
 
 class _Measurements(pickle.Unpickler):

@@ -243,6 +243,7 @@ class PairCosts:
         # step_costs, at its own threads; {}: not reported), and the measured steps over it (see draft_cost)
         self.draft_profile = dict(draft_profile or {})
         self.sharing = sharing  # the services share one machine's cores (see Cores); None: they do not
+        self.carried_over = False  # the start took a predecessor's measurements (carry_over), not its own
         # a generation alone: the measured default's speed over plain rounds', as the start-up
         # calibration timed both on its prompts, or its price where that is below 1
         # (orchestrator.calibration); None: neither (no calibration, or a drafter with index
@@ -302,6 +303,7 @@ class PairCosts:
             "prefilling",
             "prefill_events",
             "last_commit",
+            "carried_over",
         }
     )
 
@@ -317,6 +319,7 @@ class PairCosts:
             return False
         with self.lock:
             vars(self).update(state)
+            self.carried_over = True
         return True
 
     def verify_cost(self, k_max: int) -> tuple[float, float] | None:

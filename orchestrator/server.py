@@ -324,7 +324,9 @@ def describe(pair: ModelPair, defaults: RequestDefaults | None = None) -> orches
         info.draft.CopyFrom(status("draft", pair.draft, draft_health))
         priced = price(pair.costs, MEASURED_LOOKAHEAD, default_overlap(pair, defaults or RequestDefaults()))
         if priced is not None:
-            info.pricing.CopyFrom(orchestrator_pb2.Pricing(**dataclasses.asdict(priced)))
+            info.pricing.CopyFrom(
+                orchestrator_pb2.Pricing(**dataclasses.asdict(priced), carried_over=pair.costs.carried_over)
+            )
     if not target_health.up:
         info.status = "unavailable: target unavailable"
     elif pair.draft is not None and not draft_health.up:

@@ -111,12 +111,15 @@ def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_fil
             info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10)
             assert p.open_sessions() == (0, 0)
             k = generate(p.orchestrator).stats.lookahead
+        carried.append(info.pricing.carried_over)
         return (info.pricing.lookahead, info.pricing.verify_seconds, info.pricing.timed), k
 
+    carried: list[bool] = []  # what each start's Describe says of where its prices came from
     first, k = pricing()
     assert prices.exists() and first[2] > 1 and k == first[0] == MEASURED_LOOKAHEAD
     again, k = pricing()
     assert again == first and k == first[0]  # taken, not measured again
+    assert carried == [False, True]
     ran = tmp_path / "ran"
 
     class Foreign:  # a pickle that calls what it names as it loads
@@ -128,4 +131,4 @@ def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_fil
         fresh, _ = pricing()
         assert fresh[0] == MEASURED_LOOKAHEAD and fresh[2] > 1 and fresh != first  # priced again
         assert pricing()[0] == fresh  # and written
-    assert not ran.exists()
+    assert not ran.exists() and carried[2:] == [False, True, False, True]

@@ -41,7 +41,7 @@ from orchestrator.server import connect
 from specdec.decoding.sampling import SamplingParams
 from specdec.serving import security
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.weights.models import ModelSpec
 from tests.certs import make_pki
 from tests.harness import greedy, wait_until
@@ -317,6 +317,7 @@ def test_a_hung_orchestrator_actor_is_killed_and_restarted(packed, reference):
     serves the same greedy tokens. The last test of the packed deployment: its address moved."""
     assert wait_until(lambda: by_role(packed.name)["orchestrator"].pid > 0, 120)  # os.kill(0) stops our group
     before = by_role(packed.name)["orchestrator"]
+    priced = orchestrator(before.endpoint).Describe(model_pb2.DescribeRequest(), timeout=30).pricing
     os.kill(before.pid, signal.SIGSTOP)
     try:
         assert wait_until(lambda: (now := by_role(packed.name)["orchestrator"]).pid != before.pid and now.endpoint, 180)
@@ -325,6 +326,9 @@ def test_a_hung_orchestrator_actor_is_killed_and_restarted(packed, reference):
             os.kill(before.pid, signal.SIGCONT)
     after = by_role(packed.name)["orchestrator"]
     assert after.state == "ALIVE" and after.restarts == before.restarts + 1
+    # priced as the first start priced the pair: its measurements waited in the target's actor
+    again = orchestrator(after.endpoint).Describe(model_pb2.DescribeRequest(), timeout=30).pricing
+    assert not priced.carried_over and again.carried_over and again.lookahead > 0
     assert list(orchestrator(after.endpoint).Generate(request(), timeout=120).token_ids) == reference
 
 

@@ -260,7 +260,7 @@ class OrchestratorInfo(_message.Message):
     def __init__(self, status: _Optional[str] = ..., model_name: _Optional[str] = ..., draft: _Optional[_Union[ServiceStatus, _Mapping]] = ..., target: _Optional[_Union[ServiceStatus, _Mapping]] = ..., running: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., refused: _Optional[int] = ..., pricing: _Optional[_Union[Pricing, _Mapping]] = ...) -> None: ...
 
 class Pricing(_message.Message):
-    __slots__ = ("lookahead", "overlapped", "acceptance", "draft_token_seconds", "verify_seconds", "plain_token_seconds", "speedup", "timed", "plain_alone")
+    __slots__ = ("lookahead", "overlapped", "acceptance", "draft_token_seconds", "verify_seconds", "plain_token_seconds", "speedup", "timed", "plain_alone", "carried_over")
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class Pricing(_message.Message):
     SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     TIMED_FIELD_NUMBER: _ClassVar[int]
     PLAIN_ALONE_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_OVER_FIELD_NUMBER: _ClassVar[int]
     lookahead: int
     overlapped: bool
     acceptance: float
@@ -279,4 +280,5 @@ class Pricing(_message.Message):
     speedup: float
     timed: float
     plain_alone: bool
-    def __init__(self, lookahead: _Optional[int] = ..., overlapped: _Optional[bool] = ..., acceptance: _Optional[float] = ..., draft_token_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., plain_token_seconds: _Optional[float] = ..., speedup: _Optional[float] = ..., timed: _Optional[float] = ..., plain_alone: _Optional[bool] = ...) -> None: ...
+    carried_over: bool
+    def __init__(self, lookahead: _Optional[int] = ..., overlapped: _Optional[bool] = ..., acceptance: _Optional[float] = ..., draft_token_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., plain_token_seconds: _Optional[float] = ..., speedup: _Optional[float] = ..., timed: _Optional[float] = ..., plain_alone: _Optional[bool] = ..., carried_over: _Optional[bool] = ...) -> None: ...
