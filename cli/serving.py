@@ -86,7 +86,8 @@ def add_orchestrator_parser(sub) -> None:
         "--prices-file",
         metavar="PATH",
         help="keep the pair's prices here: read at start where an orchestrator before this one on the same pair "
-        "wrote them (no start-up pricing), written after it (`specdec serve` gives one: a restart serves at once)",
+        "wrote them (no start-up pricing), written after it and every minute while it serves (`specdec serve` "
+        "gives one: a restart serves at once)",
     )
 
 

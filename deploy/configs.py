@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_service import METHODS as DRAFTERS
-from orchestrator import CALIBRATION_TOKENS, RULES
+from orchestrator import CALIBRATION_TOKENS, KEEP_PRICES_EVERY, RULES
 from specdec.limits import AdmissionLimits, RecoveryConfig, SessionLimits
 from specdec.validation import MAX_LOOKAHEAD, MAX_TREE_NODES
 from specdec.weights.models import ALIASES, DEFAULT_ALIAS, DERIVED_ALIASES, ModelSpec, llamacpp_installed
@@ -113,10 +113,15 @@ class OrchestratorConfig:
     # where the pair's prices are kept: read at start where a predecessor on this pair wrote them
     # (no calibration), written after it (orchestrator.calibration.priced_once); None: calibrated each start
     prices_file: str | None = None
+    # seconds between writes of the prices while it serves (in-service refinements kept; a store
+    # that lost them has them back); 0: written after the start's calibration only
+    prices_every: float = KEEP_PRICES_EVERY
 
     def __post_init__(self):
         if self.calibration_tokens < 0:
             raise ValueError(f"--calibration-tokens must be >= 0, got {self.calibration_tokens}")
+        if self.prices_every < 0:
+            raise ValueError(f"prices_every must be >= 0 seconds, got {self.prices_every}")
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}: choose one of {', '.join(RULES)}")
         if not 0 <= self.tree_nodes <= MAX_TREE_NODES:

@@ -20,7 +20,7 @@ from pathlib import Path
 from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from draft_service import drafters
 from draft_service.server import serve as serve_draft
-from orchestrator.calibration import PricesFile, PricesStore, priced_once
+from orchestrator.calibration import KeptPrices, PricesFile, PricesStore, priced_once
 from orchestrator.generation import ModelPair, request_defaults
 from orchestrator.openai_api import HTTPServer, serve_http
 from orchestrator.recovery import Address
@@ -101,8 +101,11 @@ class Orchestrator:
     port: int
     pair: ModelPair
     http: HTTPServer | None = None  # config.http_port set: the OpenAI-compatible API
+    prices: KeptPrices | None = None  # the pair's prices, written to their store while it serves
 
     def stop(self, grace: float | None = None):
+        if self.prices is not None:
+            self.prices.stop()
         if self.http is not None:
             self.http.stop()
         self.pair.close()
@@ -138,7 +141,7 @@ def start_orchestrator(
     if prices is None and config.prices_file is not None:
         prices = PricesFile(Path(config.prices_file))
     # before it serves: the first request priced (as a predecessor on this pair priced it, where one did)
-    priced_once(pair, prices, config.calibration_tokens, defaults, log=_log)
+    kept = priced_once(pair, prices, config.calibration_tokens, defaults, log=_log, every=config.prices_every)
     server, bound = serve_orchestrator(
         pair,
         host,
@@ -152,7 +155,7 @@ def start_orchestrator(
     admission = server.gate.admission
     if admission.max_concurrent < admission.limits.max_concurrent:
         _log(f"runs {admission.max_concurrent} generations at once ({admission.bound()}); the rest queue")
-    orchestrator = Orchestrator(server, bound, pair)
+    orchestrator = Orchestrator(server, bound, pair, prices=kept)
     if config.http_port is not None:
         loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         own = ClientSecurity(root_ca=security.cert_chain, token=security.token)

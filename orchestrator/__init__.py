@@ -7,3 +7,6 @@ RULES = ("leviathan", "invariant")
 # 3-6 s on the default pair on two CPU cores, then as many again each way to time speculation
 # against plain rounds (orchestrator.calibration.alone_gain). Here, so the CLI shows the default without torch.
 CALIBRATION_TOKENS = 120
+# Seconds between writes of an orchestrator's prices to their store while it serves
+# (orchestrator.calibration.KeptPrices; deploy.configs.OrchestratorConfig.prices_every).
+KEEP_PRICES_EVERY = 60.0

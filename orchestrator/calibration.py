@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from orchestrator import CALIBRATION_TOKENS, pair_costs
+from orchestrator import CALIBRATION_TOKENS, KEEP_PRICES_EVERY, pair_costs
 from orchestrator.generation import ModelPair, RequestDefaults, default_overlap, generate
 from orchestrator.lookahead import Price, price
 from specdec.v1 import orchestrator_pb2
@@ -72,10 +73,12 @@ def priced_once(
     tokens: int = CALIBRATION_TOKENS,
     defaults: RequestDefaults | None = None,
     log: Callable[[str], None] | None = None,
-) -> None:
+    every: float = KEEP_PRICES_EVERY,
+) -> KeptPrices | None:
     """`calibrate`, or where `store` holds what a predecessor on this pair measured, that instead;
-    what the calibration measured is then written to `store` (None: calibrate only). What another
-    pair or another version wrote, or what cannot be read, is calibrated over."""
+    what the calibration measured is then written to `store` (None: calibrate only), and again every
+    `every` seconds while the pair serves (the KeptPrices returned; stop it with the orchestrator).
+    What another pair or another version wrote, or what cannot be read, is calibrated over."""
     identity = _identity(pair)
     data = None
     if store is not None:
@@ -84,6 +87,7 @@ def priced_once(
         except Exception as err:  # noqa: BLE001 - a store that cannot be read (a holder gone): price again
             if log:
                 log(f"the prices kept for this pair could not be read ({err}); pricing it again")
+    kept = KeptPrices(pair, store, identity, every, log) if store is not None else None
     if data is not None:
         try:
             saved = _Measurements(io.BytesIO(data)).load()
@@ -94,14 +98,44 @@ def priced_once(
             if log:
                 priced = price(pair.costs, MEASURED_LOOKAHEAD, default_overlap(pair, defaults or RequestDefaults()))
                 log(f"priced the pair as before its restart: {priced.summary() if priced else 'not priced'}")
-            return
+            return kept.start()
     priced = calibrate(pair, tokens, defaults, log)
-    if store is not None and (priced is not None or pair.costs.alone_timed):  # a calibration that ran through
+    if kept is not None and (priced is not None or pair.costs.alone_timed):  # a calibration that ran through
+        kept.write()
+        return kept.start()
+    return None
+
+
+class KeptPrices:
+    """The pair's measurements written to its store now (`write`) and every `every` seconds from a
+    thread (`start`, until `stop`): a successor takes what service refined since the start, and a
+    store that lost them (ray up's target actor, restarted) has them again within `every`."""
+
+    def __init__(self, pair: ModelPair, store: PricesStore, identity: tuple, every: float, log):
+        self.pair, self.store, self.identity, self.every, self.log = pair, store, identity, every, log
+        self.failed = False  # said once, not every `every` seconds
+        self._stop = threading.Event()
+
+    def write(self) -> None:
         try:
-            store.write(pickle.dumps({"pair": identity, "costs": pair.costs.snapshot()}))
+            self.store.write(pickle.dumps({"pair": self.identity, "costs": self.pair.costs.snapshot()}))
+            self.failed = False
         except Exception as err:  # noqa: BLE001 - serving priced matters more than a successor's start
-            if log:
-                log(f"the pair's prices could not be kept for a restart ({err})")
+            if self.log and not self.failed:
+                self.log(f"the pair's prices could not be kept for a restart ({err})")
+            self.failed = True
+
+    def start(self) -> KeptPrices:
+        if self.every > 0:
+            threading.Thread(target=self._run, name="specdec-prices", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.write()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class _Measurements(pickle.Unpickler):

@@ -141,7 +141,7 @@ def pipeline(
     `calibration_tokens`: the orchestrator's pricing run at start (0: none, a test's own
     requests are the pair's first rounds); `drafter`: the draft service's (None: the model's);
     `settings`: OrchestratorConfig's others."""
-    servers = {}
+    servers, kept = {}, None
     limits = limits or SessionLimits()
     try:
         draft = ModelServiceConfig("draft", limits=limits)
@@ -154,11 +154,14 @@ def pipeline(
         admission = admission or AdmissionLimits()
         config = OrchestratorConfig(admission, lookahead=lookahead, calibration_tokens=calibration_tokens, **settings)
         orchestrator = hosting.start_orchestrator(addresses["draft"], addresses["target"], config)
+        kept = orchestrator.prices
         servers["orchestrator"] = orchestrator.server
         addresses["orchestrator"] = f"127.0.0.1:{orchestrator.port}"
         orchestrator = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(addresses["orchestrator"]))
         yield Pipeline(orchestrator, *model_stubs(addresses["draft"], addresses["target"]), servers, addresses)
     finally:
+        if kept is not None:
+            kept.stop()
         for server in servers.values():
             server.stop(None)
 

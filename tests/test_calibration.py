@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import time
 
 import pytest
 
@@ -132,3 +133,26 @@ def test_an_orchestrator_after_another_on_the_pair_takes_its_prices_from_the_fil
         assert fresh[0] == MEASURED_LOOKAHEAD and fresh[2] > 1 and fresh != first  # priced again
         assert pricing()[0] == fresh  # and written
     assert not ran.exists() and carried[2:] == [False, True, False, True]
+
+
+def test_what_service_refines_is_kept_for_the_next_orchestrator(backends, tmp_path):
+    """The prices are written again while the pair serves (every `prices_every` seconds): a successor
+    takes what the first orchestrator's requests refined, not only what its start measured."""
+    prices = tmp_path / "prices"
+    every = 0.2
+
+    def pricing(p) -> tuple:  # what is carried (the draft's step is priced from the draft service's own profile)
+        info = p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10).pricing
+        return info.acceptance, info.verify_seconds, info.plain_token_seconds, info.timed
+
+    settings = dict(lookahead=None, calibration_tokens=60, overlap=False, prices_file=str(prices), prices_every=every)
+    with pipeline(*backends, **settings) as p:
+        started = pricing(p)
+        for _ in range(3):
+            generate(p.orchestrator)
+        time.sleep(3 * every)  # written since the last round
+        refined = pricing(p)
+    assert refined[1:3] != started[1:3]  # the requests' rounds moved the verify's and the plain step's costs
+    with pipeline(*backends, **settings) as p:
+        assert p.orchestrator.Describe(model_pb2.DescribeRequest(), timeout=10).pricing.carried_over
+        assert pricing(p) == refined

@@ -34,7 +34,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from deploy import liveness, ray_deploy
-from deploy.configs import ModelServiceConfig
+from deploy.configs import ModelServiceConfig, OrchestratorConfig
 from deploy.ray_actors import actor_endpoint
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.server import connect
@@ -84,7 +84,10 @@ def cluster():
 PLAINTEXT = {"server_security": ServerSecurity(allow_insecure=True), "service_security": INSECURE}
 
 
-def config(tiny_models, name, placement, health_timeout=liveness.UNRESPONSIVE_SECONDS, **security_settings):
+def config(
+    tiny_models, name, placement, health_timeout=liveness.UNRESPONSIVE_SECONDS, prices_every=None, **security_settings
+):
+    every = {} if prices_every is None else {"orchestrator": OrchestratorConfig(prices_every=prices_every)}
     return ray_deploy.RayDeployConfig(
         name=name,
         target=ModelServiceConfig("target", ModelSpec(tiny_models["target"], "cpu", "float32")),
@@ -94,6 +97,7 @@ def config(tiny_models, name, placement, health_timeout=liveness.UNRESPONSIVE_SE
         placement_timeout=60,
         start_timeout=300,
         health_timeout=health_timeout,
+        **every,
         **(security_settings or PLAINTEXT),
     )
 
@@ -101,7 +105,8 @@ def config(tiny_models, name, placement, health_timeout=liveness.UNRESPONSIVE_SE
 @pytest.fixture(scope="module")
 def packed(cluster, tiny_models):
     # A service silent for 6 s is killed (test_a_hung_service_actor_is_killed_and_restarted)
-    deployment = ray_deploy.up(config(tiny_models, "t-pack", "pack", health_timeout=6.0))
+    # Its prices are written every second: a target restarted by an earlier test holds them again
+    deployment = ray_deploy.up(config(tiny_models, "t-pack", "pack", health_timeout=6.0, prices_every=1.0))
     try:
         yield deployment
     finally:
