@@ -92,8 +92,8 @@ class ModelServiceHost(_Host):
 
 class ActorPrices:
     """An orchestrator's prices store (orchestrator.calibration) in its target's actor: a restarted
-    orchestrator actor finds it on whatever node it lands; a restarted target holds none, and the
-    pair is priced again (its costs may have moved with it)."""
+    orchestrator actor finds it on whatever node it lands; a restarted target holds none until the
+    orchestrator's next write (KeptPrices, every minute), and one restarted meanwhile prices again."""
 
     TIMEOUT = 10.0  # seconds; a target that does not answer: priced again, or not kept
 
