@@ -468,14 +468,14 @@ class LocalPipeline:
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join()
         timeout = self.config.drain_timeout + 10 if timeout is None else timeout
-        stages = [[p for n, p in self.procs.items() if n == "orchestrator"]]
-        stages.append([p for n, p in self.procs.items() if n != "orchestrator"])
+        stages = [[(n, p) for n, p in self.procs.items() if n == "orchestrator"]]
+        stages.append([(n, p) for n, p in self.procs.items() if n != "orchestrator"])
         for stage in stages:
-            for proc in stage:
+            for _, proc in stage:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
                     proc.send_signal(signal.SIGCONT)  # a stopped child drains now, not killed after `timeout`
-            for proc in stage:
+            for name, proc in stage:
                 try:
                     code = proc.wait(timeout)
                 except subprocess.TimeoutExpired:
@@ -483,7 +483,6 @@ class LocalPipeline:
                     proc.wait()
                     code = None
                 if code not in (0, -signal.SIGTERM):
-                    name = next((n for n, p in self.procs.items() if p is proc), "a")
                     self._troubled = self._troubled or f"the {name} service " + (
                         f"did not stop within {timeout:g} s" if code is None else _exit_text(code)
                     )
