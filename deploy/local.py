@@ -64,6 +64,9 @@ MODEL_SERVICES = ("draft", "target")
 # serve's Prometheus ports: each process's offset from the base --metrics-port.
 METRICS_OFFSETS = {"orchestrator": 0, "target": 1, "draft": 2}
 POLL_SECONDS = 0.1  # how often the monitor looks at the children
+# How a child that stop() sent SIGTERM ends cleanly: drained (0), or before its handler was set
+# (killed by the signal, or 128 + SIGTERM where cli.main turns it into an exit: a child still starting).
+STOPPED = (0, -signal.SIGTERM, 128 + signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,7 @@ class LocalPipeline:
     def _probe_address(self, name: str) -> str:
         if name == "orchestrator" and self.config.tls.flags():
             return f"unix:{self._health_socket}"
-        return self.addresses[name]  # a restart keeps it: one channel each
+        return self.addresses[name]  # a restart keeps it
 
     def _linked(self, name: str) -> str:
         link = self.config.link
@@ -372,6 +375,7 @@ class LocalPipeline:
                     self._fail(f"{what}; the pipeline cannot go on without it")
                     return
                 self.log(f"specdec: {what}; restarting it on {self.addresses[name]}")
+                self._troubled = self._troubled or what  # its logs say why, restarted in time or not
                 restarting[name] = _Restart(what, self.config.restart.first_backoff)
 
     def _probe(self) -> None:
@@ -381,8 +385,11 @@ class LocalPipeline:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from specdec.serving.security import RECONNECT
+
         limit = self.config.restart.unresponsive
-        silence, every, channels = liveness.Silence(limit), liveness.period(limit), {}
+        silence, every = liveness.Silence(limit), liveness.period(limit)
+        channels: dict[str, tuple[int, grpc.Channel]] = {}  # name -> (the pid it probes, a channel of its own)
         probed = [*MODEL_SERVICES, "orchestrator"]
         try:
             while not self._stopping.wait(every) and self.failure is None:
@@ -391,16 +398,20 @@ class LocalPipeline:
                     pid = self._serving.get(name)
                     if pid is None:  # down or restarting: the monitor's
                         continue
-                    address = self._probe_address(name)
-                    if address not in channels:
-                        channels[address] = grpc.insecure_channel(address)
-                    stub = health_pb2_grpc.HealthStub(channels[address])
+                    if channels.get(name, (None,))[0] != pid:
+                        # A restarted child gets a channel of its own: the last one's reconnect
+                        # backoff, grown while the child was down, failed its probes at once for
+                        # seconds after it served again, and it was killed as hung (RECONNECT).
+                        if name in channels:
+                            channels[name][1].close()
+                        channels[name] = pid, grpc.insecure_channel(self._probe_address(name), options=RECONNECT)
+                    stub = health_pb2_grpc.HealthStub(channels[name][1])
                     calls[name] = pid, stub.Check.future(health_pb2.HealthCheckRequest(), timeout=every)
                 for name, (pid, call) in calls.items():  # a pid a key: a restarted child's silence is its own
                     if silence.heard(pid, call.exception() is None, sent) and not self._stopping.is_set():
                         self._kill_unresponsive(name, pid, limit)
         finally:
-            for channel in channels.values():
+            for _, channel in channels.values():
                 channel.close()
 
     def _kill_unresponsive(self, name: str, pid: int, limit: float) -> None:
@@ -482,7 +493,7 @@ class LocalPipeline:
                     proc.kill()
                     proc.wait()
                     code = None
-                if code not in (0, -signal.SIGTERM):
+                if code not in STOPPED:
                     self._troubled = self._troubled or f"the {name} service " + (
                         f"did not stop within {timeout:g} s" if code is None else _exit_text(code)
                     )
@@ -494,7 +505,7 @@ class LocalPipeline:
         if self._tidied:
             return
         self._tidied = True
-        reason = self.failure or self._troubled or (f"restarts: {dict(self.restarts)}" if self.restarts else None)
+        reason = self.failure or self._troubled
         if reason is None and self._temporary:
             shutil.rmtree(self.workdir, ignore_errors=True)
         elif reason is not None and self.workdir.exists():

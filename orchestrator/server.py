@@ -19,7 +19,7 @@ from orchestrator.turns import Turns
 from specdec.errors import FailedPrecondition
 from specdec.limits import AdmissionLimits, RecoveryConfig
 from specdec.serving import lifecycle
-from specdec.serving.security import ClientSecurity, ServerSecurity
+from specdec.serving.security import RECONNECT, ClientSecurity, ServerSecurity
 from specdec.serving.security import channel as secure_channel
 from specdec.serving.service import CHANNEL_OPTIONS, deadline_seconds
 from specdec.serving.telemetry import Telemetry, disabled
@@ -204,17 +204,6 @@ def pair_mismatch(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo, token
     except FailedPrecondition as err:
         return err.message
     return ""
-
-
-# A fresh channel to a service connects afresh: its own subchannel (gRPC shares one per address
-# between channels, with its reconnect backoff: after a restart of a few seconds a new channel
-# waited out a backoff grown to seconds), and reconnects at most a second apart.
-RECONNECT = [
-    ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 def _channel(address: str, wait_seconds: float, security: ClientSecurity) -> grpc.Channel:

@@ -147,7 +147,9 @@ def test_a_restart_that_cannot_bind_is_retried_and_too_many_restarts_end_the_pip
 
 def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_models):
     """A hung host (SIGSTOP: alive, its port open, nothing answering) is not an exit: the prober
-    kills what answers no health check for `unresponsive` seconds, and the monitor restarts it."""
+    kills what answers no health check for `unresponsive` seconds, and the monitor restarts it. The
+    restarted one is probed afresh: through the dead one's channel, in gRPC's reconnect backoff, its
+    probes failed at once for seconds and it was killed again (CI's load: restarts 2 for one hang)."""
     config = tiny_config(tiny_models, restart=RestartPolicy(unresponsive=3.0), calibration_tokens=0)
     lines: list[str] = []
     with LocalPipeline(config, log=lines.append) as pipeline:
@@ -163,11 +165,28 @@ def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_mod
             assert not alive(frozen) and pipeline.restarts[name] == 1
             assert f"specdec: the {name} service (pid {frozen}) answered no health check for 3 s; killing it" in lines
             assert generate(pipeline.address) == before
+        restarts = [pipeline.restarts[name] for name in ("draft", "target", "orchestrator")]
+        assert restarts == [0, 1, 1]  # none restarted twice: a restarted child answers its probes
     # the logs of a pipeline whose services were restarted are kept, and it says where
     # (the reason names the restarts, or what came first: a child that ended badly at the stop)
     kept = [line for line in lines if line.startswith(f"specdec: the services' logs are kept in {pipeline.workdir} (")]
     assert len(kept) == 1, lines[-3:]
     assert (pipeline.workdir / "target.log").exists()
+    shutil.rmtree(pipeline.workdir)
+
+
+def test_a_crash_keeps_the_logs_when_the_pipeline_stops_before_its_restart(tiny_models):
+    """A child that crashed is why its logs matter, whether its restart came up before the stop or
+    not (one still starting was stopped, its folder removed and the crash's log with it)."""
+    lines: list[str] = []
+    pipeline = LocalPipeline(tiny_config(tiny_models), log=lines.append).start()
+    pid = pipeline.serving_pid("draft", 10)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: any("restarting it" in line for line in lines), 30, 0.05)
+    pipeline.stop()  # the restarted draft is still starting: it takes its SIGTERM there
+    why = f"the draft service (pid {pid}) was killed by SIGKILL"
+    assert lines[-1] == f"specdec: the services' logs are kept in {pipeline.workdir} ({why})"
+    assert (pipeline.workdir / "draft.log").exists()
     shutil.rmtree(pipeline.workdir)
 
 

@@ -59,6 +59,17 @@ SERVER_KEEPALIVE = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
+# A channel that connects afresh: its own subchannel (gRPC shares one per address between the
+# channels of a process, with its reconnect backoff: after a restart of a few seconds a new channel
+# waited out a backoff grown to seconds, failing UNAVAILABLE at once meanwhile), and reconnects at
+# most a second apart. The orchestrator's links to its services and a supervisor's health probes.
+RECONNECT = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
 TOKEN_ENV = "SPECDEC_AUTH_TOKEN"
