@@ -149,7 +149,7 @@ def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_mod
     """A hung host (SIGSTOP: alive, its port open, nothing answering) is not an exit: the prober
     kills what answers no health check for `unresponsive` seconds, and the monitor restarts it. The
     restarted one is probed afresh: through the dead one's channel, in gRPC's reconnect backoff, its
-    probes failed at once for seconds and it was killed again (CI's load: restarts 2 for one hang)."""
+    probes failed at once for seconds and it was killed again (under load: restarts 2 for one hang)."""
     config = tiny_config(tiny_models, restart=RestartPolicy(unresponsive=3.0), calibration_tokens=0)
     lines: list[str] = []
     with LocalPipeline(config, log=lines.append) as pipeline:
