@@ -168,7 +168,7 @@ def test_a_service_that_answers_no_health_check_is_killed_and_restarted(tiny_mod
         restarts = [pipeline.restarts[name] for name in ("draft", "target", "orchestrator")]
         assert restarts == [0, 1, 1]  # none restarted twice: a restarted child answers its probes
     # the logs of a pipeline whose services were restarted are kept, and it says where
-    # (the reason names the restarts, or what came first: a child that ended badly at the stop)
+    # (the reason names the first trouble: the hang's kill here, or a child that ended badly at the stop)
     kept = [line for line in lines if line.startswith(f"specdec: the services' logs are kept in {pipeline.workdir} (")]
     assert len(kept) == 1, lines[-3:]
     assert (pipeline.workdir / "target.log").exists()
