@@ -41,7 +41,6 @@ import functools
 import itertools
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -55,7 +54,7 @@ from orchestrator.lookahead import AdaptiveLookahead
 from orchestrator.pair_costs import DraftCost, PairCosts, RoundReport
 from orchestrator.plain_rounds import PlainRounds
 from orchestrator.rounds import Draws, LoopConfig, LoopStats, Proposal, Round, SessionLost
-from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, wait_quietly
+from orchestrator.sessions import CONTINUATIONS, GenerationSessions, Side, new_session_id, wait_quietly
 from orchestrator.tree_round import TreeRound
 from orchestrator.trees import PairTrees, TreeAcceptance
 from specdec.decoding import rule
@@ -123,7 +122,7 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self._tree_acceptance = self.trees.acceptance if config.coupled else TreeAcceptance()
         self.config = config
         self.prompt = list(prompt)
-        self.session_id = uuid.uuid4().hex
+        self.session_id = new_session_id()
         self.stats = LoopStats()
         # The caller's deadline bounds the whole generation; each RPC gets what is left of it.
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -287,11 +286,14 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         tree = bool(cfg.tree_nodes) and k > 0 and self._carried is None
         if tree and self.policy is not None:
             tree = self.trees.choice.tree(cfg.sampling.greedy)
-        # Fixed draws per round (whatever the outcome) keep a seed's stream aligned.
-        if tree:
-            draws = Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes, greedy=cfg.coupled)
+        # Fixed draws per round (whatever the outcome) keep a seed's stream aligned. A coupled rule
+        # draws none: its generator is never made (rng).
+        if cfg.coupled:
+            draws = Draws.none()
+        elif tree:
+            draws = Draws.draw_tree(self.rng, cfg.lookahead, cfg.tree_nodes)
         else:
-            draws = Draws.draw(self.rng, cfg.lookahead, greedy=cfg.coupled, overlap=self.overlap)
+            draws = Draws.draw(self.rng, cfg.lookahead, overlap=self.overlap)
         steps = self._plain_steps(k)  # none with drafts (a tree has them)
         if steps and not cfg.coupled:
             draws = draws.stepped(self.rng, cfg.lookahead, self.overlap, steps)

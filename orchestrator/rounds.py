@@ -192,13 +192,16 @@ class Draws:
     def stepped(self, rng: np.random.Generator, lookahead: int, overlap: bool, steps: int) -> Draws:
         """These draws with the uniforms of `steps` plain steps in one Score: this round's last
         token's, then each later step's, drawn as that many plain rounds would draw them."""
-        later = [self.draw(rng, lookahead, greedy=False, overlap=overlap).final for _ in range(steps - 1)]
+        later = [self.draw(rng, lookahead, overlap=overlap).final for _ in range(steps - 1)]
         return dataclasses.replace(self, steps=(self.final, *later))
 
     @classmethod
-    def draw(cls, rng: np.random.Generator, lookahead: int, greedy: bool, overlap: bool) -> Draws:
-        if greedy:
-            return cls([], [], [], 0.0)
+    def none(cls) -> Draws:
+        """A coupled rule's (greedy, the invariant rule): it draws nothing."""
+        return cls([], [], [], 0.0)
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator, lookahead: int, overlap: bool) -> Draws:
         if not overlap:  # the sequential rounds' draws, as they always were
             u = rng.random(2 * lookahead + 1).tolist()
             return cls(u[:lookahead], u[lookahead : 2 * lookahead], [], u[-1])
@@ -207,11 +210,9 @@ class Draws:
         return cls(u[:lookahead], u[lookahead : lookahead + n], u[lookahead + n : lookahead + 2 * n], u[-1])
 
     @classmethod
-    def draw_tree(cls, rng: np.random.Generator, lookahead: int, nodes: int, greedy: bool) -> Draws:
+    def draw_tree(cls, rng: np.random.Generator, lookahead: int, nodes: int) -> Draws:
         """A tree round's: its children's draws (TREE_DRAWS a depth: TREE_BRANCHES for each expanded node),
         a test a node, the last token."""
-        if greedy:
-            return cls([], [], [], 0.0)
         drawn = lookahead * TREE_DRAWS
         u = rng.random(drawn + nodes + 1).tolist()
         return cls(u[:drawn], u[drawn:-1], [], u[-1])

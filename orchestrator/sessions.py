@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
+import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -111,6 +114,24 @@ class Closer:
 
 
 CLOSER = Closer()
+
+
+# Session ids: this process's 64 random bits and a counter (drawn again in a forked child), unique
+# across the orchestrators that share the services. A uuid4 a generation read os.urandom, which lets
+# go of the interpreter's lock: on the scheduler's thread under load, taking it back could wait out
+# another thread's switch interval (5 ms) with every generation's rounds behind it (as encode did).
+def _fresh_session_ids() -> None:
+    global _session_ids
+    _session_ids = (secrets.token_hex(8), itertools.count())
+
+
+_fresh_session_ids()
+os.register_at_fork(after_in_child=_fresh_session_ids)
+
+
+def new_session_id() -> str:
+    prefix, counter = _session_ids
+    return f"{prefix}{next(counter):x}"
 
 
 @dataclass

@@ -5,6 +5,7 @@ transform, and greedy output is the target's argmax chain."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from draft_service.server import DraftServicer
 from orchestrator import plain_rounds
 from orchestrator.loop import LoopConfig, SpeculativeLoop
 from orchestrator.plain_rounds import MAX_PLAIN_STEPS, MAX_UNARY_STEPS, PLAIN_STEPS, decode_steps
+from orchestrator.sessions import new_session_id
 from specdec.decoding.sampling import SamplingParams, probs_from_logits
 from specdec.runtime.engine import SessionEngine
 from target_service.server import TargetServicer
@@ -80,6 +82,32 @@ def test_loop_greedy_is_target_argmax_chain(k):
     tokens, stats = run(draft, target, SamplingParams(), k, 200, seed=0)
     assert tokens == argmax_chain(target_probs, 200)
     assert stats.draft_tokens > 0
+
+
+@pytest.mark.usefixtures("draft_awaited")
+def test_only_a_sample_makes_a_generator_and_each_generation_has_sessions_of_its_own():
+    """Greedy and the invariant rule draw nothing: their generator is never made (~30 µs a request on
+    the scheduler's thread under load); a Leviathan sample makes it. Every generation's sessions have
+    an id of their own, and a forked process draws ids of its own (they share the services)."""
+    draft, target, *_ = pair(random_markov(8, 5), random_markov(8, 6))
+    loops = []
+    for sampling, rule in [(SamplingParams(), "leviathan"), (SamplingParams(temperature=1.0), "invariant"),
+                           (SamplingParams(temperature=1.0), "leviathan")]:  # fmt: skip
+        config = LoopConfig(sampling=sampling, max_new_tokens=20, lookahead=3, seed=1, rule=rule)
+        loops.append(SpeculativeLoop(draft, target, [0], config))
+        for _ in loops[-1].rounds():
+            pass
+        assert loops[-1].stats.draft_tokens > 0
+    assert ["rng" in vars(loop) for loop in loops] == [False, False, True]
+    assert len({loop.session_id for loop in loops}) == 3
+    read, write = os.pipe()
+    if (pid := os.fork()) == 0:  # the child: its first id, then out
+        os.write(write, new_session_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    os.close(read), os.close(write)
+    assert child[:16] != new_session_id()[:16] == loops[0].session_id[:16]
 
 
 @pytest.mark.slow
