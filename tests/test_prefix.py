@@ -509,6 +509,7 @@ def test_a_lookup_among_a_thousand_kept_caches_compares_the_newest_few(monkeypat
 
     newest = entry
     assert cache.index.candidates(newest.tokens) == ([*reversed(cache.retained.values())], 3)
+    assert cache.index.candidates(newest.tokens, 4) == ([*reversed(cache.retained.values())][:4], 3)  # not copied whole
     assert cache.lookup([*newest.tokens, 7]) == (newest, len(newest.tokens))
     assert 0 < len(compared) <= prefix.LOOKUP_CANDIDATES
     compared.clear()

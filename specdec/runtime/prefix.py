@@ -30,6 +30,7 @@ or refusing; absent: unbounded). The session fields it reads are specdec.runtime
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -121,9 +122,11 @@ class PrefixIndex:
         entry = self._chains.get(id(holder))
         return len(entry[1]) if entry is not None else 0
 
-    def candidates(self, tokens: list[int]) -> tuple[list, int]:
+    def candidates(self, tokens: list[int], most: int | None = None) -> tuple[list, int]:
         """The holders indexed for the most leading blocks of `tokens`, the most recently indexed
-        first, and how many blocks: a match of hashes, for the caller to check token by token."""
+        first (`most` of them at most: a system prompt's block may have thousands of holders, kept
+        caches included), and how many blocks: a match of hashes, for the caller to check token by
+        token."""
         deepest: dict = {}
         depth = 0
         h = _ROOT
@@ -133,7 +136,7 @@ class PrefixIndex:
             if not holders:
                 break
             deepest, depth = holders, depth + 1
-        return list(reversed(deepest.values())), depth
+        return list(itertools.islice(reversed(deepest.values()), most)), depth
 
 
 class PrefixCache:
@@ -197,10 +200,10 @@ class PrefixCache:
         among the LOOKUP_CANDIDATES most recent holders of the most leading blocks. Between two as
         long, a kept cache the prompt extends whole (taken over, no copy)."""
         wanted = prompt[:-1]
-        holders, depth = self.index.candidates(wanted)
+        holders, depth = self.index.candidates(wanted, LOOKUP_CANDIDATES)
         known = depth * self.block  # what the hashes say they share
         best, hit, whole = None, 0, False
-        for holder in holders[:LOOKUP_CANDIDATES]:
+        for holder in holders:
             kept = isinstance(holder, Retained)
             if hit == len(wanted) and (whole or not kept or len(holder.tokens) > hit):
                 continue  # it cannot do better (many sessions on one system prompt: one compare, not one each)
