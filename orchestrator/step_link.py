@@ -287,6 +287,8 @@ class StepLink:
                     held = [item for item in held if item[2] != "score"]
                 else:
                     until = None
+                    if scores:
+                        held, until = self._turn(held, scores, now)
             timed = []  # the calls the turns time: a continuation's Propose is not waited for
             for stream, call, field, _ in held:
                 if not stream.closed:  # else its calls failed with it
@@ -300,6 +302,20 @@ class StepLink:
                 self._cond.notify_all()
         if until is not None:
             scheduler.SCHEDULER.flush_at(self, until)
+
+    def _turn(self, held: list, scores: list, now: float) -> tuple[list, float | None]:
+        """The calls to send now: all but the Scores the pair's turns hold for the next turn (they
+        wait in `_held`, decided again when this step ends, or a step from now at the latest); and
+        when to decide again (None: nothing held)."""
+        drafted = any(item[1].score.draft_token_ids for item in scores)
+        with self._turns.lock:
+            n = self._turns.leaving([item[1].score.session.session_id for item in scores], drafted)
+            step = self._turns.target.latency
+        if n == len(scores):
+            return held, None
+        self._held = scores[n:]
+        later = {id(item) for item in self._held}
+        return [item for item in held if id(item) not in later], now + step
 
     def back(self, ids: list[int]) -> None:
         """A message of results came for calls `ids` (its stream's reader, before they wake their tasks)."""

@@ -15,18 +15,32 @@ its session waits for, not a continuation proposed beside a verify) than Scores 
 A Score is never held longer than two target steps, whatever drafts; with nothing drafting
 (speculation off, one session alone) it leaves at once.
 
+And a turn of most of the pair's sessions is split in two. Where a session's drafts and handling
+outlast a target step, one turn of all leaves the target idle between its steps, and a turn of 60
+beside one of 4 waits for its 60 sessions' handling, one after another, each round: at 64 clients the
+turns sat at 61 / 3, 45 / 19 or 64 for seconds. So Scores after drafts leaving together, from
+SPLIT_LEAST of them where a draft takes half a target step or more, go as at most half the sessions of
+the last two turns and these (and TURN_SLACK more); the rest are held for the next turn, decided again
+when this step ends. Two turns of about half stay whole. Plain rounds are never split: every session
+has a step each step.
+
 `Flights` times a link's messages; `Turns` is the pair's policy, shared by its two links
 (orchestrator.step_link). Pure bookkeeping: knows nothing of rounds, the rule or gRPC.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections import deque
 
 SMOOTHING = 0.2  # the weight of a message's latency in its link's running mean
 HOLD_SHARE = 0.5  # Scores wait for drafts due back within this share of a target step ...
 SLACK_SHARE = 0.25  # ... and past the drafts' due time this share more, for their Scores to be made
 MOST_STEPS = 2.0  # a Score waits at most this many target steps
+SPLIT_LEAST = 16  # Scores after drafts leaving together are split into two turns from this many ...
+SPLIT_SHARE = 0.5  # ... where a draft takes at least this share of a target step
+TURN_SLACK = 2  # a turn so split takes half the pair's sessions and this many more
 
 
 class Flights:
@@ -93,6 +107,7 @@ class Turns:
         self.lock = threading.Lock()  # the flights: both links' readers and the scheduler's thread
         self.draft = Flights()
         self.target = Flights()
+        self._turns: deque[frozenset[str]] = deque(maxlen=2)  # the sessions of the last two turns sent
 
     def hold_until(self, held: int, waited: float, now: float) -> float | None:
         """None: the `held` Scores (the oldest held `waited` seconds) leave now; else when to decide
@@ -104,3 +119,14 @@ class Turns:
             return now + step
         coming, last = self.draft.due(now, SLACK_SHARE * step, HOLD_SHARE * step)
         return last + SLACK_SHARE * step if coming >= held else None
+
+    def leaving(self, sessions: list[str], drafted: bool) -> int:
+        """How many of the Scores leaving now (their sessions, oldest first) go in this turn; the
+        rest are held for the next. With `lock` held."""
+        n = len(sessions)
+        step, draft = self.target.latency, self.draft.latency
+        if drafted and n >= SPLIT_LEAST and step is not None and draft is not None and draft >= SPLIT_SHARE * step:
+            pair = set(sessions).union(*self._turns)
+            n = min(n, math.ceil(len(pair) / 2) + TURN_SLACK)
+        self._turns.append(frozenset(sessions[:n]))
+        return n
