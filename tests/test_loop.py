@@ -106,7 +106,8 @@ def test_only_a_sample_makes_a_generator_and_each_generation_has_sessions_of_its
         os._exit(0)
     os.waitpid(pid, 0)
     child = os.read(read, 100).decode()
-    os.close(read), os.close(write)
+    for fd in (read, write):
+        os.close(fd)
     assert child[:16] != new_session_id()[:16] == loops[0].session_id[:16]
 
 
