@@ -37,7 +37,7 @@ at a load it must promise 1 + UNPROVEN (docs/adaptive.md#calibration-by-quiet-ro
 overlap_load on devices of their own 1 + MARGIN (see Overlap under load).
 
 Measured. Under load the pair's rounds run in one regime; each regime's measured rate (MEASURED,
-RATE_WINDOW, REVISIT up to REVISIT_MAX, IDLE) vetoes the price's speculation; which k
+RATE_WINDOW, REVISIT up to REVISIT_MAX, IDLE, PEAK) vetoes the price's speculation; which k
 speculation takes stays the price's (docs/adaptive.md#measured-regimes-under-load).
 
 Load. Windows count steps (a round of each of N generations is one). Under load speculation is
@@ -302,7 +302,7 @@ class AdaptiveLookahead:
                     self.costs.calibrate(load, report.proposed > 0, report.round_seconds / price)
             # a fixed k's rounds are not a regime's
             if report.committed is not None and report.at is not None and self.may_stop:
-                self.costs.measure(self.load(), report.committed, report.at)
+                self.costs.measure(self.load(), report.committed, report.at, report.span())
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ REVISIT = 40.0  # seconds before the regime that measured slower runs again for 
 REVISIT_MAX = 320.0  # the longest wait, after revisits that found it slower still (doubling)
 RATE_WINDOW = 10.0  # seconds of a regime's run its rate weighs (older ones decay by e each)
 IDLE = 1.0  # seconds without a commit on the pair that are a pause, not a measurement
+# seconds of commits whose busiest load names the regimes' load class (PairCosts.regime_class): the
+# load of clients whose requests end together falls to 1 and climbs back within a round
+PEAK = 1.0
 # A generation alone runs plain rounds where the start-up calibration timed speculation below this
 # share of plain rounds' speed (PairCosts.alone_gain; where it priced it below 1, below 1). Not 1:
 # its answers of 40 tokens time within +-5% of 1 from start to start on the default pair (0.94-1.06
@@ -153,6 +156,12 @@ class RoundReport:
 
     def draft_cost(self) -> DraftCost:
         return self.draft if isinstance(self.draft, DraftCost) else DraftCost(self.draft, self.proposed)
+
+    def span(self) -> float:
+        """Seconds its generation spent on the round (0: not timed): a decode round's steps report
+        a step's share of it each, and commit a token a step (plain_rounds: _measure_steps)."""
+        seconds = self.round_seconds or 0.0
+        return seconds * self.committed if self.proposed == 0 and self.committed else seconds
 
     def step(self) -> int:
         """The tokens of the target's step that scored it."""
@@ -290,6 +299,8 @@ class PairCosts:
         self.last_commit: float | None = None  # when a round of the pair last committed
         self.faster: dict[int, Revisits] = {}  # per load class: the faster regime and its revisits
         self.settled_class = 0  # the load class of the last commit
+        # the start of this PEAK window of commits, its busiest load, and the window before's
+        self.peak: tuple[float, int, int] = (-math.inf, 0, 0)
 
     # What the pair's services and this process give, not what its rounds measured: not carried over
     # by `snapshot()` / `carry_over()`.
@@ -303,6 +314,7 @@ class PairCosts:
             "prefilling",
             "prefill_events",
             "last_commit",
+            "peak",
             "carried_over",
         }
     )
@@ -445,15 +457,28 @@ class PairCosts:
         share = 1 / max(1, load)  # a round of each generation is one step
         kept.add(min(ratio, MISPRICED), share, FIT_DECAY**share)
 
-    def measure(self, load: int, tokens: int, at: float) -> None:
+    def regime_class(self, load: int) -> int:
+        """The load class whose regime runs and is measured at `load`: the busiest load of the
+        pair's commits over the last PEAK to 2 x PEAK seconds, or `load` where busier (a dip as
+        requests end together is no change of load: docs/adaptive.md#measured-regimes-under-load)."""
+        return load_class(max(load, self.peak[1], self.peak[2]))
+
+    def measure(self, load: int, tokens: int, at: float, span: float = 0.0) -> None:
         """A round of one of `load` generations committed `tokens` at `at` (seconds, the loop's
-        clock): the time since the pair's last commit counts for the regime in force, once every
-        generation has had a round in it and unless the pair was idle (see Measured)."""
-        cls = load_class(load)
+        clock) after `span` seconds of its own (RoundReport.span): the time since the pair's last
+        commit counts for the regime in force at its load class (`regime_class`), once every
+        generation has had a round in it and unless the pair was idle, IDLE seconds of it outside
+        the round (a unary answer's plain rounds commit it at once: see Measured)."""
+        start, busiest, before = self.peak
+        if at >= start + PEAK:
+            self.peak = (at, load, busiest if at < start + 2 * PEAK else 0)
+        elif load > busiest:
+            self.peak = (start, load, before)
+        cls = self.regime_class(load)
         if cls != self.settled_class:  # a step at a load before it counts there: the arrivals' prefills
             self.settled, self.settled_class = 0.0, cls
         seconds = max(0.0, at - self.last_commit) if self.last_commit is not None else IDLE
-        if load > 1 and self.regime is not None and self.settled >= 1 and seconds < IDLE:
+        if load > 1 and self.regime is not None and self.settled >= 1 and seconds - span < IDLE:
             kept = self.rates.setdefault(cls, {True: [0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0]})
             rate, f = kept[self.regime], math.exp(-seconds / RATE_WINDOW)
             rate[0] = f * rate[0] + tokens
@@ -474,7 +499,9 @@ class PairCosts:
         until measured MEASURED seconds at this load, then plain rounds until they are too; then
         the faster, the slower revisited for MEASURED seconds after REVISIT, and after twice as
         long each time a revisit finds it slower still."""
-        cls = load_class(load)
+        cls = self.regime_class(load)
+        if cls > load_class(load) and self.regime is not None:  # a dip (regime_class): the regime runs on
+            return self.regime
         kinds = self.rates.get(cls)
         on, off = (kinds[True][2], kinds[False][2]) if kinds else (0.0, 0.0)
         if not priced or off < MEASURED <= on:

@@ -4,6 +4,8 @@ choices never change the output."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from draft_service.drafters import MODEL
@@ -298,6 +300,67 @@ def test_under_load_the_regime_that_commits_more_a_second_is_taken():
     # other loads are measured apart: there the price decides until a regime is measured
     assert load_class(16) not in costs.rates
     assert costs.measured_choice(16, priced=False) is False and costs.measured_choice(16, priced=True) is True
+
+
+@pytest.mark.parametrize("answer", [0.6, 2.4], ids=["10ms-steps", "38ms-steps"])
+def test_the_dips_of_requests_ending_together_do_not_restart_a_regimes_measurement(answer):
+    """Closed-loop clients end their requests together: the load falls to 1 and climbs back within
+    a round, and unary plain rounds commit a whole answer each (MAX_UNARY_STEPS a Score), so the
+    pair commits in bursts an answer apart. Those dips are no change of load, and the gap between
+    the bursts no pause, however long an answer takes: plain rounds measure the time between the
+    bursts at the busiest recent load, and take MEASURED seconds to measure. Before, each dip
+    restarted the regime at 3-4 and the first commit after it fell in a switch's unsettled step
+    (adaptive at 8 stand-in clients: plain rounds measured 4 s in 16, and ran there), and answers
+    over IDLE were never measured (plain rounds ran for good)."""
+    costs = PairCosts()
+    load = [8]
+    eight = loaded(8, 4.0, costs)
+    eight.load = lambda: load[0]
+    clock = [100.0]
+    step = answer / 64  # the target's step of 8 sessions
+    rates = {}  # each regime's rate as last measured (a switch restarts the one it switches to)
+
+    def answers(seconds: float) -> list[bool]:
+        """Answers of 64 tokens by each of 8 clients in lockstep, for `seconds`: the generations
+        start one by one (each chooses its first round as the load climbs), run the regime chosen
+        at 8, and end one by one (each reporting its last round as the load falls); whether each
+        answer speculated."""
+        ran, end = [], clock[0] + seconds
+        while clock[0] < end:
+            for arrived in range(1, 9):
+                load[0] = arrived
+                eight.next_k()
+            k = eight.next_k()
+            ran.append(k > 0)
+            rounds, tokens = (16, 4) if k else (1, 64)  # a speculating round: 4 tokens in 3 steps' time
+            for r in range(rounds):
+                clock[0] += 3 * step if k else answer  # a unary answer's plain rounds: one Score of 64 steps
+                for g in range(8):
+                    load[0] = 8 - g if r == rounds - 1 else 8  # the last round: the load falls as each ends
+                    clock[0] += 0.0002
+                    # the costs `loaded` priced (the formula speculates), not quiet (beside the arrivals'
+                    # prefills: the price is not calibrated); the rounds' own times as the clock runs
+                    if k:
+                        draft = DraftCost(0.128, 4, 0.128, steps=4, step_tokens=32)
+                        report = RoundReport(4, 4, draft, 0.256, 40, 0.256, 8, 3 * step, committed=tokens)
+                    else:  # its 64 steps reported as one-token rounds' (plain_rounds: _measure_steps)
+                        report = RoundReport(0, 0, 0.0, 0.13, 8, 0.13, 8, step, committed=tokens)
+                    eight.update(dataclasses.replace(report, quiet=False, at=clock[0]))
+            kinds = costs.rates.get(load_class(8), {})
+            rates.update({kind: kept[0] / kept[1] for kind, kept in kinds.items() if kept[1]})
+        return ran
+
+    # speculation first (the price's choice), MEASURED seconds of it; then plain rounds, which
+    # measure theirs within an answer or two more than MEASURED seconds hold
+    assert eight.next_k() > 0
+    answers(MEASURED + 1)
+    assert costs.rates[load_class(8)][True][2] >= MEASURED
+    ran = answers(MEASURED + 2 * answer)
+    assert not ran[0] and costs.rates[load_class(8)][False][2] >= MEASURED - answer, costs.rates
+    # each measured at its rate, 4 tokens in 3 steps' time against one a step (within 15%: the last
+    # to end commits alone, counted for no regime): speculation taken
+    assert rates[True] == pytest.approx(4 / 3 / step, rel=0.15) and rates[False] == pytest.approx(1 / step, rel=0.15)
+    assert all(answers(4 * answer)[1:]), (rates, costs.faster)
 
 
 def test_a_fixed_k_under_load_calibrates_the_price_at_its_load():
