@@ -138,7 +138,8 @@ class RoundReport:
     Calibration); the threads the target's step ran with (0: not reported); the tokens it
     committed and when, on the loop's clock (None: not counted; see Measured); and whether its
     drafts came from the drafter's index, without a forward (`indexed`: a hybrid's index round, whose
-    drafts are not its model's: PairCosts.index_apart)."""
+    drafts are not its model's: PairCosts.index_apart); and the target steps it stands for (a decode
+    round's report: its waits and time each a step's share, plain_rounds)."""
 
     proposed: int
     accepted: int
@@ -153,15 +154,14 @@ class RoundReport:
     committed: int | None = None
     at: float | None = None
     indexed: bool = False
+    steps: int = 1
 
     def draft_cost(self) -> DraftCost:
         return self.draft if isinstance(self.draft, DraftCost) else DraftCost(self.draft, self.proposed)
 
     def span(self) -> float:
-        """Seconds its generation spent on the round (0: not timed): a decode round's steps report
-        a step's share of it each, and commit a token a step (plain_rounds: _measure_steps)."""
-        seconds = self.round_seconds or 0.0
-        return seconds * self.committed if self.proposed == 0 and self.committed else seconds
+        """Seconds its generation spent on the round (0: not timed)."""
+        return (self.round_seconds or 0.0) * self.steps
 
     def step(self) -> int:
         """The tokens of the target's step that scored it."""

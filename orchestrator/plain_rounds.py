@@ -132,6 +132,7 @@ class PlainRounds:
                 target_threads=scores.threads,
                 committed=steps,
                 at=now,
+                steps=steps,
             )
         )
         self._committed = (now, self.policy.costs.quiet_since())

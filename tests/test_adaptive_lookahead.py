@@ -309,7 +309,7 @@ def test_the_dips_of_requests_ending_together_do_not_restart_a_regimes_measureme
     pair commits in bursts an answer apart. Those dips are no change of load, and the gap between
     the bursts no pause, however long an answer takes: plain rounds measure the time between the
     bursts at the busiest recent load, and take MEASURED seconds to measure. Before, each dip
-    restarted the regime at 3-4 and the first commit after it fell in a switch's unsettled step
+    restarted the regime at 2-4 and the first commit after it fell in a switch's unsettled step
     (adaptive at 8 stand-in clients: plain rounds measured 4 s in 16, and ran there), and answers
     over IDLE were never measured (plain rounds ran for good)."""
     costs = PairCosts()
@@ -344,7 +344,7 @@ def test_the_dips_of_requests_ending_together_do_not_restart_a_regimes_measureme
                         draft = DraftCost(0.128, 4, 0.128, steps=4, step_tokens=32)
                         report = RoundReport(4, 4, draft, 0.256, 40, 0.256, 8, 3 * step, committed=tokens)
                     else:  # its 64 steps reported as one-token rounds' (plain_rounds: _measure_steps)
-                        report = RoundReport(0, 0, 0.0, 0.13, 8, 0.13, 8, step, committed=tokens)
+                        report = RoundReport(0, 0, 0.0, 0.13, 8, 0.13, 8, step, committed=tokens, steps=64)
                     eight.update(dataclasses.replace(report, quiet=False, at=clock[0]))
             kinds = costs.rates.get(load_class(8), {})
             rates.update({kind: kept[0] / kept[1] for kind, kept in kinds.items() if kept[1]})
