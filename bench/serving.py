@@ -15,7 +15,9 @@ that fell in the window (counting only the answers that ended in it moved a cell
 cohort's answers: 512 tok/s, ~9% at 64 clients and 64-token answers in 8 s). Beside it: c x that
 method's one-client figure (linear scaling) and the ratio, and each process's CPU per generated
 token in µs (from /proc, the client's included). The methods of one c run one after another, in
-alternating order from one c (and one repeat) to the next, so no method always runs last. With `repeats`,
+alternating order from one c (and one repeat) to the next, so no method always runs last. Before a c's
+cells, where adaptive or the default is among the methods, `settle` seconds of its load run untimed, so
+the pair's regimes are measured at that load before any cell is timed (see `settling`). With `repeats`,
 each cell is run that many times and reports the medians (tokens/s, CPU per token) and the
 spread of its tokens/s (1-2% a cell since tokens count by their share; a 2-core VM still drifts over
 minutes).
@@ -31,11 +33,12 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 
 from deploy.local import LocalPipeline, PipelineConfig
+from orchestrator.pair_costs import MEASURED
 from specdec.limits import AdmissionLimits, SessionLimits
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.validation import MAX_LOOKAHEAD
@@ -57,15 +60,16 @@ class ServingConfig:
     duration: float = 15.0  # seconds measured per cell
     warmup: float = 3.0  # seconds of load before each cell's window
     repeats: int = 1  # runs of each cell; it reports their medians
+    settle: float = 2 * MEASURED + 2  # seconds of untimed load at each c before its measured methods' cells
 
     def __post_init__(self):
         if not self.clients or min(self.clients) < 1:
             raise ValueError(f"--clients needs client counts >= 1, got {self.clients}")
         for method in self.methods:
             request(method, 1)  # raises on an unknown one
-        timed = 0 < self.duration < math.inf and 0 <= self.warmup < math.inf  # nan: refused, not slept on
-        if not timed or self.max_tokens < 1 or self.repeats < 1:
-            raise ValueError("--duration > 0, a warm-up >= 0, --max-tokens >= 1 and --repeats >= 1")
+        timed = 0 < self.duration < math.inf and 0 <= self.warmup < math.inf and 0 <= self.settle < math.inf
+        if not timed or self.max_tokens < 1 or self.repeats < 1:  # nan: refused, not slept on
+            raise ValueError("--duration > 0, a warm-up >= 0, --settle >= 0, --max-tokens >= 1 and --repeats >= 1")
         if not (0 <= self.agreement <= 1 and 0 <= self.target_ms < math.inf and 0 <= self.draft_ms < math.inf):
             raise ValueError("stand-ins: forwards of >= 0 ms, an agreement in [0, 1]")
 
@@ -116,6 +120,9 @@ def run(config: ServingConfig, log=print) -> list[Cell]:
         turn = 0
         for c in sorted(config.clients):
             runs: dict[str, list[Cell]] = {method: [] for method in config.methods}
+            if (method := settling(config)) and config.settle > 0:
+                log(f"serving: c={c}: {config.settle:g} s of {method} untimed, the pair's regimes measured")
+                cell(stub, request(method, config.max_tokens), method, c, replace(config, duration=config.settle), pids)
             for _ in range(config.repeats):
                 for method in config.methods[:: 1 if turn % 2 == 0 else -1]:
                     measured = cell(stub, request(method, config.max_tokens), method, c, config, pids)
@@ -125,6 +132,17 @@ def run(config: ServingConfig, log=print) -> list[Cell]:
             cells += [merged(runs[method]) for method in config.methods]
         channel.close()
     return cells
+
+
+def settling(config: ServingConfig) -> str | None:
+    """The method whose untimed load settles a c's measured regimes, or None where no method measures them.
+
+    Adaptive lookahead and the default choose between speculation and plain rounds by the pair's measured
+    rates at each load (orchestrator.pair_costs, Measured): the first time a load is met, each regime
+    runs MEASURED seconds before the faster is kept. A server under steady load pays that once; a cell
+    whose window held it would time the measuring, so whichever of the two ran first at a c would pay it.
+    """
+    return next((m for m in config.methods if m in ("adaptive", "default")), None)
 
 
 def merged(runs: list[Cell]) -> Cell:

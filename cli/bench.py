@@ -479,6 +479,14 @@ def _add_serving(names) -> None:
         default=1,
         help="runs of each cell, methods alternating; the table gives their medians and range (default 1)",
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds of untimed load at each client count before adaptive's and the default's cells, so the "
+        "pair's regimes are measured at that load before they are timed, as a server under steady load has them "
+        "(default 10; 0: none)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
 
 
@@ -506,6 +514,7 @@ def serving(args) -> int:
             max_tokens=args.max_tokens,
             duration=args.duration,
             repeats=args.repeats,
+            settle=args.settle,
         )
     except ValueError as err:
         raise SystemExit(f"specdec bench serving: {err}") from None

@@ -351,16 +351,20 @@ def test_the_ttft_bench_times_each_turn_from_a_client(tiny_models, tiny_backends
 @pytest.mark.slow
 def test_the_serving_bench_runs_its_cells_from_the_command_line(tmp_path):
     """`specdec bench serving`: stand-ins, a cell a (method, clients), each with its rate and every
-    process's CPU per token; the table and the JSON."""
-    cmd = [sys.executable, "-m", "cli", "bench", "serving", "--clients", "1,3", "--methods", "off,k2"]
-    cmd += ["--standins", "2,1,0.8", "--max-tokens", "16", "--duration", "1.5", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    process's CPU per token; the table and the JSON. Adaptive's regimes are settled at each c, untimed,
+    before that c's first cell."""
+    cmd = [sys.executable, "-m", "cli", "bench", "serving", "--clients", "1,3", "--methods", "off,k2,adaptive"]
+    cmd += ["--standins", "2,1,0.8", "--max-tokens", "16", "--duration", "1.5", "--settle", "0.5"]
+    out = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, check=True).stdout
     cells = json.loads((tmp_path / "serving.json").read_text())["cells"]
-    assert {(c["method"], c["clients"]) for c in cells} == {("off", 1), ("off", 3), ("k2", 1), ("k2", 3)}
+    assert {(c["method"], c["clients"]) for c in cells} == {(m, c) for m in ("off", "k2", "adaptive") for c in (1, 3)}
     for cell in cells:
         assert cell["tokens_per_second"] > 0 and not cell["errors"]
         assert set(cell["cpu_us_per_token"]) == {"orchestrator", "draft", "target", "client"}
-    assert "| off | " in out and "| k2 | " in out
+    assert "| off | " in out and "| k2 | " in out and "| adaptive | " in out
+    lines = [line for line in out.splitlines() if line.startswith("serving: ")]
+    settles = [i for i, line in enumerate(lines) if "untimed" in line]
+    assert settles == [0, 4] and "c=3: 0.5 s of adaptive" in lines[4], lines  # before each c's three cells
 
 
 @pytest.mark.slow
@@ -388,6 +392,7 @@ def test_the_columnar_round_script_serves_the_targets_greedy_text_beside_the_orc
         (["--standins", "nan,2,0.8"], "stand-ins: forwards of >= 0 ms"),
         (["--clients", "1.5"], "--clients is a comma list of whole numbers >= 1, not '1.5'"),  # ran one client
         (["--duration", "nan"], "--duration > 0, a warm-up >= 0"),  # "Invalid value NaN" once the services ran
+        (["--settle", "-1"], "--settle >= 0"),
     ],
 )
 def test_the_serving_bench_refuses_bad_flags(flags, expected):
@@ -395,6 +400,14 @@ def test_the_serving_bench_refuses_bad_flags(flags, expected):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "specdec bench" in run.stderr and expected in run.stderr, run.stderr
     assert "starting" not in run.stderr
+
+
+def test_the_serving_bench_settles_the_regimes_of_the_methods_that_measure_them():
+    from bench import serving
+
+    assert serving.settling(serving.ServingConfig(methods=("off", "k4"))) is None  # neither measures regimes
+    assert serving.settling(serving.ServingConfig(methods=("off", "default", "adaptive"))) == "default"
+    assert serving.ServingConfig().settle > 2 * serving.MEASURED  # both regimes run MEASURED at a load first
 
 
 def test_the_serving_bench_reports_the_median_of_its_repeats():
