@@ -16,7 +16,7 @@ cohort's answers: 512 tok/s, ~9% at 64 clients and 64-token answers in 8 s). Bes
 method's one-client figure (linear scaling) and the ratio, and each process's CPU per generated
 token in µs (from /proc, the client's included). The methods of one c run one after another, in
 alternating order from one c (and one repeat) to the next, so no method always runs last. Before a c's
-cells, where adaptive or the default is among the methods, `settle` seconds of its load run untimed, so
+cells, where adaptive or the default is among the methods, a warm-up and `settle` seconds of its load run untimed, so
 the pair's regimes are measured at that load before any cell is timed (see `settling`). With `repeats`,
 each cell is run that many times and reports the medians (tokens/s, CPU per token) and the
 spread of its tokens/s (1-2% a cell since tokens count by their share; a 2-core VM still drifts over
@@ -60,7 +60,7 @@ class ServingConfig:
     duration: float = 15.0  # seconds measured per cell
     warmup: float = 3.0  # seconds of load before each cell's window
     repeats: int = 1  # runs of each cell; it reports their medians
-    settle: float = 2 * MEASURED + 2  # seconds of untimed load at each c before its measured methods' cells
+    settle: float = 2 * MEASURED + 2  # seconds of untimed load (after a warm-up) at each c before its cells
 
     def __post_init__(self):
         if not self.clients or min(self.clients) < 1:

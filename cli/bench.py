@@ -482,10 +482,9 @@ def _add_serving(names) -> None:
     p.add_argument(
         "--settle",
         type=float,
-        default=10.0,
-        help="seconds of untimed load at each client count before adaptive's and the default's cells, so the "
-        "pair's regimes are measured at that load before they are timed, as a server under steady load has them "
-        "(default 10; 0: none)",
+        help="seconds of untimed load at each client count (after a cell's warm-up) before adaptive's and the "
+        "default's cells, so the pair's regimes are measured at that load before they are timed, as a server "
+        "under steady load has them (default 10: each regime's 4 s and 2 more; 0: none)",
     )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
 
@@ -514,7 +513,7 @@ def serving(args) -> int:
             max_tokens=args.max_tokens,
             duration=args.duration,
             repeats=args.repeats,
-            settle=args.settle,
+            **({} if args.settle is None else {"settle": args.settle}),  # else the config's, from the policy's
         )
     except ValueError as err:
         raise SystemExit(f"specdec bench serving: {err}") from None
