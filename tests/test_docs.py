@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import build_parser
+from specdec.weights.embedded import DEFAULT_ALIAS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -359,6 +360,19 @@ def test_readme_is_short_and_starts_with_demo_and_test():
     block = "\n".join(lines[:6])
     assert re.search(r"^```bash\nmake demo\b.*\nmake test\b.*\n```", block, re.M), block
     assert "make test" in (ROOT / ".ci" / "run").read_text()  # the README's test command is what CI runs
+
+
+def test_the_openai_examples_name_the_model_the_default_pair_serves():
+    """`"model": ...` in the docs' HTTP examples is what `specdec serve` lists at GET /v1/models: the
+    target as its user named it (Describe's model_name; tests/test_llamacpp_target.py checks the
+    llama.cpp target reports the alias, not its file)."""
+    found = [
+        (doc_id(path), name)
+        for path in DOCS
+        for name in re.findall(r'(?:\bmodel=|"model":\s*)"([^"]*)"', path.read_text())
+    ]
+    assert found, "no OpenAI example names a model"
+    assert {name for _, name in found} == {DEFAULT_ALIAS}, found
 
 
 def test_docs_folder_has_the_topics():

@@ -220,7 +220,8 @@ def test_q8_draft_gguf_holds_the_weights_within_half_a_step():
 @real_model
 def test_describe_reports_the_backend(services):
     info = services.target.Describe(model_pb2.DescribeRequest())
-    assert (info.backend, info.dtype, info.model_name) == ("llamacpp", "float32", "llama.cpp:" + _f32_name())
+    # named as the user named it: the OpenAI API serves the docs' "smollm2-135m", not the file
+    assert (info.backend, info.dtype, info.model_name) == ("llamacpp", "float32", models.DEFAULT_ALIAS)
     draft = services.draft.Describe(model_pb2.DescribeRequest())
     assert (draft.backend, draft.dtype) == ("llamacpp", "Q8_0")
     # The draft's batched step as it timed it at start: 16 sessions in one llama_batch cost
@@ -228,10 +229,6 @@ def test_describe_reports_the_backend(services):
     steps = {c.sessions: c.seconds for c in draft.step_costs}
     assert sorted(steps) == list(PROFILE_SESSIONS)
     assert steps[16] < 16 * steps[1]
-
-
-def _f32_name() -> str:
-    return models.f32_gguf_path().name
 
 
 @real_model

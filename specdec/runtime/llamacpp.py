@@ -142,7 +142,9 @@ class LlamaCppBackend(Tokenized):
         else:
             models.check_local(spec.model)  # a .gguf file that is not here: named as such
             raise ValueError(f"the llamacpp backend needs a .gguf file or '{models.DEFAULT_ALIAS}', not {spec.model!r}")
-        self.name = f"llama.cpp:{self.path.name}"
+        # The model as the user named it (the alias, or the file as given), as the torch backend names
+        # its: what Describe reports and the OpenAI API serves (GET /v1/models); `kind` and `dtype` say how it runs.
+        self.name = spec.model
         self.device = torch.device("cpu")
         llama_cpp.llama_backend_init()
         _logger.set_verbose(False)
