@@ -160,6 +160,7 @@ def serve(args) -> int:
         port=args.port,
         tls=options.tls_files(args),
         auth_token=server_security.token,
+        auth_token_file=args.auth_token_file,
         allow_insecure=args.allow_insecure,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
@@ -173,7 +174,8 @@ def serve(args) -> int:
     with LocalPipeline(config, log=_log) as pipeline:
         http = {"http_url": pipeline.http_url} if pipeline.http_url else {}
         write_ready(args.ready_file, {"address": pipeline.address, "services": pipeline.addresses, **http})
-        # SIGHUP: every child re-reads its TLS files (specdec.serving.security.Rotation).
+        # SIGHUP: every child re-reads its TLS files, the orchestrator the clients' token file too
+        # (specdec.serving.security.Rotation).
         signal.signal(signal.SIGHUP, lambda *_: pipeline.signal_all(signal.SIGHUP))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGHUP])
         logs = f"the services' logs in {pipeline.workdir}"

@@ -125,7 +125,8 @@ def start_orchestrator(
 ) -> Orchestrator:
     """Connect to the two services (no draft: target-only), serve the client API, and with
     config.http_port the HTTP front door (orchestrator.openai_api: a client of this gRPC port
-    over loopback, with the server's own certificate and token). `prices`: where a predecessor's
+    over loopback, with the token in force: on a plaintext loopback port of its own where this
+    one serves TLS, make_server's front_door). `prices`: where a predecessor's
     measurements are read and this one's written (None: config.prices_file's, if set)."""
     config = config or OrchestratorConfig()
     security = security or ServerSecurity()
@@ -151,18 +152,21 @@ def start_orchestrator(
         admission=config.admission,
         defaults=defaults,
         health_socket=config.health_socket,
+        front_door=config.http_port is not None,
     )
     admission = server.gate.admission
     if admission.max_concurrent < admission.limits.max_concurrent:
         _log(f"runs {admission.max_concurrent} generations at once ({admission.bound()}); the rest queue")
     orchestrator = Orchestrator(server, bound, pair, prices=kept)
     if config.http_port is not None:
-        loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        own = ClientSecurity(root_ca=security.cert_chain, token=security.token)
+        token = security.current_token() if security.token else None  # the one in force after a reload
+        if server.front_door is not None:  # TLS: its plaintext loopback port (make_server's front_door)
+            hop, own = server.front_door, ClientSecurity(token=token)
+        else:  # plaintext (or client certificates, which the HTTP port refuses)
+            loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            hop, own = f"{loopback}:{bound}", ClientSecurity(root_ca=security.cert_chain, token=token)
         try:
-            orchestrator.http = serve_http(
-                f"{loopback}:{bound}", host, config.http_port, own, security, telemetry, pair.model_name
-            )
+            orchestrator.http = serve_http(hop, host, config.http_port, own, security, telemetry, pair.model_name)
         except BaseException:
             server.stop(None)
             raise

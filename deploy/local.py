@@ -104,6 +104,8 @@ class PipelineConfig:
     start_timeout: float = 300.0
     tls: security.ServerTLSFiles = security.ServerTLSFiles()  # the orchestrator's certificate files
     auth_token: str | None = field(default=None, repr=False)  # required by all three when set
+    # the file auth_token was read from: the orchestrator reads it there, and again on SIGHUP (a rotation)
+    auth_token_file: Path | None = None
     allow_insecure: bool = False  # let the orchestrator serve plaintext on a non-loopback host
     # Prometheus endpoints: orchestrator on metrics_port, target +1, draft +2; 0: free ports; None: off.
     metrics_port: int | None = None
@@ -201,6 +203,7 @@ class LocalPipeline:
                 cfg.host,
                 ["--draft-address", self._linked("draft"), "--target-address", self._linked("target")]
                 + cfg.tls.flags()
+                + (["--auth-token-file", str(cfg.auth_token_file)] if cfg.auth_token and cfg.auth_token_file else [])
                 + (["--allow-insecure"] if cfg.allow_insecure else [])
                 + ([] if cfg.http_port is None else ["--http-port", str(cfg.http_port)])
                 + {None: [], True: ["--overlap"], False: ["--no-overlap"]}[cfg.overlap]
@@ -292,7 +295,7 @@ class LocalPipeline:
             env[security.TOKEN_ENV] = self.service_token
             return env
         env[security.SERVICE_TOKEN_ENV] = self.service_token
-        if self.config.auth_token:
+        if self.config.auth_token and not self.config.auth_token_file:
             env[security.TOKEN_ENV] = self.config.auth_token
         return env
 

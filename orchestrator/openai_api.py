@@ -269,22 +269,29 @@ class BearerAuth:
 
     OPEN = {"/health", "/", *(f"/{name}" for name in PAGE_FILES)}
 
-    def __init__(self, app, token: str):
+    def __init__(self, app, token: str | Callable[[], str | None]):
+        """`token`: the token, or a function giving the one in force (it changes on a reload)."""
         self.app = app
-        self.token = token
+        self.token = token if callable(token) else (lambda: token)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN:
             return await self.app(scope, receive, send)
         values = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
-        if len(values) == 1 and security.bearer_matches(values[0], self.token):
+        if len(values) == 1 and security.bearer_matches(values[0], self.token()):
             return await self.app(scope, receive, send)
         error = APIError(401, "missing or invalid bearer token (Authorization: Bearer)", None, "authentication_error")
         await error.response()(scope, receive, send)
 
 
-def app(channel: grpc.Channel, model: str, token: str | None = None, telemetry: Telemetry | None = None):
-    """The ASGI app over `channel` (to the orchestrator's gRPC API, carrying the token)."""
+def app(
+    channel: grpc.Channel,
+    model: str,
+    token: str | Callable[[], str | None] | None = None,
+    telemetry: Telemetry | None = None,
+):
+    """The ASGI app over `channel` (to the orchestrator's gRPC API, carrying the token); `token`
+    as BearerAuth's (None: none asked)."""
     telemetry = telemetry or disabled()
     gateway = Gateway(channel, model, telemetry)
     routes = [
@@ -332,6 +339,30 @@ class HTTPServer:
         self._channel.close()
 
 
+def _reloaded_certificates(rotation: security.Rotation, config: uvicorn.Config):
+    """An SSLContext.sni_callback (called at each handshake, with a server name or without) that
+    hands the handshake a context of the rotation's current certificate once it has reloaded."""
+    served, context = rotation.generation, None
+
+    def pick(ssl_object, _server_name, _context) -> None:
+        nonlocal served, context
+        generation, current = rotation.generation, rotation.current
+        if generation != served:
+            with tempfile.TemporaryDirectory() as tmp:  # the ssl module reads PEM files
+                cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+                cert.write_bytes(current.cert_chain)
+                key.touch(0o600)
+                key.write_bytes(current.private_key)
+                context = uvicorn.config.create_ssl_context(
+                    cert, key, None, config.ssl_version, config.ssl_cert_reqs, None, config.ssl_ciphers
+                )
+            served = generation
+        if context is not None:
+            ssl_object.context = context
+
+    return pick
+
+
 def serve_http(
     grpc_address: str,
     host: str,
@@ -344,12 +375,13 @@ def serve_http(
     """Serve the HTTP API on host:port (0: a free port) in a thread, for the orchestrator at
     `grpc_address` (reached with `client_security`: its TLS and token). `server_security` gives
     the HTTP port its TLS certificate and the token clients must send; plaintext only on loopback
-    unless it allows otherwise."""
+    unless it allows otherwise. Where it reloads (its rotation), connections made after a reload
+    get the new certificate and requests need the new token, as on the gRPC port."""
     security.check_bind(host, server_security, "HTTP")
     if server_security.client_ca is not None:
         raise security.SecurityError("the HTTP port does not do mutual TLS: HTTP clients authenticate with the token")
     channel = security.channel(grpc_address, client_security)
-    asgi = app(channel, model, server_security.token, telemetry)
+    asgi = app(channel, model, server_security.current_token() if server_security.token else None, telemetry)
     config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off")
     with tempfile.TemporaryDirectory() as tmp:  # uvicorn reads PEM files; ServerSecurity holds bytes
         if server_security.tls:
@@ -358,6 +390,8 @@ def serve_http(
             config.ssl_keyfile.touch(0o600)
             config.ssl_keyfile.write_bytes(server_security.private_key)
         config.load()
+    if server_security.tls and server_security.rotation is not None:
+        config.ssl.sni_callback = _reloaded_certificates(server_security.rotation, config)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="specdec-http", daemon=True)
     thread.start()

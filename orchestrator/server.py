@@ -348,6 +348,7 @@ def serve(
     admission: AdmissionLimits | None = None,
     defaults: RequestDefaults | None = None,
     health_socket: str | None = None,
+    front_door: bool = False,
 ):
     """Start the orchestrator on host:port; returns (server, bound port).
 
@@ -355,7 +356,8 @@ def serve(
     (specdec.serving.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
     generations running and queued; `defaults` is what requests that leave speculation.overlap
     or speculation.rule unset get; `health_socket`, a Unix socket's path where it also answers
-    health checks (and only those: its supervisor's probes, past TLS). The server drains with
+    health checks (and only those: its supervisor's probes, past TLS); `front_door`: the HTTP
+    front door will call it from this process (make_server's). The server drains with
     server.drain() (specdec.serving.lifecycle).
     """
     telemetry = telemetry or disabled()
@@ -380,4 +382,5 @@ def serve(
         max_workers=limits.max_concurrent + limits.max_queue + 4,
         max_receive_bytes=MAX_REQUEST_BYTES,
         health_socket=health_socket,
+        front_door=front_door,
     )

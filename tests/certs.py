@@ -63,8 +63,9 @@ def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> Path:
     return path
 
 
-def make_pki(folder: Path, label: str, ips: tuple[str, ...] = ()) -> Pki:
-    """A CA, and a server certificate for localhost, 127.0.0.1 and `ips`, and a client one."""
+def make_pki(folder: Path, label: str, ips: tuple[str, ...] = (), names: tuple[str, ...] = ()) -> Pki:
+    """A CA, and a server certificate for localhost, 127.0.0.1 and `ips` (or for the DNS `names`
+    alone, where given: a host's certificate), and a client one."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = f"specdec test CA {label}"
@@ -87,7 +88,9 @@ def make_pki(folder: Path, label: str, ips: tuple[str, ...] = ()) -> Pki:
     )  # fmt: skip
     paths = {"ca": _write(folder / "ca.pem", ca)}
     addresses = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    localhost = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(LOOPBACK), *addresses])
+    localhost = x509.SubjectAlternativeName(
+        [x509.DNSName(n) for n in names] or [x509.DNSName("localhost"), x509.IPAddress(LOOPBACK), *addresses]
+    )
     for role, usage, extra in (
         ("server", ExtendedKeyUsageOID.SERVER_AUTH, [(localhost, False)]),
         ("client", ExtendedKeyUsageOID.CLIENT_AUTH, []),

@@ -90,3 +90,32 @@ def _serves(stub) -> bool:
         return stub.Generate(long_request(2), timeout=10).finish_reason == "length"
     except grpc.RpcError:
         return False
+
+
+def test_serve_reads_the_clients_token_file_again_on_sighup(tmp_path):
+    """`specdec serve --auth-token-file F`, then F replaced and SIGHUP: calls need the new token.
+    Before, serve handed the orchestrator the token's value at start (in its environment), and
+    a SIGHUP re-read only the TLS files: the old token went on opening it, the new one was refused."""
+    token_file = tmp_path / "token"
+    old_token, new_token = "old-" + secrets.token_urlsafe(12), "new-" + secrets.token_urlsafe(12)
+    token_file.write_text(old_token)
+    args = ["serve", "--target-model", "standin:1", "--draft-model", "standin:0.2:0.8",
+            "--calibration-tokens", "0", "--auth-token-file", str(token_file)]  # fmt: skip
+    with cli_process(*args, ready_file=tmp_path / "ready", log=tmp_path / "log") as (proc, address):
+
+        def stub(token: str):
+            return orchestrator_pb2_grpc.OrchestratorStub(channel(address, ClientSecurity(token=token)))
+
+        def serves(token: str) -> bool:
+            try:
+                request = orchestrator_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
+                return stub(token).Generate(request, timeout=30).finish_reason == "length"
+            except grpc.RpcError:
+                return False
+
+        assert serves(old_token) and not serves(new_token)
+        token_file.write_text(new_token)
+        os.kill(proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: serves(new_token), 30, step=0.2), (tmp_path / "log").read_text()
+        request = orchestrator_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
+        assert status_of(lambda: stub(old_token).Generate(request, timeout=30)).code() == Code.UNAUTHENTICATED

@@ -103,6 +103,11 @@ class ServerSecurity:
     def tls(self) -> bool:
         return self.cert_chain is not None
 
+    def current_token(self) -> Callable[[], str | None]:
+        """The token in force, asked at each call: the rotation's current one where it reloads."""
+        rotation = self.rotation
+        return (lambda: rotation.current.token) if rotation is not None else (lambda: self.token)
+
 
 @dataclass(frozen=True)
 class ClientSecurity:
@@ -113,13 +118,16 @@ class ClientSecurity:
     cert_chain: bytes | None = None  # PEM, this client's certificate, for mTLS
     private_key: bytes | None = field(default=None, repr=False)  # PEM
     server_name: str | None = None  # the name to verify in the server's certificate, if not the host
-    token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`
+    # sent as `authorization: Bearer <token>`; or a function giving the one in force at each call (a
+    # client in its server's own process, which follows the server's rotation: ServerSecurity.current_token)
+    token: str | Callable[[], str | None] | None = field(default=None, repr=False)
     allow_insecure: bool = False  # plaintext to a non-loopback address
 
     def __post_init__(self):
         if (self.cert_chain is None) != (self.private_key is None):
             raise SecurityError("a client certificate needs its private key (--tls-cert and --tls-key)")
-        _check_token(self.token)
+        if not callable(self.token):
+            _check_token(self.token)
 
     @property
     def uses_tls(self) -> bool:
@@ -290,8 +298,7 @@ def _certificate_configuration(security: ServerSecurity) -> grpc.ServerCertifica
 def server_interceptors(security: ServerSecurity) -> list[grpc.ServerInterceptor]:
     if not security.token:
         return []
-    rotation = security.rotation
-    return [TokenAuthInterceptor((lambda: rotation.current.token) if rotation else (lambda: security.token))]
+    return [TokenAuthInterceptor(security.current_token())]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -384,16 +391,18 @@ class BearerToken(
     grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
 ):
     """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels
-    too, where gRPC's call credentials are refused)."""
+    too, where gRPC's call credentials are refused); `token` a string, or a function giving the
+    one in force at each call."""
 
-    def __init__(self, token: str):
-        self._header = (AUTH_HEADER, f"Bearer {token}")
+    def __init__(self, token: str | Callable[[], str | None]):
+        self._header = (AUTH_HEADER, f"Bearer {token}") if isinstance(token, str) else None
+        self._token = token
 
     def __repr__(self) -> str:
         return "BearerToken(***)"
 
     def _details(self, d):
-        metadata = [*(d.metadata or ()), self._header]
+        metadata = [*(d.metadata or ()), self._header or (AUTH_HEADER, f"Bearer {self._token()}")]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):

@@ -103,11 +103,17 @@ def make_server(
     interceptors=(),
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     health_socket: str | None = None,
+    front_door: bool = False,
 ) -> tuple[grpc.Server, int]:
     """A server with the error interceptor, bound to host:port (0 picks a free port), with TLS
     and token auth when `security` asks for them. A request over max_receive_bytes is refused
     by gRPC with RESOURCE_EXHAUSTED. `health_socket`: the path of a Unix socket where it also
-    answers health checks, and nothing else (HealthOnlyOnUnixSocket).
+    answers health checks, and nothing else (HealthOnlyOnUnixSocket). `front_door`: where the
+    port serves TLS without client certificates, it also listens in plaintext on a free port of
+    127.0.0.1 (`server.front_door`, its address; None: none), for the HTTP front door in its own
+    process: a hop over TLS checked the certificate's names against 127.0.0.1, which a host's
+    certificate need not hold, and trusted the certificate of the start, which a rotation
+    replaces. The token is asked there as on the port.
 
     Order, outermost first: the Unix socket's guard, auth (an unauthenticated call goes no
     further), `interceptors` (telemetry: outside the error interceptor, so spans see the status
@@ -132,6 +138,12 @@ def make_server(
         raise RuntimeError(f"cannot bind {host}:{port}")
     if health_socket and not server.add_insecure_port(f"unix:{health_socket}"):  # a stale socket file is replaced
         raise RuntimeError(f"cannot bind the Unix socket {health_socket}")
+    server.front_door = None
+    if front_door and security.tls and security.client_ca is None:  # never a way past client certificates
+        plain = server.add_insecure_port("127.0.0.1:0")
+        if plain == 0:
+            raise RuntimeError("cannot bind a loopback port for the HTTP front door")
+        server.front_door = f"127.0.0.1:{plain}"
     return server, bound
 
 
