@@ -10,7 +10,9 @@ with the model the service runs, on a context of the length the bench's generati
 Sequential rounds' bound is the sum, tokens per round / (k d + T(k + 1)). The bench reports,
 per generation, its rounds' tokens/s over the bound its own tokens and drafts per round give.
 
-    python -m bench.costs --role target --cpus 1 --threads 1 --widths 1,5,9   # one JSON line
+    python -m bench.costs --widths 1,5,9 \
+        --config '{"role": "target", "spec": {"model": "smollm2-135m", "dtype": "float32"}, "cpus": [1], "threads": 1}'
+    # one JSON line: {"1": seconds, "5": ..., "9": ...}
 
 Knows nothing of RPC: it builds the backends the services build (deploy.hosting).
 """
