@@ -70,8 +70,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_tree_flag(g, client=True)
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
-    g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are committed (not with --json)")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object with text, token ids and stats (at the end)"
+    )
     g.add_argument(
         "--compare",
         action="store_true",
@@ -159,19 +161,19 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
     stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
     req = request(args)
     if args.stream and not args.json:
-        stats = finish = None
+        parts, stats, finish = [], None, None
         for chunk in stub.GenerateStream(req, timeout=args.timeout):
             print(chunk.text, end="", flush=True)
+            parts.append(chunk.text)
             if chunk.finish_reason:
                 stats, finish = chunk.stats, chunk.finish_reason
         print()
         _print_stats(stats, finish)
+        if args.compare:
+            _print_speedup("".join(parts), stats, _alone(stub, req, args.timeout))
         return 0
     response = stub.Generate(req, timeout=args.timeout)
-    alone = None
-    if args.compare:
-        req.speculation.disabled = True
-        alone = stub.Generate(req, timeout=args.timeout)
+    alone = _alone(stub, req, args.timeout) if args.compare else None
     if args.json:
         out = _response_json(response)
         if alone is not None:
@@ -181,16 +183,26 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
     print(response.text)
     _print_stats(response.stats, response.finish_reason)
     if alone is not None:
-        fast, slow = response.stats.tokens_per_second, alone.stats.tokens_per_second
-        same = "the same text" if alone.text == response.text else "a different sample (sampling)"
-        # no drafts at all: plain rounds (timed faster alone at the orchestrator's start, or the draft lost)
-        ran = "speculative decoding" if response.stats.draft_tokens else "plain rounds (no drafts)"
-        print(
-            f"[{ran} {fast:.1f} tok/s vs the target alone{_threads(alone.stats)} {slow:.1f} tok/s: "
-            f"{fast / slow if slow else 0:.2f}x speedup; {same}]",
-            file=sys.stderr,
-        )
+        _print_speedup(response.text, response.stats, alone)
     return 0
+
+
+def _alone(stub, req: orchestrator_pb2.GenerateRequest, timeout: float | None):
+    """The same request again with the target alone (--compare)."""
+    req.speculation.disabled = True
+    return stub.Generate(req, timeout=timeout)
+
+
+def _print_speedup(text: str, stats, alone) -> None:
+    fast, slow = stats.tokens_per_second, alone.stats.tokens_per_second
+    same = "the same text" if alone.text == text else "a different sample (sampling)"
+    # no drafts at all: plain rounds (timed faster alone at the orchestrator's start, or the draft lost)
+    ran = "speculative decoding" if stats.draft_tokens else "plain rounds (no drafts)"
+    print(
+        f"[{ran} {fast:.1f} tok/s vs the target alone{_threads(alone.stats)} {slow:.1f} tok/s: "
+        f"{fast / slow if slow else 0:.2f}x speedup; {same}]",
+        file=sys.stderr,
+    )
 
 
 def _threads(s) -> str:

@@ -110,7 +110,8 @@ def add_backend_flag(p: argparse.ArgumentParser, prefix: str = "") -> None:
         choices=BACKENDS,
         help="what runs the target model. auto (default): llamacpp for the embedded default in float32 on a CPU "
         "where llama-cpp-python is installed (its F32 GGUF holds the same weights, and llama.cpp decodes them ~3x "
-        "faster than transformers there; draft trees are verified chain by chain, 16 sessions at most) and for a "
+        "faster than transformers there; draft trees are verified chain by chain; its sessions at most "
+        "--max-sessions, --max-kv-tokens / 4096 and 256: 16 at the defaults, which admission follows) and for a "
         ".gguf file; torch for anything else (another model or dtype, a CUDA device, the grown and rounded "
         "aliases). torch: transformers with --dtype and --device. llamacpp: llama.cpp on a GGUF file, in the "
         "file's own type, not --dtype (needs llama-cpp-python): "
@@ -339,8 +340,8 @@ def add_tree_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
         type=int,
         metavar="NODES",
         default=None if client else 0,
-        help=f"draft trees for {whose}: each round the draft proposes up to NODES tokens (1.."
-        f"{validation.MAX_TREE_NODES}), a spine of --lookahead steps and its most probable runners-up, and "
+        help=f"draft trees for {whose}: each round the draft proposes up to NODES tokens (0.."
+        f"{validation.MAX_TREE_NODES}; 0: chains), a spine of --lookahead steps and its most probable runners-up, and "
         "the target verifies them (a transformers target in one forward, a llama.cpp one chain by chain, only the "
         "chains the rule walks into); sequential rounds "
         + ("(default: the server's, chains unless it was started with --tree)" if client else "(default 0: chains)"),
@@ -363,8 +364,9 @@ def add_overlap_flag(p: argparse.ArgumentParser, client: bool = False) -> None:
         "--no-speculation-cache",
         action="store_true",
         help=f"no speculation cache for {whose}: in overlapped rounds (greedy, the invariant rule) the draft "
-        "also prepares the next round for the likeliest rejections while the target verifies (default: on; "
-        "output unchanged)",
+        "also prepares the next round for the likeliest rejections while the target verifies (default: "
+        + ("the server's, on unless it was started with --no-speculation-cache" if client else "on")
+        + "; output unchanged)",
     )
 
 
@@ -384,7 +386,11 @@ def add_server_security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-insecure", action="store_true", help="allow plaintext gRPC with non-loopback addresses")
 
 
-def add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", peer: str = "the orchestrator") -> None:
+def add_client_security_flags(
+    p: argparse.ArgumentParser, prefix: str = "", peer: str = "the orchestrator", starts_services: bool = False
+) -> None:
+    """The TLS and token flags of a client of `peer` (`prefix` "service-": the orchestrator's of the model
+    services; `starts_services`: the command starts them, with a token of their own: service_client_security)."""
     g = p.add_argument_group(f"TLS and authentication (client of {peer})")
     g.add_argument(f"--{prefix}tls", action="store_true", help=f"connect to {peer} over TLS, system root CAs")
     g.add_argument(
@@ -393,7 +399,8 @@ def add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", peer
     g.add_argument(f"--{prefix}tls-cert", type=Path, metavar="FILE", help="PEM client certificate, for mutual TLS")
     g.add_argument(f"--{prefix}tls-key", type=Path, metavar="FILE", help="PEM private key of the client certificate")
     g.add_argument(f"--{prefix}tls-server-name", metavar="NAME", help="name to verify in the server's certificate")
-    default = f"${security.SERVICE_TOKEN_ENV}, else the orchestrator's own" if prefix else f"${security.TOKEN_ENV}"
+    own = "one made for the services alone" if starts_services else "the orchestrator's own"
+    default = f"${security.SERVICE_TOKEN_ENV}, else {own}" if prefix else f"${security.TOKEN_ENV}"
     g.add_argument(
         f"--{prefix}auth-token-file",
         type=Path,

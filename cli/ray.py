@@ -87,13 +87,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     up.add_argument(
         "--orchestrator-anywhere",
         action="store_true",
-        help="let Ray place the orchestrator on any node (default: the head node)",
+        help="let Ray place the orchestrator on any node (default: the head node; with --replicas each pair's "
+        "orchestrator runs beside its draft, whatever this flag)",
     )
     up.add_argument(
         "--port",
         type=options.port_number,
         default=50051,
-        help="orchestrator port; 0 picks a free one (default 50051); with --replicas, Serve's gRPC proxy's",
+        help="orchestrator port; 0 picks a free one (default 50051); with --replicas, Serve's gRPC proxy's, "
+        "which has no TLS: served on a local cluster or with --allow-insecure, else only the HTTP port",
     )
     up.add_argument(
         "--http-port",
@@ -127,7 +129,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_backend_flag(up, "target-")
     options.add_drafter_flag(up)
     options.add_server_security_flags(up)
-    options.add_client_security_flags(up, "service-", "the model services")
+    options.add_client_security_flags(up, "service-", "the model services", starts_services=True)
     options.add_limit_flags(up, "all")
     options.add_overlap_flag(up)
     options.add_rule_flag(up)

@@ -32,7 +32,7 @@ from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, OutOf
 from specdec.v1 import model_pb2, orchestrator_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's system turn
 # Where a chat template has no place for tools: a system turn that lists them and says how to call one.
 TOOLS_TURN = (
     "You can call these tools (JSON schemas of their parameters):\n{tools}\n"
@@ -137,7 +137,7 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
         messages = [_turn(m) for m in request.messages.messages]
         if not messages:
             raise InvalidArgument("messages must not be empty")
-        roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
+        roles = [m.role for m in request.messages.messages if m.role not in CHAT_ROLES]
         if roles:
             raise InvalidArgument(f"messages: unknown role {roles[0]!r} (one of {', '.join(CHAT_ROLES)})")
         if not tok.chat_template:
@@ -159,7 +159,7 @@ def prompt_ids(pair: ModelPair, request: orchestrator_pb2.GenerateRequest) -> li
 
 def _turn(m: orchestrator_pb2.ChatMessage) -> dict:
     """A ChatMessage as a chat template reads it."""
-    turn = {"role": m.role, "content": m.content}
+    turn = {"role": "system" if m.role == "developer" else m.role, "content": m.content}  # as a template knows it
     if m.tool_call_id:
         turn["tool_call_id"] = m.tool_call_id
     if m.tool_calls_json:

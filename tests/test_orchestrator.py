@@ -96,6 +96,22 @@ def test_inputs_agree(pipeline):
     assert text.stats.prompt_tokens == len(ids)
 
 
+def test_a_developer_turn_is_a_system_turn(pipeline):
+    """OpenAI's "developer" role, which the proto lists, reaches the template as a system turn
+    (before: INVALID_ARGUMENT "unknown role 'developer'" over gRPC, accepted over HTTP)."""
+    stub, _ = pipeline
+
+    def chat(role):
+        turns = [
+            orchestrator_pb2.ChatMessage(role=role, content="be brief"),
+            orchestrator_pb2.ChatMessage(role="user", content="abc"),
+        ]
+        return stub.Generate(request(prompt=None, messages=orchestrator_pb2.ChatMessages(messages=turns)))
+
+    developer, system = chat("developer"), chat("system")
+    assert developer.token_ids == system.token_ids and developer.stats.prompt_tokens == system.stats.prompt_tokens
+
+
 def test_speculation_off_gives_the_same_greedy_output(pipeline):
     stub, _ = pipeline
     on = stub.Generate(request(speculation=orchestrator_pb2.SpeculationParams(lookahead=3)))

@@ -291,6 +291,15 @@ def test_cli_reports_bad_input_in_one_line(services, args, expected):
     assert_one_line_error(run_cli("generate", *args, "--address", services.addresses["orchestrator"]), expected)
 
 
+def test_cli_stream_with_compare_prints_the_speedup(services):
+    """`generate --stream --compare`: the streamed answer, then the speedup over the target alone
+    (before: the stream returned before the comparison, which was skipped without a word)."""
+    args = ["hello there", "--raw", "--stream", "--compare", "--max-tokens", "8"]
+    out = run_cli("generate", *args, "--address", services.addresses["orchestrator"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "x speedup; the same text]" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
