@@ -119,3 +119,5 @@ def test_serve_reads_the_clients_token_file_again_on_sighup(tmp_path):
         assert wait_until(lambda: serves(new_token), 30, step=0.2), (tmp_path / "log").read_text()
         request = orchestrator_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
         assert status_of(lambda: stub(old_token).Generate(request, timeout=30)).code() == Code.UNAUTHENTICATED
+        proc.terminate()  # serve stops its services (cli_process's SIGKILL would leave them running)
+        assert proc.wait(60) == 0, (tmp_path / "log").read_text()
