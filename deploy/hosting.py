@@ -159,12 +159,11 @@ def start_orchestrator(
         _log(f"runs {admission.max_concurrent} generations at once ({admission.bound()}); the rest queue")
     orchestrator = Orchestrator(server, bound, pair, prices=kept)
     if config.http_port is not None:
-        token = security.current_token() if security.token else None  # the one in force after a reload
-        if server.front_door is not None:  # TLS: its plaintext loopback port (make_server's front_door)
-            hop, own = server.front_door, ClientSecurity(token=token)
-        else:  # plaintext (or client certificates, which the HTTP port refuses)
-            loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-            hop, own = f"{loopback}:{bound}", ClientSecurity(root_ca=security.cert_chain, token=token)
+        # TLS: its plaintext loopback port (make_server's front_door); else this port, on loopback
+        # (client certificates: none, and the HTTP port refuses them)
+        loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        hop = server.front_door or f"{loopback}:{bound}"
+        own = ClientSecurity(token=security.current_token() if security.token else None)  # the one in force
         try:
             orchestrator.http = serve_http(hop, host, config.http_port, own, security, telemetry, pair.model_name)
         except BaseException:

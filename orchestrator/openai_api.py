@@ -339,6 +339,16 @@ class HTTPServer:
         self._channel.close()
 
 
+def _pem_files(folder: str, credentials: security.ServerSecurity) -> tuple[Path, Path]:
+    """The certificate and its key written to `folder` (the ssl module and uvicorn read PEM files;
+    ServerSecurity holds bytes), the key readable by this user only."""
+    cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+    cert.write_bytes(credentials.cert_chain)
+    key.touch(0o600)
+    key.write_bytes(credentials.private_key)
+    return cert, key
+
+
 def _reloaded_certificates(rotation: security.Rotation, config: uvicorn.Config):
     """An SSLContext.sni_callback (called at each handshake, with a server name or without) that
     hands the handshake a context of the rotation's current certificate once it has reloaded."""
@@ -348,11 +358,8 @@ def _reloaded_certificates(rotation: security.Rotation, config: uvicorn.Config):
         nonlocal served, context
         generation, current = rotation.generation, rotation.current
         if generation != served:
-            with tempfile.TemporaryDirectory() as tmp:  # the ssl module reads PEM files
-                cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-                cert.write_bytes(current.cert_chain)
-                key.touch(0o600)
-                key.write_bytes(current.private_key)
+            with tempfile.TemporaryDirectory() as tmp:
+                cert, key = _pem_files(tmp, current)
                 context = uvicorn.config.create_ssl_context(
                     cert, key, None, config.ssl_version, config.ssl_cert_reqs, None, config.ssl_ciphers
                 )
@@ -383,12 +390,9 @@ def serve_http(
     channel = security.channel(grpc_address, client_security)
     asgi = app(channel, model, server_security.current_token() if server_security.token else None, telemetry)
     config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off")
-    with tempfile.TemporaryDirectory() as tmp:  # uvicorn reads PEM files; ServerSecurity holds bytes
+    with tempfile.TemporaryDirectory() as tmp:
         if server_security.tls:
-            config.ssl_certfile, config.ssl_keyfile = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-            config.ssl_certfile.write_bytes(server_security.cert_chain)
-            config.ssl_keyfile.touch(0o600)
-            config.ssl_keyfile.write_bytes(server_security.private_key)
+            config.ssl_certfile, config.ssl_keyfile = _pem_files(tmp, server_security)
         config.load()
     if server_security.tls and server_security.rotation is not None:
         config.ssl.sni_callback = _reloaded_certificates(server_security.rotation, config)
