@@ -56,7 +56,7 @@ from deploy import liveness
 from deploy.configs import ModelServiceConfig
 from orchestrator import CALIBRATION_TOKENS
 from specdec.limits import DRAIN_TIMEOUT, AdmissionLimits, SessionLimits
-from specdec.serving import security
+from specdec.serving import security, telemetry
 from specdec.weights import embedded, models
 
 LOOPBACK = "127.0.0.1"
@@ -315,7 +315,12 @@ class LocalPipeline:
         return [str(x) for pair in limits for x in pair] + off
 
     def _metrics_args(self, name: str) -> list[str]:
+        """Its Prometheus port: --metrics-port's, or where the environment asks each process for one
+        (OTEL_METRICS_EXPORTER=prometheus), that port and the next two (one port each, not three
+        processes binding OTEL_EXPORTER_PROMETHEUS_PORT)."""
         base = self.config.metrics_port
+        if base is None:
+            base = telemetry.prometheus_port(os.environ)
         if base is None:
             return []
         offset = METRICS_OFFSETS[name] if base else 0

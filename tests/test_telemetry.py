@@ -193,6 +193,9 @@ def test_prometheus_metrics_agree_with_the_response(observed):
     assert metric(orch, "specdec_verify_duration_seconds_sum") == approx(s.target_seconds)
     assert metric(orch, "specdec_verify_duration_seconds_count") == s.rounds
     assert metric(orch, "specdec_requests_active") == 0
+    assert metric(orch, "specdec_requests_queued") == metric(orch, "specdec_requests_refused_total") == 0
+    assert metric(orch, "specdec_requests_max_concurrent") >= 1
+    assert metric(target, "specdec_builds_after_ready_total") == metric(draft, "specdec_builds_after_ready_total") == 0
     assert metric(orch, "specdec_service_available", specdec_service="draft") == 1
     assert metric(orch, "specdec_service_available", specdec_service="target") == 1
 
@@ -297,6 +300,23 @@ def test_in_process_stream_and_bad_input_keep_the_metrics_straight(tiny_backends
             scrape(address)
 
 
+def test_local_pipeline_gives_each_process_its_prometheus_port(monkeypatch):
+    """OTEL_METRICS_EXPORTER=prometheus under `specdec serve` (which passes the environment on):
+    the three processes each bound OTEL_EXPORTER_PROMETHEUS_PORT, and the second to start failed
+    ("cannot serve metrics on 127.0.0.1:9464: Address already in use"). Each gets its own port,
+    laid out as --metrics-port's."""
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp,prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9600")
+    pipeline = LocalPipeline(PipelineConfig(), log=lambda *_: None)
+    ports = {name: pipeline._metrics_args(name) for name in ("orchestrator", "target", "draft")}
+    assert ports == {
+        name: ["--metrics-port", str(port)]
+        for name, port in (("orchestrator", 9600), ("target", 9601), ("draft", 9602))
+    }
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    assert pipeline._metrics_args("draft") == []  # none asked
+
+
 def test_config_from_the_standard_variables():
     env = {
         "OTEL_TRACES_EXPORTER": "otlp,console",
@@ -311,6 +331,10 @@ def test_config_from_the_standard_variables():
     assert c.name == "verifier" and c.traces == c.metrics == () and c.metrics_port is None
     c = telemetry.TelemetryConfig.from_env("target", {"OTEL_METRICS_EXPORTER": "prometheus"})
     assert c.metrics_port == 9464  # the standard default port
+    c = telemetry.TelemetryConfig.from_env(
+        "target", {"OTEL_METRICS_EXPORTER": "otlp,prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "9600"}
+    )
+    assert (c.metrics, c.metrics_port) == (("otlp", "prometheus"), 9600)
     for bad in ({"OTEL_TRACES_EXPORTER": "jaeger"}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}):
         with pytest.raises(ValueError):
             telemetry.TelemetryConfig.from_env("draft", bad)

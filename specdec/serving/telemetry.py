@@ -98,8 +98,8 @@ class TelemetryConfig:
         metrics = _exporters(environ.get("OTEL_METRICS_EXPORTER"))
         if metrics_port is not None and "prometheus" not in metrics:
             metrics += ("prometheus",)
-        if "prometheus" in metrics and metrics_port is None:
-            metrics_port = int(environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+        if metrics_port is None and "prometheus" in metrics:
+            metrics_port = prometheus_port(environ)
             metrics_host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", metrics_host)
         return cls(
             role=role,
@@ -111,6 +111,14 @@ class TelemetryConfig:
             metrics_port=metrics_port,
             metrics_host=metrics_host,
         )
+
+
+def prometheus_port(environ: Mapping[str, str]) -> int | None:
+    """The port the OTEL_* variables ask a Prometheus endpoint on (OTEL_EXPORTER_PROMETHEUS_PORT,
+    9464 by default); None where OTEL_METRICS_EXPORTER does not name `prometheus`."""
+    if "prometheus" not in _exporters(environ.get("OTEL_METRICS_EXPORTER")):
+        return None
+    return int(environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
 
 
 def _exporters(value: str | None) -> tuple[str, ...]:
