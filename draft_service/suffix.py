@@ -1,11 +1,13 @@
 """A model-free drafter over a suffix index: the session's own tokens and a store of recent sessions'.
 
 `suffix` (SuffixDrafter) proposes what followed the longest suffix of the current sequence (up to
-MAX_MATCH tokens) where it occurred before: earlier in the session (prompt and committed output) or
-in the token sequences of the service's recent sessions of the same history scope (the store: the
-last STORE_SESSIONS closed sessions, at most STORE_TOKENS tokens in all, the oldest evicted first;
-one store per scope, OpenSessionRequest.history_scope, which the orchestrator makes a digest of the
-client's credential: Stores; a session without a scope neither searches nor enters one).
+MAX_MATCH tokens) where it occurred before: earlier in the session (prompt and committed output), in
+the text the request predicted its answer repeats (OpenSessionRequest.prediction_token_ids, after
+the prompt's end: predicted_source), or in the token sequences of the service's recent sessions of
+the same history scope (the store: the last STORE_SESSIONS closed sessions, at most STORE_TOKENS
+tokens in all, the oldest evicted first; one store per scope, OpenSessionRequest.history_scope,
+which the orchestrator makes a digest of the client's credential: Stores; a session without a
+scope neither searches nor enters one).
 `hybrid` (HybridDrafter) puts the index beside a model drafter and lets each round's proposal come
 from one of them.
 
@@ -234,13 +236,21 @@ class Suggestion:
         return self.match >= match and bool(self.tokens) and 2 * self.support[0] > self.seen[0]
 
 
-def suggest(sequence: np.ndarray, store: np.ndarray | None, k: int, max_match: int = MAX_MATCH) -> Suggestion:
-    """The index's proposal of at most k tokens after `sequence`, from its own earlier tokens and
-    the store's buffer (Store.buffer)."""
+def suggest(
+    sequence: np.ndarray,
+    store: np.ndarray | None,
+    k: int,
+    max_match: int = MAX_MATCH,
+    prediction: np.ndarray | None = None,
+) -> Suggestion:
+    """The index's proposal of at most k tokens after `sequence`, from its own earlier tokens, the
+    session's prediction (predicted_source) and the store's buffer (Store.buffer)."""
     sequence = np.asarray(sequence, dtype=np.int32)
     context = sequence[-max_match:]
     # the session: occurrences ending before its last token (which the suffix itself ends at)
     sources = [(sequence, *occurrences(sequence, sequence.size - 1, context, max_match))]
+    if prediction is not None:  # searched as the session's own tokens are, ranking after them at a tie
+        sources.append((prediction, *occurrences(prediction, prediction.size, context, max_match)))
     if store is not None and store.size > 1:
         m, after = occurrences(store, store.size, context, max_match)
         sources.append((store, m if m >= MIN_STORE_MATCH else 0, after))
@@ -281,6 +291,16 @@ def suggest(sequence: np.ndarray, store: np.ndarray | None, k: int, max_match: i
     return out
 
 
+def predicted_source(session: Session) -> np.ndarray | None:
+    """What the index searches of the session's prediction (Session.prediction; None: none): its
+    tokens after the prompt's last MAX_MATCH, so that the answer's first round, whose suffix is
+    the prompt's end, matches there and proposes the prediction's start."""
+    if not session.prediction:
+        return None
+    prompt = session.tokens[: session.prompt_length][-MAX_MATCH:]
+    return np.asarray([*prompt, *session.prediction], dtype=np.int32)
+
+
 def ahead(found, i: int):
     """(source, the positions i tokens past each occurrence's end) for each source."""
     return [(src, after + i) for src, after in found]
@@ -293,6 +313,7 @@ class _Tokens:
         self.session = session
         self.array = np.empty(0, np.int32)
         self.length = 0
+        self.prediction = predicted_source(session)
         # hybrid: the index's recent proposals, used or not, not yet settled: (committed length,
         # assumed tokens, drafts); and the share of their drafts the committed tokens matched
         self.pending: list[tuple[int, list[int], list[int]]] = []
@@ -363,7 +384,7 @@ class SuffixDrafter:
         if assumed:
             sequence = np.concatenate([sequence, np.asarray(assumed, np.int32)])
         store = self.stores.get(session.history_scope)
-        return suggest(sequence, None if store is None else store.buffer(), k), tokens
+        return suggest(sequence, None if store is None else store.buffer(), k, prediction=tokens.prediction), tokens
 
     def _sweep(self) -> None:
         """Sessions closed since the last proposal enter the store."""

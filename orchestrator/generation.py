@@ -283,10 +283,24 @@ def loop_config(
         seed=request.seed if request.HasField("seed") else random.getrandbits(63),
         stop_token_ids=pair.eos_token_ids | frozenset(request.stop_token_ids),
         history_scope=history_scope(client, spec),
+        prediction=prediction_tokens(pair, spec),
     )
     if request.HasField("seed") and not config.coupled:  # a seed replays the text only of the same drafts
         config = dataclasses.replace(config, history_scope="", reproducible=True)
     return default_lookahead(pair, config) if lookahead is None else config
+
+
+def prediction_tokens(pair: ModelPair, spec) -> tuple[int, ...]:
+    """SpeculationParams.prediction as the draft's session takes it (prediction_token_ids): its
+    text encoded without special tokens; () where none, or where no draft will see it."""
+    if not spec.prediction or spec.disabled or pair.draft is None:
+        return ()
+    tokens = tuple(encode(pair.tokenizer, spec.prediction, add_special_tokens=False))
+    if len(tokens) > pair.max_context:
+        raise InvalidArgument(
+            f"speculation.prediction of {len(tokens)} tokens exceeds the model context of {pair.max_context}"
+        )
+    return tokens
 
 
 def history_scope(client: str, spec) -> str:

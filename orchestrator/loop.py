@@ -179,6 +179,8 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
             self._session_fields["history_scope"] = config.history_scope
         if config.reproducible:
             self._session_fields["reproducible"] = True
+        if config.prediction:
+            self._session_fields["prediction_token_ids"] = config.prediction
 
     @functools.cached_property
     def rng(self) -> np.random.Generator:

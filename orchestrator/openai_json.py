@@ -58,6 +58,7 @@ PARAMS = {
     "speculation.lookahead": "speculation.lookahead",
     "speculation.tree_nodes": "speculation.tree_nodes",
     "speculation.history_salt": "speculation.history_salt",  # or `user`, which sets it
+    "speculation.prediction": "prediction",
     "max_new_tokens": "max_tokens",
     "stop_strings": "stop",
     "token_ids": "prompt",
@@ -94,7 +95,7 @@ COMMON |= CONSTRAINTS
 ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besides COMMON)
     "chat": (
         "messages",
-        {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs", *TOOL_PARAMS},
+        {"messages", "max_completion_tokens", "speculation", "logprobs", "top_logprobs", "prediction", *TOOL_PARAMS},
     ),
     "completions": ("prompt", {"prompt", "speculation", "logprobs"}),
 }
@@ -195,6 +196,8 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         request.stop_strings.extend(stop)
     if "speculation" in body:
         _set_speculation(request.speculation, body["speculation"])
+    if "prediction" in body:
+        request.speculation.prediction = _prediction(body["prediction"])
     if isinstance(body.get("user"), str) and not request.speculation.history_salt:
         request.speculation.history_salt = body["user"]  # an end user's answers draft only that user's
     constraint = _set_constraint(request.constraint, body)
@@ -250,7 +253,7 @@ def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
         content = m.get("content")
         calls = m.get("tool_calls") if role == "assistant" else None
         turn = orchestrator_pb2.ChatMessage(
-            role=ROLES[role], content="" if content is None and calls else _content(content, i)
+            role=ROLES[role], content="" if content is None and calls else _content(content, f"messages[{i}].content")
         )
         if calls:
             if not isinstance(calls, list):
@@ -262,13 +265,20 @@ def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
     return out
 
 
-def _content(content, i: int) -> str:
-    """A message's text: a string, or a list of text parts."""
+def _content(content, param: str) -> str:
+    """A message's text (or a prediction's): a string, or a list of text parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+    raise APIError(400, f"{param} must be a string or a list of text parts", param)
+
+
+def _prediction(value) -> str:
+    """OpenAI's predicted output, {"type": "content", "content": text}: its text."""
+    if not (isinstance(value, dict) and value.get("type") == "content" and set(value) == {"type", "content"}):
+        raise APIError(400, 'prediction must be {"type": "content", "content": ...}', "prediction")
+    return _content(value["content"], "prediction.content")
 
 
 def _set_prompt(request, prompt) -> None:

@@ -72,6 +72,9 @@ class LoopConfig:
     # Its drafts must be a function of its tokens alone (OpenSessionRequest.reproducible): a seeded
     # Leviathan sample, whose text depends on them (orchestrator.generation.loop_config)
     reproducible: bool = False
+    # Tokens its answer is expected to repeat, which the draft's index searches
+    # (SpeculationParams.prediction, encoded: OpenSessionRequest.prediction_token_ids); (): none
+    prediction: tuple[int, ...] = ()
     # A client reads the answer as it grows (GenerateStream, or stop strings to look for): the first
     # token alone, a target-only Score of at most MAX_PLAIN_STEPS steps; False (a unary Generate
     # without stop strings): MAX_UNARY_STEPS, the first round's too (orchestrator.plain_rounds.PlainRounds._plain_steps)

@@ -235,6 +235,10 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("completions", {"prompt": [999999]}, 400, "prompt"),  # outside the vocabulary
     ("completions", {"prompt": ["one", "two"]}, 400, "prompt"),
+    ("chat", {"prediction": "def f(): ..."}, 400, "prediction"),
+    ("chat", {"prediction": {"type": "content", "content": 5}}, 400, "prediction.content"),
+    ("chat", {"prediction": {"type": "content", "content": "zebra " * 1000}}, 400, "prediction"),  # past the context
+    ("completions", {"prediction": {"type": "content", "content": "x"}}, 400, "prediction"),  # chat only
     ("chat", {"model": "gpt-4o"}, 404, "model"),
 ]
 
@@ -300,6 +304,27 @@ def test_user_salts_the_history_and_speculation_turns_it_off():
     body["speculation"] = {"history": False, "history_salt": "mine"}
     request, _ = generate_request(body, "chat", MODEL)
     assert request.speculation.history_salt == "mine" and request.speculation.history is False
+
+
+@pytest.mark.usefixtures("draft_awaited")
+def test_a_prediction_is_taken_and_changes_no_token(stack, client):
+    """OpenAI's predicted outputs: `prediction` (a string or text parts) is the request's
+    SpeculationParams.prediction, which the draft's index searches; the text is the one without."""
+    p, _ = stack
+    ref = p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=grpc_messages(), max_new_tokens=40))
+    for content in (ref.text, [{"type": "text", "text": ref.text}]):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=40,
+            temperature=0,
+            prediction={"type": "content", "content": content},
+        )
+        assert r.choices[0].message.content == ref.text
+    parts = [{"type": "text", "text": "def f():"}, {"type": "text", "text": " pass"}]
+    body = {"model": MODEL, "messages": MESSAGES, "prediction": {"type": "content", "content": parts}}
+    request, _ = generate_request(body, "chat", MODEL)
+    assert request.speculation.prediction == "def f(): pass"
 
 
 def test_temperature_2_is_the_http_limit_and_grpc_keeps_its_own_range(stack, client):

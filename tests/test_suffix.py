@@ -112,6 +112,23 @@ def test_a_proposal_from_the_store_and_from_the_prompt():
     assert suffix.suggest(seq, store.buffer(), 2).tokens == [25, 26]  # the store's is (5)
 
 
+def test_a_prediction_drafts_the_answer_from_its_first_round():
+    """A request's prediction (Session.prediction: OpenAI's predicted output) is searched after the
+    prompt's end: the answer's first round, whose suffix is the prompt's, proposes the prediction's
+    start, and a later round where the answer left it and came back continues it."""
+    prompt, predicted = [7, 8, 9, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    index = suffix.SuffixDrafter()
+    session = Session(tokens=list(prompt), cache=None, prompt_length=len(prompt), prediction=tuple(predicted))
+    assert index.suggest(session, [], 8).tokens == predicted[:8]  # a match of the prompt's 4 last tokens
+    assert index.suggest(Session(tokens=list(prompt), cache=None, prompt_length=4), [], 8).tokens == []  # none
+    session.tokens += [40, 41, 99, 44, 45]  # the answer changed one token, then copies again
+    assert index.suggest(session, [], 4).tokens == [46, 47, 48, 49]
+    assert index.suggest(session, [46, 47, 48, 49], 4).tokens == []  # the prediction ends: nothing past it
+    # the session's own text wins a tie of equal matches (the prediction ranks after it)
+    seq = np.array([5, 44, 45, 60, 1, 44, 45], np.int32)
+    assert suffix.suggest(seq, None, 1, prediction=np.array(predicted, np.int32)).tokens == [60]
+
+
 def test_a_proposal_costs_well_under_a_millisecond():
     rng = np.random.default_rng(0)
     store = suffix.Store()

@@ -227,6 +227,32 @@ def test_a_resent_request_drafts_from_the_store(tiny_models, tiny_backends):
 
 
 @pytest.mark.usefixtures("draft_awaited")
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_a_prediction_drafts_the_answer_and_changes_no_token(tiny_models, tiny_backends, kind):
+    """SpeculationParams.prediction (OpenAI's predicted outputs): a request that predicts its answer
+    (here the same request's earlier answer, as text) drafts it from its first round, and its text is
+    the one it has without (the invariant rule: the same token at a position whatever the drafts;
+    greedy: the target's own). No store: history false."""
+    prompt = ids("zebra")  # its sample at seed 2 meets no EOS for 150 tokens
+    sampling = model_pb2.SamplingParams(temperature=1.0)
+    rule = orchestrator_pb2.RULE_INVARIANT
+    with services(tiny_models, tiny_backends, kind) as (stub, stores):
+        alone = stub.Generate(request(prompt, 100, sampling, seed=2, rule=rule, history=False))
+        text = TOKENIZER.decode(list(alone.token_ids))
+        predicted = stub.Generate(request(prompt, 100, sampling, seed=2, rule=rule, history=False, prediction=text))
+        assert list(predicted.token_ids) == list(alone.token_ids)
+        assert predicted.stats.accepted_tokens > alone.stats.accepted_tokens + 30, (predicted.stats, alone.stats)
+        greedy = stub.Generate(request(prompt, 60, history=False))
+        wrong = stub.Generate(request(prompt, 60, history=False, prediction=TOKENIZER.decode(ids(PLAIN) * 4)))
+        assert list(wrong.token_ids) == list(greedy.token_ids)
+        assert stores.tokens == 0
+        with pytest.raises(grpc.RpcError) as err:  # longer than the model's context
+            stub.Generate(request(prompt, 10, prediction="zebra " * 100_000))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "speculation.prediction of" in err.value.details()
+
+
+@pytest.mark.usefixtures("draft_awaited")
 def test_earlier_answers_draft_only_the_same_clients_requests(tiny_models, tiny_backends):
     """The store is kept per client (credential and salt): the request resent under another salt
     drafts nothing from the first answer, under the same salt it does, and with history false it

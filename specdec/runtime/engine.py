@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 
 import torch
@@ -219,12 +219,14 @@ class SessionEngine:
         prompt_length: int | None = None,
         history_scope: str = "",
         reproducible: bool = False,
+        prediction: Sequence[int] = (),
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
         `prompt` (specdec.decoding.grammar.Matcher); `prompt_length`: how many of its tokens the request's
         prompt is (None: all; a session re-opened mid-generation holds generated ones too);
-        `history_scope`, `reproducible`: OpenSessionRequest's, for a drafter that keeps state."""
+        `history_scope`, `reproducible`, `prediction`: OpenSessionRequest's, for a drafter that keeps
+        state or searches text (prediction_token_ids)."""
         item = self.open_item(
             session_id,
             prompt,
@@ -234,6 +236,7 @@ class SessionEngine:
             prompt_length=prompt_length,
             history_scope=history_scope,
             reproducible=reproducible,
+            prediction=prediction,
         )
         return self.worker.wait(item, context)
 
@@ -248,6 +251,7 @@ class SessionEngine:
         prompt_length: int | None = None,
         history_scope: str = "",
         reproducible: bool = False,
+        prediction: Sequence[int] = (),
     ) -> Item:
         """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
         if not session_id:
@@ -262,6 +266,8 @@ class SessionEngine:
         if prompt_length is not None and not 0 <= prompt_length <= len(prompt):
             raise InvalidArgument(f"prompt_length must be in 0..{len(prompt)}, got {prompt_length}")
         validation.at_most_chars(history_scope, validation.MAX_SCOPE_CHARS, "history_scope")
+        self.check_tokens(prediction, "prediction_token_ids")
+        self.check_room(len(prediction), "prediction_token_ids")
         session = Session(
             tokens=prompt,
             cache=None,
@@ -271,6 +277,7 @@ class SessionEngine:
             prompt_length=len(prompt) if prompt_length is None else prompt_length,
             history_scope=history_scope,
             reproducible=reproducible,
+            prediction=tuple(prediction),
         )
         return Item(session_id, lambda: self._open(session_id, session), deadline=deadline)
 

@@ -47,6 +47,9 @@ class Session:
     history_scope: str = ""
     # Draft only: its drafts are a function of its tokens alone (OpenSessionRequest.reproducible).
     reproducible: bool = False
+    # Draft only: tokens its answer is expected to repeat, which an index drafter searches
+    # (OpenSessionRequest.prediction_token_ids).
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("lookahead", "disabled", "adaptive", "overlap", "rule", "tree_nodes", "cache", "history", "history_salt")
+    __slots__ = ("lookahead", "disabled", "adaptive", "overlap", "rule", "tree_nodes", "cache", "history", "history_salt", "prediction")
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SpeculationParams(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     HISTORY_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     lookahead: int
     disabled: bool
     adaptive: bool
@@ -63,7 +64,8 @@ class SpeculationParams(_message.Message):
     cache: bool
     history: bool
     history_salt: str
-    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., tree_nodes: _Optional[int] = ..., cache: _Optional[bool] = ..., history: _Optional[bool] = ..., history_salt: _Optional[str] = ...) -> None: ...
+    prediction: str
+    def __init__(self, lookahead: _Optional[int] = ..., disabled: _Optional[bool] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., tree_nodes: _Optional[int] = ..., cache: _Optional[bool] = ..., history: _Optional[bool] = ..., history_salt: _Optional[str] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "chat_template", "sampling", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "speculation", "constraint", "logprobs")
