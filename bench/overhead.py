@@ -164,8 +164,8 @@ def serve(role: str, model: str, dtype: str, device: str, k: int, graphs: bool |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model")
-    parser.add_argument("--draft-model")
+    parser.add_argument("--target-model", required=True, help="the target: a hub id, a local path or an alias")
+    parser.add_argument("--draft-model", required=True, help="the draft: a hub id, a local path or an alias")
     parser.add_argument("--device", default="cpu", help="torch device of both models (default cpu)")
     parser.add_argument("--k", type=int, default=4, help="lookahead (default 4)")
     parser.add_argument("--requests", type=int, default=5, help="timed generations, the median reported (default 5)")

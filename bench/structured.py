@@ -43,7 +43,7 @@ SCHEMA = {
 
 @dataclass(frozen=True)
 class StructuredConfig:
-    drafter: str = "auto"  # the default pair's: llama.cpp Q8_0
+    drafter: str = "auto"  # the default pair's: the hybrid (the llama.cpp Q8_0 draft and a suffix index)
     k: int = 4
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_tokens: int = 128
@@ -54,6 +54,7 @@ class StructuredConfig:
     out: Path = Path("bench-results")
     seed: int = 1
     rule: str = "leviathan"  # the pipeline's sampling rule (orchestrator.RULES)
+    target_backend: str = "auto"  # what runs the target service (deploy.configs.BACKENDS)
 
 
 def run(config: StructuredConfig) -> dict:
@@ -82,7 +83,12 @@ def run(config: StructuredConfig) -> dict:
     cut = [("off", "-"), ("specdec", k)]  # without the schema, at the length of the target's answer under it
     runs: dict[tuple, list[dict]] = {}
     pipeline_config = PipelineConfig(
-        target=config.target, draft=config.draft, drafter=config.drafter, session_limits=COLD, rule=config.rule
+        target=config.target,
+        draft=config.draft,
+        drafter=config.drafter,
+        session_limits=COLD,
+        rule=config.rule,
+        target_backend=config.target_backend,
     )
     runs_each = len(methods) + len(cut)
     bar = tqdm(total=len(config.temperatures) * runs_each * len(ids) * config.repeats, desc="structured")

@@ -46,7 +46,7 @@ CASES = ("first", "second", "identical", "multi-turn")
 class TTFTConfig:
     target: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_TARGET_DTYPE)
     draft: models.ModelSpec = models.ModelSpec(dtype=models.DEFAULT_DRAFT_DTYPE)
-    drafter: str = "auto"  # the default pair's: llama.cpp Q8_0
+    drafter: str = "auto"  # the default pair's: the hybrid (the llama.cpp Q8_0 draft and a suffix index)
     target_backend: str = "torch"
     max_tokens: int = 48  # each answer's tokens at most
     repeats: int = 3

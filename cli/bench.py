@@ -86,13 +86,22 @@ def _add_pair(p: argparse.ArgumentParser, placement: bool = False, compile: bool
         options.add_compile_flag(p, "target-")
 
 
-def _add_run_shape(p: argparse.ArgumentParser, max_tokens: int, repeats: int = 1, quick: str = "") -> None:
-    tokens, passes = (
-        f"new tokens a generation (default {max_tokens})",
-        f"timed passes over the prompts (default {repeats})",
+def _add_run_shape(p: argparse.ArgumentParser, max_tokens: int, repeats: int | None = 1, quick: str = "") -> None:
+    """--max-tokens, --repeats (None: a bench that times one pass), --quick (where `quick` says what
+    it runs) and --out."""
+    p.add_argument(
+        "--max-tokens",
+        type=options.positive,
+        default=max_tokens,
+        help=f"new tokens a generation (default {max_tokens})",
     )
-    p.add_argument("--max-tokens", type=options.positive, default=max_tokens, help=tokens)
-    p.add_argument("--repeats", type=options.positive, default=repeats, help=passes)
+    if repeats is not None:
+        p.add_argument(
+            "--repeats",
+            type=options.positive,
+            default=repeats,
+            help=f"timed passes over the prompts (default {repeats})",
+        )
     if quick:
         p.add_argument("--quick", action="store_true", help=f"a small run that checks it works: {quick}")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default bench-results)")
@@ -274,7 +283,7 @@ def _add_concurrency(names) -> None:
         "measured both regimes) instead of one wave of requests",
     )
     p.add_argument("--no-hf", action="store_true", help="skip transformers' batched generate rows")
-    _add_run_shape(p, 48)
+    _add_run_shape(p, 48, repeats=None)
     _add_pair(p, compile=True)
 
 
@@ -404,6 +413,7 @@ def structured(args) -> int:
         draft=options.model_spec(args, "draft-"),
         out=args.out,
         rule=args.rule,
+        target_backend=args.target_backend,
     )
     return _report(structured, structured.quick(config) if args.quick else config)
 

@@ -326,6 +326,7 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
         (["bench", "ttft", "--repeats", "0"], "argument --repeats: must be >= 1"),  # started the pipeline, ran nothing
         (["bench", "concurrency", "--prompts", "0"], "argument --prompts: must be >= 1"),  # IndexError, once loaded
+        (["bench", "concurrency", "--repeats", "3"], "unrecognized arguments: --repeats 3"),  # taken and not run
         (["bench", "ttft", "--system-chars", "-5"], "argument --system-chars: must be >= 0"),  # cut the last 5
         # The limits' own checks named their fields (max_sessions, idle_ttl, max_queue), not the flags.
         (["target-service", "--max-sessions", "0"], "argument --max-sessions: must be >= 1, not 0"),

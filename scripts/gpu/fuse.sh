@@ -17,7 +17,7 @@ TARGET=${TARGET:-smollm2-135m-w4} LOAD=${LOAD-1,4,16,64} BATCHES=${BATCHES-16,64
 EAGER=${EAGER:-1} HF=${HF:-1} WARM=${WARM:-1}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 t0=$(date +%s)
-timeout 240 python3 -c "from cli import options; options.apply_environment(); from specdec import models; print('TDIR', models.resolve('$TARGET'))" 2>&1 | grep -v Warn > /tmp/dirs
+timeout 240 python3 -c "from cli import options; options.apply_environment(); from specdec.weights import models; print('TDIR', models.resolve('$TARGET'))" 2>&1 | grep -v Warn > /tmp/dirs
 TDIR=$(grep ^TDIR /tmp/dirs | cut -d' ' -f2); echo "aliases built in $(( $(date +%s) - t0 )) s: $TDIR"
 
 serve() {  # $1: a name; the environment says whether to fuse

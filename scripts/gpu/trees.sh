@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 SPECDEC_CACHE=${SPECDEC_CACHE:-/root/cache}
 DRAFT=${DRAFT:-smollm2-135m-int3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 t0=$(date +%s)
-python3 -c "from cli import options; options.apply_environment(); from specdec import models; [models.resolve(a) for a in ('smollm2-135m-x8', '$DRAFT')]" 2>&1 | grep -v Warn | tail -3
+python3 -c "from cli import options; options.apply_environment(); from specdec.weights import models; [models.resolve(a) for a in ('smollm2-135m-x8', '$DRAFT')]" 2>&1 | grep -v Warn | tail -3
 echo "aliases built in $(( $(date +%s) - t0 )) s"
 rm -f /tmp/r.json; t1=$(date +%s)
 python3 -m cli serve --target-model smollm2-135m-x8 --draft-model $DRAFT --target-device cuda --draft-device cuda \

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 SPECDEC_CACHE=${SPECDEC_CACHE:-/root/cache}
 TARGET=${TARGET:-smollm2-135m-w4} LOAD=${LOAD:-1,4,16,64} TOKENS=${TOKENS:-128} DEVICE=${DEVICE:-cuda}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 t0=$(date +%s)
-timeout 240 python3 -c "from cli import options; options.apply_environment(); from specdec import models; print('BASE', models.resolve('smollm2-135m')); print('TDIR', models.resolve('$TARGET'))" 2>&1 | grep -v Warn > /tmp/dirs
+timeout 240 python3 -c "from cli import options; options.apply_environment(); from specdec.weights import models; print('BASE', models.resolve('smollm2-135m')); print('TDIR', models.resolve('$TARGET'))" 2>&1 | grep -v Warn > /tmp/dirs
 grep "^BASE\|^TDIR" /tmp/dirs; echo "aliases built in $(( $(date +%s) - t0 )) s"
 BASE=$(grep ^BASE /tmp/dirs | cut -d' ' -f2) TDIR=$(grep ^TDIR /tmp/dirs | cut -d' ' -f2)
 rm -rf /tmp/r.json /tmp/specdec-*; t1=$(date +%s)
