@@ -271,7 +271,7 @@ def serve_until_signal(
 ) -> int:
     """Serve until SIGTERM or SIGINT, then drain (health NOT_SERVING, new work refused,
     in-flight work finished within drain_timeout) and stop; exit code 0. `http`: the HTTP
-    front door (orchestrator.openai_api), stopped after the drain. SIGHUP calls `reload()`
+    front door (orchestrator.openai_api), stopped after the drain and the gRPC server's stop. SIGHUP calls `reload()`
     (re-read the TLS files and the token: specdec.serving.security.Rotation)."""
     stop = stop_on_signal()
     if reload is not None:
@@ -293,9 +293,13 @@ def serve_until_signal(
     _log(f"specdec: {what} draining (up to {drain_timeout:g} s)")
     if not server.drain(drain_timeout):
         _log(f"specdec: {what}: drain timed out; stopping with work in flight")
+    # gRPC first: the calls still running end (UNAVAILABLE), so the HTTP front door's requests riding
+    # on them answer 503 or end their streams with an error event; stopped first, the front door
+    # waited on them, cut them without a word, and the orchestrator was killed past its stop timeout.
+    stopped = server.stop(grace=1)
     if http is not None:
         http.stop()
-    server.stop(grace=1).wait()
+    stopped.wait()
     if telemetry is not None:
         telemetry.shutdown()  # flushes the last spans and metrics
     return 0

@@ -8,10 +8,13 @@ the stream is still running when the signal arrives.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -20,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.v1 import model_pb2, orchestrator_pb2_grpc
 from target_service.server import serve as serve_target
 from tests.harness import (
+    NO_EOS_PROMPT,
     cli_process,
     long_request,
     model_stubs,
@@ -118,3 +122,40 @@ def test_a_ready_service_freezes_what_its_start_up_allocated():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, walked, frozen = map(int, done.stdout.split())
     assert walked < before / 20 and frozen > before / 2, (before, walked, frozen)
+
+
+@pytest.mark.slow
+def test_http_requests_past_the_drain_get_503_and_the_orchestrator_exits(slow, tmp_path):
+    """SIGTERM with HTTP requests in flight past --drain-timeout: the front door was stopped before
+    the gRPC server, waited on the requests riding on its calls, cut the stream without a word and
+    the unary request with an empty reply, and the process outlived its stop (killed by `serve`).
+    Now gRPC stops first: the unary request gets 503, the stream an error event, the process exits 0."""
+    args = ["orchestrator", "--draft-address", slow.addresses["draft"], "--target-address", slow.addresses["target"]]
+    log, ready = tmp_path / "orchestrator.log", tmp_path / "ready"
+    with cli_process(*args, "--http-port", "0", "--drain-timeout", "1", ready_file=ready, log=log) as (proc, _):
+        url = json.loads(ready.read_text())["http_url"]
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as reply:
+            model = json.loads(reply.read())["data"][0]["id"]
+        body = {"model": model, "prompt": NO_EOS_PROMPT, "max_tokens": 400}
+        replies = {}
+
+        def post(stream: bool) -> None:
+            data = json.dumps({**body, "stream": stream}).encode()
+            request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    replies[stream] = (reply.status, reply.read().decode())
+            except urllib.error.HTTPError as err:
+                replies[stream] = (err.code, err.read().decode())
+
+        clients = [threading.Thread(target=post, args=(stream,)) for stream in (False, True)]
+        for client in clients:
+            client.start()
+        assert wait_until(lambda: slow.open_sessions()[1] == 2, 30)  # both generating
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        for client in clients:
+            client.join(30)
+    assert replies[False][0] == 503 and "service_unavailable" in replies[False][1], replies[False]
+    assert replies[True][0] == 200 and '"error"' in replies[True][1].rsplit("data: ", 1)[-1], replies[True][1][-300:]
+    assert wait_until(lambda: slow.open_sessions() == (0, 0), 30)

@@ -4,6 +4,7 @@ hosting tiny random models; and the CLI starting the three as separate processes
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -145,6 +146,25 @@ def test_seeded_sampling_is_reproducible(pipeline):
     c = stub.Generate(request(sampling=sampling, seed=12))
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
     assert a.stats.seed == 11
+
+
+@pytest.mark.usefixtures("draft_awaited")
+def test_a_temperature_near_zero_samples_greedys_text(pipeline):
+    """A temperature of 1e-40 (inside the HTTP range [0, 2]) took a positive logit over it to inf and
+    the row to NaN: a 500 ("row must have positive mass"), and under the invariant rule token 0
+    with a NaN logprob. Its law is greedy's limit: the greedy text, under both rules and without
+    speculation, with finite logprobs."""
+    stub, _ = pipeline
+    greedy = list(stub.Generate(request()).token_ids)
+    cold = model_pb2.SamplingParams(temperature=1e-40)
+    for rule in (orchestrator_pb2.RULE_LEVIATHAN, orchestrator_pb2.RULE_INVARIANT):
+        out = stub.Generate(
+            request(sampling=cold, seed=5, logprobs=0, speculation=orchestrator_pb2.SpeculationParams(rule=rule))
+        )
+        assert list(out.token_ids) == greedy
+        assert all(math.isfinite(p.logprob) for p in out.logprobs)
+    alone = stub.Generate(request(sampling=cold, speculation=orchestrator_pb2.SpeculationParams(disabled=True)))
+    assert list(alone.token_ids) == greedy
 
 
 def test_mismatched_pair_is_refused(tiny_models, tiny_backends):

@@ -80,11 +80,19 @@ class SamplingParams:
 GREEDY = SamplingParams()  # what an empty SamplingParams message means
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits over `temperature`, each row shifted by its largest first (softmax is the same):
+    divided as they came, a temperature of 1e-40 took a positive logit to inf and the row to NaN
+    (a 500); shifted, the largest are 0 and the rest -inf at worst, greedy's limit (ties split)."""
+    logits = logits.float()
+    return (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, min-p, top-p
     (the penalties and biases come before, on the logits: specdec.decoding.penalties)."""
     assert not params.greedy, "greedy decoding has no distribution"
-    logits = logits.float() / params.temperature
+    logits = tempered(logits, params.temperature)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -113,5 +121,5 @@ def logprobs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.
     if params.greedy:
         return torch.log_softmax(logits.float(), dim=-1)
     if params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0:  # the log-softmax: exact far into the tail
-        return torch.log_softmax(logits.float() / params.temperature, dim=-1)
+        return torch.log_softmax(tempered(logits, params.temperature), dim=-1)
     return torch.log(probs_from_logits(logits, params))
