@@ -247,7 +247,9 @@ def loop_config(
     s, spec = request.sampling, request.speculation
     validation.generate_request(request)  # an explicit value is checked there, zero included
     # Unset fields take their documented defaults (the server's, checked at its start).
-    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+    # unset: the default, or the room the context leaves where that is less (as OpenAI and vLLM cap it)
+    room = max(1, pair.max_context - prompt_len)
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else min(DEFAULT_MAX_NEW_TOKENS, room)
     lookahead = spec.lookahead if spec.HasField("lookahead") else defaults.lookahead
     validation.token_ids(request.stop_token_ids, pair.vocab_size, "stop_token_ids")
     validation.token_ids(list(s.logit_bias), pair.vocab_size, "sampling.logit_bias")

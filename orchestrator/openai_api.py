@@ -41,7 +41,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from orchestrator.choices import Choices
-from orchestrator.openai_json import APIError, Completion, choice_requests, generate_request
+from orchestrator.openai_json import APIError, Completion, choice_requests, generate_request, unknown_model
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.serving import security
 from specdec.serving.telemetry import Telemetry, disabled
@@ -168,8 +168,17 @@ class Gateway:
             choices.cancel()
 
     async def models(self, request: Request):
-        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "specdec"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model_info(self, request: Request):
+        """GET /v1/models/{id} (the SDK's models.retrieve): the model this server serves, else 404."""
+        name = request.path_params["model"]
+        if name != self.model:
+            return unknown_model(name, self.model).response()
+        return JSONResponse(self._model())
+
+    def _model(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specdec"}
 
     async def health(self, request: Request):
         """The orchestrator's health and its services' availability as it sees them (its Describe):
@@ -298,6 +307,7 @@ def app(
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model_info, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/", gateway.page, methods=["GET"]),
         Route("/{name:str}", gateway.page, methods=["GET"]),

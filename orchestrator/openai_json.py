@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 import orchestrator
 from orchestrator import openai_tools
 from specdec.v1 import model_pb2, orchestrator_pb2
-from specdec.validation import MAX_LOGPROBS
+from specdec.validation import MAX_LOGPROBS, MAX_SCOPE_CHARS
 
 TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's; the gRPC API takes any finite temperature >= 0
 
@@ -144,6 +144,11 @@ class APIError(Exception):
 
 
 # -- requests ----------------------------------------------------------------------------
+def unknown_model(name, model: str) -> APIError:
+    """404 for a model name this server does not serve (it serves `model`)."""
+    return APIError(404, f"the model {name!r} does not exist; this server serves {model!r}", "model")
+
+
 def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrator_pb2.GenerateRequest, dict]:
     """The GenerateRequest for an OpenAI request body, and the options of its answer
     ({"stream": bool, "include_usage": bool, "max_tokens": the parameter's name}). Raises
@@ -161,7 +166,7 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
     if body.get("model") != model:
         if "model" not in body:
             raise APIError(400, "model is required", "model")
-        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}", "model")
+        raise unknown_model(body["model"], model)
 
     request = orchestrator_pb2.GenerateRequest()
     if input_param not in body:
@@ -198,8 +203,11 @@ def generate_request(body: dict, endpoint: str, model: str) -> tuple[orchestrato
         _set_speculation(request.speculation, body["speculation"])
     if "prediction" in body:
         request.speculation.prediction = _prediction(body["prediction"])
-    if isinstance(body.get("user"), str) and not request.speculation.history_salt:
-        request.speculation.history_salt = body["user"]  # an end user's answers draft only that user's
+    if "user" in body:
+        if not isinstance(body["user"], str) or len(body["user"]) > MAX_SCOPE_CHARS:
+            raise APIError(400, f"user must be a string of at most {MAX_SCOPE_CHARS} characters", "user")
+        if not request.speculation.history_salt:
+            request.speculation.history_salt = body["user"]  # an end user's answers draft only that user's
     constraint = _set_constraint(request.constraint, body)
     if tools is not None and tools.forced:  # the call's JSON, under the grammar of its schema
         if constraint is not None:

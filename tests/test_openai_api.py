@@ -28,7 +28,7 @@ from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.limits import AdmissionLimits
 from specdec.runtime.standin import StandinBackend
 from specdec.serving.security import ClientSecurity, SecurityError, ServerSecurity, ServerTLSFiles
-from specdec.v1 import orchestrator_pb2
+from specdec.v1 import model_pb2, orchestrator_pb2
 from specdec.weights.models import ModelSpec
 from tests.certs import make_pki
 from tests.harness import NO_EOS_PROMPT, pipeline, slow_pipeline, wait_until
@@ -186,6 +186,9 @@ def test_include_usage_sends_the_usage_chunk(stack, client):
 def test_models_and_health(stack, client):
     _, http = stack
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     status, body = http_json(f"{http.url}/health")
     assert status == 200
     assert body == {"status": "ok", "services": dict.fromkeys(SERVICES, "SERVING")}
@@ -239,6 +242,8 @@ BAD = [  # (endpoint, parameters, status, param)
     ("chat", {"prediction": {"type": "content", "content": 5}}, 400, "prediction.content"),
     ("chat", {"prediction": {"type": "content", "content": "zebra " * 1000}}, 400, "prediction"),  # past the context
     ("completions", {"prediction": {"type": "content", "content": "x"}}, 400, "prediction"),  # chat only
+    ("chat", {"user": 5}, 400, "user"),
+    ("chat", {"user": "u" * 300}, 400, "user"),  # it named speculation.history_salt, which the client never sent
     ("chat", {"model": "gpt-4o"}, 404, "model"),
 ]
 
@@ -345,6 +350,17 @@ def test_max_tokens_beyond_the_context_names_max_tokens_and_says_what_fits(clien
     assert err.value.param == "max_tokens"
     assert err.value.body["message"].startswith("max_tokens 1000000000 + a prompt of")
     assert "at most" in err.value.body["message"]
+
+
+def test_max_tokens_unset_takes_the_room_the_context_leaves(stack, client):
+    """Unset, max_tokens is 128 or the room past the prompt where that is less: a prompt 10 tokens
+    short of the context was refused ("max_tokens 128 + a prompt of ..."), naming a value the
+    client never sent."""
+    p, _ = stack
+    context = p.target.Describe(model_pb2.DescribeRequest(), timeout=10).max_context
+    prompt = [(7 + i) % 30 + 10 for i in range(context - 10)]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0)
+    assert r.usage.completion_tokens <= 10 and (r.usage.completion_tokens == 10 or r.choices[0].finish_reason == "stop")
 
 
 def test_the_sdk_raises_the_matching_errors(client):
