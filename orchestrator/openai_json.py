@@ -502,7 +502,10 @@ class Completion:
         return cls(endpoint, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), logprobs, tools)
 
     def _message(self, r: orchestrator_pb2.GenerateResponse) -> tuple[dict, str]:
-        """A chat answer's message and finish_reason: a tool call where the text makes one."""
+        """A chat answer's message and finish_reason: a tool call where the text makes one; a forced
+        call cut by max_tokens, the call as far as it went (finish_reason "length")."""
+        if self.tools is not None and self.tools.forced and r.finish_reason == "length":
+            return {"role": "assistant", "content": None, "tool_calls": [self.tools.cut_call(r.text)]}, "length"
         call = self.tools.call(r.text) if self.tools is not None and r.finish_reason == "stop" else None
         if call is None:
             return {"role": "assistant", "content": r.text}, r.finish_reason

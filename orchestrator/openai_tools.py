@@ -34,6 +34,8 @@ class ToolsError(ValueError):
 
 
 TAGGED = re.compile(r"^\s*<tool_call>\s*(.*?)\s*</tool_call>\s*$", re.DOTALL)
+# The start of a forced call (its schema: name first, then arguments), cut anywhere after it
+CUT_CALL = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class Tools:
         calls = [_call_schema(t["function"]) for t in self.tools if t["function"]["name"] in wanted]
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
+    def cut_call(self, text: str) -> dict:
+        """A forced call that max_tokens cut (finish_reason "length"): its name, and its arguments as
+        far as they were written (JSON cut short, as OpenAI returns them); the name the choice forces
+        where the text was cut before it."""
+        found = CUT_CALL.match(text)
+        if found is None:
+            return _call("" if self.choice == "required" else self.choice, "")
+        return _call(json.loads(f'"{found.group(1)}"'), found.group(2) or "")
+
     def call(self, text: str) -> dict | None:
         """The tool call the generated `text` makes (OpenAI's tool_calls entry), or None for text."""
         tagged = TAGGED.match(text)
@@ -69,11 +80,16 @@ class Tools:
         if not (isinstance(value, dict) and value.get("name") in self.names):
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
-        return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
-        }
+        return _call(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _call(name: str, arguments: str) -> dict:
+    """OpenAI's tool_calls entry."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _call_schema(function: dict) -> dict:

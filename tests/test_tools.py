@@ -98,6 +98,35 @@ def test_a_forced_call_comes_back_as_tool_calls_that_follow_the_schema(json_stac
     assert (name, json.loads(arguments)) == (unary.function.name, json.loads(unary.function.arguments))
 
 
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
+)
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_call(json_stack, choice):
+    """max_tokens ending a forced call before its JSON closed gave the half-written call as content
+    and tool_calls null (docs/api.md: a forced call is always tool_calls): now the call as far as it
+    went, finish_reason "length", unary and streamed."""
+    _, http = json_stack
+    client = client_for(http)
+    ask = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 24}
+    reply = client.chat.completions.create(temperature=1.0, seed=1, **ask).choices[0]
+    assert reply.finish_reason == "length" and reply.message.content is None
+    [call] = reply.message.tool_calls
+    assert call.type == "function" and call.function.name in SCHEMAS
+    if isinstance(choice, dict):
+        assert call.function.name == "get_weather"
+    streamed = [
+        (c.finish_reason, d)
+        for chunk in client.chat.completions.create(temperature=1.0, seed=1, stream=True, **ask)
+        for c in chunk.choices
+        for d in (c.delta.tool_calls or [None])
+    ]
+    assert streamed[-1][0] == "length" and any(
+        d is not None and d.function.name == call.function.name for _, d in streamed
+    )
+    cut = openai_tools.Tools(tuple(TOOLS), "required").cut_call('{"name": "get_time", "arguments": {"zo')
+    assert cut["function"] == {"name": "get_time", "arguments": '{"zo'}
+
+
 def test_auto_reads_a_call_out_of_the_text_and_leaves_other_text():
     tools = openai_tools.parse({"tools": TOOLS})
     assert tools.choice == "auto" and tools.schema() is None
