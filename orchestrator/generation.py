@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import random
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -460,14 +462,47 @@ def generate(
     yield Chunk(pending_ids, text[emitted:], finish, stats, spans, counts, pending_logprobs)
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """A byte-level BPE's characters (GPT-2's bytes_to_unicode: printable bytes as themselves, the
+    rest moved past 255) back to the bytes they stand for."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # a SentencePiece byte-fallback token
+
+
+def token_bytes(tok, token: int, text: str) -> bytes:
+    """A token's own UTF-8 bytes (OpenAI's `bytes`): a token that holds part of a character decodes
+    alone to U+FFFD, whose bytes joined with its neighbours' did not give the character back; its
+    bytes come from its piece then (a byte-level BPE's characters, SentencePiece's <0xNN>)."""
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tok.convert_ids_to_tokens(token) if hasattr(tok, "convert_ids_to_tokens") else None
+    if not isinstance(piece, str):
+        return text.encode()
+    if found := BYTE_PIECE.match(piece):
+        return bytes([int(found.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return text.encode()
+
+
 def token_logprobs(tok, step) -> list[orchestrator_pb2.TokenLogprob]:
     """A round's tokens' log probabilities (Round.logprobs) as TokenLogprob, each token's text
-    decoded alone."""
+    decoded alone, its bytes its own (token_bytes)."""
 
     def entry(token: int, logprob: float, top=()) -> orchestrator_pb2.TokenLogprob:
         text = tok.decode([token])
         return orchestrator_pb2.TokenLogprob(
-            token_id=token, token=text, token_bytes=text.encode(), logprob=logprob, top=[entry(*t) for t in top]
+            token_id=token,
+            token=text,
+            token_bytes=token_bytes(tok, token, text),
+            logprob=logprob,
+            top=[entry(*t) for t in top],
         )
 
     # the most likely tokens that have a probability (a mask or top-k leaves fewer than asked for)

@@ -105,10 +105,11 @@ class Gateway:
     async def _events(self, call, chunk, completion: Completion, options: dict):
         include_usage = options["include_usage"]
         try:
-            first, offset = True, 0
+            first, offset, held = True, 0, []
             while chunk is not None:
-                yield json.dumps(completion.chunk(chunk, first, include_usage, offset))
-                offset += sum(len(e.token) for e in chunk.logprobs)
+                event, held = completion.chunk(chunk, first, include_usage, offset, held=held)
+                yield json.dumps(event)
+                offset += len(chunk.text)
                 if chunk.finish_reason:
                     if include_usage:
                         yield json.dumps(completion.usage_chunk(chunk.stats))
@@ -142,7 +143,7 @@ class Gateway:
 
     async def _choice_events(self, choices: Choices, first, completion: Completion, options: dict):
         include_usage, n = options["include_usage"], len(choices.requests)
-        started, offsets, stats = set(), [0] * n, [None] * n
+        started, offsets, stats, held = set(), [0] * n, [None] * n, [[] for _ in range(n)]
         merged = choices.merged()
         try:
             item = (0, first)
@@ -151,9 +152,10 @@ class Gateway:
                 if isinstance(chunk, grpc.RpcError):
                     raise chunk
                 if chunk is not None:
-                    yield json.dumps(completion.chunk(chunk, i not in started, include_usage, offsets[i], index=i))
+                    event, held[i] = completion.chunk(chunk, i not in started, include_usage, offsets[i], i, held[i])
+                    yield json.dumps(event)
                     started.add(i)
-                    offsets[i] += sum(len(e.token) for e in chunk.logprobs)
+                    offsets[i] += len(chunk.text)
                     if chunk.finish_reason:
                         stats[i] = chunk.stats
                 item = await anyio.to_thread.run_sync(next, merged, None, abandon_on_cancel=True)

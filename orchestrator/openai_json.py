@@ -11,7 +11,7 @@ GenerateRequest.constraint, logprobs / top_logprobs GenerateRequest.logprobs.
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 import math
 import re
@@ -511,14 +511,18 @@ class Completion:
             return {"role": "assistant", "content": r.text}, r.finish_reason
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
-    def _logprobs(self, entries, offset: int = 0) -> dict | None:
+    def _logprobs(self, entries, offset: int = 0, end: int | None = None) -> dict | None:
         """A choice's `logprobs` in the endpoint's shape (None unless asked for); `offset`: where the
-        tokens' text starts in the completion (completions' text_offset)."""
+        tokens' text starts in the completion (completions' text_offset); `end`: where a stop string
+        cut the text, past which the tokens that made it are left out (the text leaves them out)."""
         if not self.logprobs:
             return None
+        offsets = text_offsets(entries, offset)
+        if end is not None:
+            offsets = [at for at in offsets if at < end]
+            entries = entries[: len(offsets)]
         if self.endpoint == "chat":
             return {"content": [_token_logprob(e, top=True) for e in entries], "refusal": None}
-        offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=offset))[:-1]
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
@@ -541,21 +545,37 @@ class Completion:
                 choice = {"message": message}
             else:
                 choice = {"text": each.text}
-            logprobs = self._logprobs(each.logprobs)
+            logprobs = self._logprobs(each.logprobs, end=len(each.text) if each.finish_reason == "stop" else None)
             choices.append({"index": index, **choice, "logprobs": logprobs, "finish_reason": finish})
         kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
         spent = usage(r.stats, *(m.stats for m in more))
         return self._object(kind, choices, usage=spent, specdec=speculation_stats(r.stats))
 
     def chunk(
-        self, c: orchestrator_pb2.GenerateChunk, first: bool, include_usage: bool, offset: int = 0, index: int = 0
-    ) -> dict:
+        self,
+        c: orchestrator_pb2.GenerateChunk,
+        first: bool,
+        include_usage: bool,
+        offset: int = 0,
+        index: int = 0,
+        held: list | tuple = (),
+    ) -> tuple[dict, list]:
+        """A stream's chunk, and the tokens whose logprobs wait for the next one. `offset`: where its
+        text starts in the completion; `held`: the earlier chunks' tokens whose text this one carries.
+        A chunk's tokens may make text it holds back (part of a character, what may start a stop
+        string): their logprobs go with the chunk that carries their text, or, past a stop string,
+        with none."""
+        entries, held = [*held, *c.logprobs], []
+        if self.logprobs and c.finish_reason in ("", "stop"):
+            starts = text_offsets(entries, offset)
+            shown = sum(1 for at in starts if at < offset + len(c.text))
+            entries, held = entries[:shown], entries[shown:] if not c.finish_reason else []
         if self.endpoint == "chat":
             delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
             choice, kind = {"delta": delta}, "chat.completion.chunk"
         else:
             choice, kind = {"text": c.text}, "text_completion"
-        logprobs = self._logprobs(c.logprobs, offset)
+        logprobs = self._logprobs(entries, offset)
         choice = {"index": index, **choice, "logprobs": logprobs, "finish_reason": c.finish_reason or None}
         r = c.rounds
         extension = {
@@ -566,7 +586,7 @@ class Completion:
         if c.finish_reason:
             extension.update(speculation_stats(c.stats))
         extra = {"usage": None} if include_usage else {}
-        return self._object(kind, [choice], specdec=extension, **extra)
+        return self._object(kind, [choice], specdec=extension, **extra), held
 
     def whole_chunks(self, answers: list[orchestrator_pb2.GenerateResponse], include_usage: bool) -> list[dict]:
         """Whole answers as a stream's chunks (tools: a call is known once its text is whole): each
@@ -593,6 +613,17 @@ class Completion:
     def usage_chunk(self, stats: orchestrator_pb2.GenerateStats, *more: orchestrator_pb2.GenerateStats) -> dict:
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
         return self._object(kind, [], usage=usage(stats, *more))
+
+
+def text_offsets(entries, offset: int = 0) -> list[int]:
+    """Where each token's text starts in the completion (`offset`: where the first one's does): the
+    characters its predecessors' bytes make. A token that holds part of a character starts at that
+    character (each token's text decoded alone, a U+FFFD a part, drifted past the text)."""
+    decoder, out = codecs.getincrementaldecoder("utf-8")("replace"), []
+    for e in entries:
+        out.append(offset)
+        offset += len(decoder.decode(e.token_bytes))
+    return out
 
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token with no probability (JSON has no -inf)

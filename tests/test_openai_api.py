@@ -172,6 +172,14 @@ def test_stop_ends_the_text_before_the_stop_string(stack, client):
     chunks = list(client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=60, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # the logprobs cover the text, not the stop string's tokens past it (a character a token here)
+    r = client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=60, stop=stop, logprobs=0)
+    assert "".join(r.choices[0].logprobs.tokens) == expected
+    assert r.choices[0].logprobs.text_offset == list(range(len(expected)))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=NO_EOS_PROMPT, max_tokens=60, stop=stop, logprobs=0, stream=True)
+    )
+    assert "".join(t for c in chunks for t in c.choices[0].logprobs.tokens) == expected
 
 
 def test_include_usage_sends_the_usage_chunk(stack, client):
