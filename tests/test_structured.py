@@ -63,6 +63,9 @@ def test_an_invalid_constraint_is_refused_naming_its_field(constraint, field):
     with pytest.raises(InvalidArgument) as err:
         grammar.grammar_of(constraint)
     assert err.value.message.startswith(field + ":") or err.value.message.startswith(field + " ")
+    assert not err.value.message.endswith(":"), err.value.message  # says what is wrong, on one line
+    if constraint.regex:
+        assert err.value.message.endswith("regex parse error: unclosed group") and "\n" not in err.value.message
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,14 @@ def grammar_of(constraint: model_pb2.Constraint, field: str = "constraint") -> s
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else message
+    """llguidance's message in one line: its first, and the `error:` line that says what is wrong
+    where one follows (a regex's: "... regex parse error:" then the pattern, a caret, "error: unclosed
+    group"; the first line alone ended at "regex parse error:")."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return message
+    reason = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {reason}" if reason else lines[0]
 
 
 # -- a vocabulary's token table ----------------------------------------------------------------
