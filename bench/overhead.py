@@ -164,8 +164,8 @@ def serve(role: str, model: str, dtype: str, device: str, k: int, graphs: bool |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model", required=True, help="the target: a hub id, a local path or an alias")
-    parser.add_argument("--draft-model", required=True, help="the draft: a hub id, a local path or an alias")
+    parser.add_argument("--target-model", help="the target: a hub id, a local path or an alias (required)")
+    parser.add_argument("--draft-model", help="the draft: a hub id, a local path or an alias (required)")
     parser.add_argument("--device", default="cpu", help="torch device of both models (default cpu)")
     parser.add_argument("--k", type=int, default=4, help="lookahead (default 4)")
     parser.add_argument("--requests", type=int, default=5, help="timed generations, the median reported (default 5)")
@@ -178,6 +178,8 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.model, args.draft_dtype, args.device, args.k, args.compile)
         return
+    if not (args.target_model and args.draft_model):  # a child (--serve) takes --model instead
+        parser.error("--target-model and --draft-model are required")
     r = measure(
         args.target_model, args.draft_model, args.device, args.k, args.requests, args.max_tokens, args.compile,
         args.draft_dtype,
