@@ -95,6 +95,8 @@ def run(args) -> int:
         raise ValueError(f"--timeout is seconds > 0, not {args.timeout:g}")
     if args.seed is not None and not 0 <= args.seed < 2**64:  # else protobuf's "Value out of range: -1"
         raise ValueError(f"--seed must be in 0..{2**64 - 1}, got {args.seed}")
+    if args.stream and args.json:  # one JSON object at the end, or the text as it comes: not both
+        raise ValueError("--stream prints the text as it comes; --json one object at the end: give one of them")
     client = options.client_security(args)
     if args.address:
         return _generate_at(args.address, args, client)
@@ -160,19 +162,23 @@ def request(args) -> orchestrator_pb2.GenerateRequest:
 def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
     stub = orchestrator_pb2_grpc.OrchestratorStub(security.channel(address, client))
     req = request(args)
-    if args.stream and not args.json:
+    if args.stream:
         parts, stats, finish = [], None, None
-        for chunk in stub.GenerateStream(req, timeout=args.timeout):
-            print(chunk.text, end="", flush=True)
-            parts.append(chunk.text)
-            if chunk.finish_reason:
-                stats, finish = chunk.stats, chunk.finish_reason
+        call = stub.GenerateStream(req, timeout=args.timeout)
+        try:
+            for chunk in call:
+                print(chunk.text, end="", flush=True)
+                parts.append(chunk.text)
+                if chunk.finish_reason:
+                    stats, finish = chunk.stats, chunk.finish_reason
+        finally:  # Ctrl-C: the orchestrator stops it now (it generated on until its drain timed out)
+            call.cancel()
         print()
         _print_stats(stats, finish)
         if args.compare:
             _print_speedup("".join(parts), stats, _alone(stub, req, args.timeout))
         return 0
-    response = stub.Generate(req, timeout=args.timeout)
+    response = _unary(stub, req, args.timeout)
     alone = _alone(stub, req, args.timeout) if args.compare else None
     if args.json:
         out = _response_json(response)
@@ -190,7 +196,16 @@ def _generate_at(address: str, args, client: security.ClientSecurity) -> int:
 def _alone(stub, req: orchestrator_pb2.GenerateRequest, timeout: float | None):
     """The same request again with the target alone (--compare)."""
     req.speculation.disabled = True
-    return stub.Generate(req, timeout=timeout)
+    return _unary(stub, req, timeout)
+
+
+def _unary(stub, req: orchestrator_pb2.GenerateRequest, timeout: float | None):
+    """Generate, cancelled if the wait for it is interrupted (Ctrl-C), as a stream is."""
+    call = stub.Generate.future(req, timeout=timeout)
+    try:
+        return call.result()
+    finally:
+        call.cancel()  # done: nothing
 
 
 def _print_speedup(text: str, stats, alone) -> None:

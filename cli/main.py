@@ -82,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    """The command; a failure as one line and exit code 1."""
+    """The command; a failure as one line and exit code 1. Its --ready-file says it serves only
+    while it does: removed before it starts and once it stops (a reader of one left by the last
+    run connected to a dead address)."""
+    ready_file = getattr(args, "ready_file", None)
     try:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # where stdout is a pipe whose reader left: raised here, not at exit
         return code
@@ -101,6 +106,9 @@ def _run(args) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
 
 
 def _terminated(signum, frame) -> None:
@@ -111,6 +119,8 @@ def _reached(args, message: str) -> str:
     """gRPC's "failed to connect to all addresses; last error: ...: <cause>" as the address the user gave."""
     address = getattr(args, "address", None)
     if address and message.startswith("failed to connect to all addresses"):
+        if "handshake failed" in message.lower():  # its last words were "OK"
+            return f"the TLS handshake with {address} failed (a server without TLS, or one --tls-ca does not trust)"
         return f"no orchestrator answers at {address} ({message.rsplit(': ', 1)[-1]})"
     return message
 

@@ -282,13 +282,18 @@ def host_port(text: str) -> str:
     """An address flag's value: HOST:PORT (a gRPC target; without a port gRPC would dial 443)."""
     if ":" not in text:
         raise argparse.ArgumentTypeError(f"an address is HOST:PORT (e.g. 127.0.0.1:50051), not {text!r}")
+    port = text.rpartition(":")[2]
+    if port.isdigit() and not 0 < int(port) < 65536:  # gRPC dialed it and said "Connection refused"
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, not {port} in {text!r}")
     return text
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=port, help=f"port to bind; 0 picks a free one (default {port})")
-    p.add_argument("--ready-file", type=Path, help='write {"address": ...} here once serving')
+    p.add_argument(
+        "--ready-file", type=Path, help='write {"address": ...} here once serving (removed at start and at stop)'
+    )
     add_metrics_flag(p, "serve Prometheus metrics on this port at /metrics (0 picks a free one; default: off)")
 
 

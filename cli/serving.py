@@ -30,7 +30,11 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run draft, target and orchestrator locally until interrupted")
     s.add_argument("--host", default="127.0.0.1", help="orchestrator address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=options.port_number, default=50051, help="orchestrator port (default 50051)")
-    s.add_argument("--ready-file", type=Path, help='write {"address", "services", "http_url"} (JSON) here once serving')
+    s.add_argument(
+        "--ready-file",
+        type=Path,
+        help='write {"address", "services", "http_url"} (JSON) here once serving (removed at start and at stop)',
+    )
     text = "Prometheus metrics: orchestrator on this port, target +1, draft +2 (0: free ones; default: off)"
     options.add_metrics_flag(s, text, options.metrics_base_port)
     options.add_http_flag(s)

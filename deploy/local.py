@@ -271,6 +271,10 @@ class LocalPipeline:
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 env=self._env(name),
+                # out of the terminal's process group: Ctrl-C reaches this supervisor alone, which stops
+                # them orchestrator first (reached by it too, all three drained at once and the services
+                # went away under the orchestrator's drain: killed 30 s later)
+                start_new_session=True,
             )
 
     def _bound_args(self, name: str) -> list[str]:
@@ -320,7 +324,7 @@ class LocalPipeline:
         processes binding OTEL_EXPORTER_PROMETHEUS_PORT)."""
         base = self.config.metrics_port
         if base is None:
-            base = telemetry.prometheus_port(os.environ)
+            base = telemetry.prometheus_port(self._env(name))  # the environment the child gets
         if base is None:
             return []
         offset = METRICS_OFFSETS[name] if base else 0

@@ -124,6 +124,8 @@ def generate_request(request) -> None:
     """Orchestrator.Generate, the fields that need no model (the orchestrator checks the rest
     against its pair): a client starting services for a request checks these first, so a mistyped
     flag is refused before a minute of start-up, with the message the orchestrator would send."""
+    if request.WhichOneof("input") == "prompt" and not request.prompt:
+        raise InvalidArgument("prompt must not be empty")
     sampling(request.sampling, "sampling")
     if request.HasField("max_new_tokens"):  # unset: the default
         at_least_one(request.max_new_tokens, "max_new_tokens")

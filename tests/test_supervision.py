@@ -243,3 +243,38 @@ def test_silence_counts_from_a_process_first_unanswered_probe_until_it_answers()
     silence.forget(1)  # killed: its successor's silence is its own
     assert not silence.heard(1, False, 126.0)
     assert liveness.period(3.0) == 1.0 and liveness.period(30.0) == liveness.PROBE_SECONDS
+
+
+def test_ctrl_c_on_a_streamed_generate_stops_its_pipeline_at_once(tmp_path):
+    """Ctrl-C, as a terminal sends it (SIGINT to the foreground process group), on a local
+    `generate --stream`: the three children got it too and drained at once, while the stream's
+    call, never cancelled, kept the orchestrator generating until its drain timed out; the
+    services went away under it and it was killed 30 s later ("did not stop within 30 s"). Now the
+    children sit in sessions of their own, the command cancels its call and stops them in turn."""
+    standins = ["--target-model", "standin:5", "--draft-model", "standin:0.5:0.8", "--max-tokens", "3000"]
+    log = tmp_path / "generate.log"
+    cmd = [sys.executable, "-m", "cli", "generate", "hi", *standins, "--stream"]
+    with open(log, "w") as out:  # its own group, SIGINT at its default (a test runner may ignore it)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **_default_sigint())
+    try:
+        streaming = lambda: len(log.read_text().partition("services ready")[2]) > 200  # noqa: E731 - text came
+        assert wait_until(streaming, 180, 0.1), log.read_text()
+        started = children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        # a generation still running holds the orchestrator's drain for --drain-timeout (20 s): the
+        # stop comes well before it only where the call was cancelled
+        assert proc.wait(15) == 130, log.read_text()[-500:]
+        assert "did not stop" not in log.read_text() and "kept in" not in log.read_text(), log.read_text()[-500:]
+        assert not [name for name, pid in started.items() if alive(pid)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _default_sigint() -> dict:
+    """Popen's keywords for a child whose SIGINT is at its default, whatever this process's is."""
+
+    def reset() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return {"preexec_fn": reset}

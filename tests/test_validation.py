@@ -4,6 +4,7 @@ tiny models; the CLI as a separate process."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
@@ -277,6 +278,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     ("args", "expected"),
     [
         (["", "--raw"], "INVALID_ARGUMENT: prompt must not be empty"),
+        ([""], "INVALID_ARGUMENT: prompt must not be empty"),  # in the chat template: refused after start-up
+        (["hi", "--stream", "--json"], "--stream prints the text as it comes"),  # --stream was dropped
         (["hi", "--temperature", "nan"], "INVALID_ARGUMENT: sampling.temperature (--temperature) must"),
         (["hi", "--stream", "--lookahead", "40"], "INVALID_ARGUMENT: speculation.lookahead (--lookahead) must"),
         (["hi", "--max-tokens", "100000"], "OUT_OF_RANGE: max_new_tokens (--max-tokens) 100000"),
@@ -323,6 +326,7 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         (["serve", "--drain-timeout", "-1"], "argument --drain-timeout: seconds >= 0, not -1"),  # it served
         (["serve", "--metrics-port", "65534"], "argument --metrics-port: the draft's metrics take this port + 2"),
         (["generate", "hi", "--address", "127.0.0.1"], "argument --address: an address is HOST:PORT"),  # it dialed 443
+        (["generate", "hi", "--address", "127.0.0.1:99999"], "argument --address: a port is 1..65535"),  # refused
         (["bench", "compare", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),  # every request refused
         (["bench", "ttft", "--repeats", "0"], "argument --repeats: must be >= 1"),  # started the pipeline, ran nothing
         (["bench", "concurrency", "--prompts", "0"], "argument --prompts: must be >= 1"),  # IndexError, once loaded
@@ -482,3 +486,38 @@ def test_token_ids_outside_the_vocabulary_are_named(ids, bad):
         return
     with pytest.raises(InvalidArgument, match=rf"append_tokens: token id {bad} is outside the vocabulary 0\.\.44"):
         validation.token_ids(ids, VOCAB, "append_tokens")
+
+
+def test_a_ready_file_is_there_only_while_the_command_serves(tmp_path, monkeypatch):
+    """--ready-file: one a stopped `serve` left (its dead address) stayed until the next start
+    wrote its own, so a reader that waited for the file connected to the dead one. It is removed
+    before the command runs and once it ends."""
+    from cli import main
+
+    ready = tmp_path / "ready.json"
+    ready.write_text('{"address": "127.0.0.1:1"}')
+    seen = []
+
+    def command(args) -> int:
+        seen.append(args.ready_file.exists())
+        args.ready_file.write_text('{"address": "127.0.0.1:50051"}')
+        return 0
+
+    monkeypatch.setitem(main.COMMANDS, "serving", command)
+    assert main._run(argparse.Namespace(command="serving", ready_file=ready)) == 0
+    assert seen == [False] and not ready.exists()
+
+
+def test_a_tls_handshake_that_fails_is_named():
+    """`--tls` against a server without TLS: gRPC's details end in "OK", which the message showed
+    as the cause ("no orchestrator answers at ... (OK)")."""
+    from cli import main
+
+    args = argparse.Namespace(address="127.0.0.1:50343")
+    details = (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50343: Ssl handshake failed "
+        "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: OK"
+    )
+    assert main._reached(args, details).startswith("the TLS handshake with 127.0.0.1:50343 failed")
+    refused = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Connection refused"
+    assert main._reached(args, refused) == "no orchestrator answers at 127.0.0.1:50343 (Connection refused)"
