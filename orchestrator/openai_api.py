@@ -1,10 +1,10 @@
 """The orchestrator's OpenAI-compatible HTTP front door: POST /v1/chat/completions and
-/v1/completions (JSON or server-sent events), GET /v1/models, GET /health, and the playground
+/v1/completions (JSON or server-sent events), GET /v1/models (and /v1/models/{id}), GET /health, and the playground
 page at / (orchestrator/static).
 
 Owns: the routes, the bearer-token check and TLS of the HTTP port, the body's size limit, and the
 uvicorn server in a thread (serve_http). The JSON on either side of the gRPC hop is
-orchestrator.openai_json's.
+orchestrator.openai_json's (requests) and orchestrator.openai_answers' (answers).
 
 It generates nothing itself. Each request goes to the orchestrator's own gRPC API over loopback,
 so admission (429), drain (503), auth, limits, validation and stop handling are the gRPC
@@ -41,7 +41,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from orchestrator.choices import Choices
-from orchestrator.openai_json import APIError, Completion, choice_requests, generate_request, unknown_model
+from orchestrator.openai_answers import Completion
+from orchestrator.openai_json import APIError, choice_requests, generate_request, unknown_model
 from orchestrator.server import MAX_REQUEST_BYTES
 from specdec.serving import security
 from specdec.serving.telemetry import Telemetry, disabled

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from orchestrator.generation import token_bytes
-from orchestrator.openai_json import Completion, text_offsets
+from orchestrator.openai_answers import Completion, text_offsets
 from specdec.v1 import orchestrator_pb2
 
 TEXT = "a🎉bé c"
