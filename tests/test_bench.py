@@ -295,7 +295,8 @@ def test_the_concurrency_bench_on_tiny_models_with_adaptive_trees(tiny_models, t
 def test_the_network_bench_on_tiny_models(tiny_models, tmp_path):
     """`specdec bench network`: the services on a core each, a delaying relay before the target, each
     row at each RTT."""
-    cmd = [sys.executable, "-m", "cli", "bench", "network", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "12"]
+    # 32 tokens: 12 ended, once under CI's load, before the draft's session opened (a cell without drafts)
+    cmd = [sys.executable, "-m", "cli", "bench", "network", "--rtt-ms", "0,10", "--ks", "2", "--max-tokens", "32"]
     cmd += ["--kinds", "chat", "--drafter", "model", "--out", str(tmp_path), "--target-model", tiny_models["target"]]
     cmd += ["--draft-model", tiny_models["draft"], "--draft-dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -85,7 +85,7 @@ def test_the_split_across_two_hosts(tiny_models, tmp_path):
         assert out.stdout.split() == ["OK"] * 2, out.stdout + out.stderr
 
         # A draft lost mid-generation: the generation finishes, exactly, and the orchestrator says so.
-        long = ["--max-tokens", 300, "--stream", "--lookahead", 4]  # drafting when the draft dies
+        long = ["--max-tokens", 300, "--lookahead", 4]  # drafting when the draft dies (--json: one answer)
         expected = generate("--max-tokens", 300, "--no-speculation")["token_ids"]
         stream = hosts.popen(
             "a", cli("generate", "hello there", "--raw", "--json", *client, *long), log=tmp_path / "stream.out",
