@@ -5,6 +5,9 @@ tiny models; the CLI as a separate process."""
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +19,8 @@ from specdec import validation
 from specdec.decoding.sampling import SamplingParams
 from specdec.errors import InvalidArgument
 from specdec.v1 import model_pb2, orchestrator_pb2
-from specdec.weights import models
+from specdec.weights import hub, models
+from tests.conftest import make_tokenizer
 from tests.harness import NO_EOS_PROMPT, pipeline, status_of
 
 Code = grpc.StatusCode
@@ -387,8 +391,47 @@ def test_a_local_path_that_is_not_there_is_named(tmp_path):
     for model in (missing, missing + ".gguf"):
         with pytest.raises(FileNotFoundError, match="no such file or directory on this host"):
             models.resolve(model)
-    assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub id
     assert models.resolve(str(tmp_path)) == str(tmp_path)
+
+
+def hub_cache(root, repo: str, model_dir: str):
+    """A hub cache (huggingface_hub's layout) at `root` holding `repo`'s snapshot, a copy of `model_dir`."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, snapshot)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(snapshot.name)
+    return snapshot
+
+
+def test_a_hub_id_passes_through_where_the_hub_answers(monkeypatch):
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    assert models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_hub_id_without_the_hub_is_its_cached_snapshot_or_refused_at_once(tmp_path, tiny_models, monkeypatch):
+    """Offline, transformers asked the hub first and huggingface_hub retried for ~45 s ("Retrying in
+    8s [Retry 5/5]") before a cached model loaded or an uncached one failed."""
+    probe = hub.reachable
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    snapshot = hub_cache(tmp_path, "tests/tiny", tiny_models["target"])
+    monkeypatch.setattr(hub, "local", functools.partial(hub.local, cache_dir=str(tmp_path)))
+    assert models.resolve("tests/tiny") == str(snapshot)
+    with pytest.raises(FileNotFoundError, match=r"'tests/absent': the hub .* does not answer .* not in its cache"):
+        models.resolve("tests/absent")
+    assert not probe("http://127.0.0.1:9", timeout=5)  # nothing listens on port 9
+
+
+def test_a_cached_hub_id_loads_without_retrying_the_hub(tmp_path, tiny_models):
+    """A service's load of a cached hub id on a host whose hub does not answer (here: an endpoint
+    where nothing listens): at once, without huggingface_hub's retries."""
+    hub_cache(tmp_path, "tests/tiny", tiny_models["target"])
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env.pop("HF_HUB_OFFLINE", None)
+    code = "from specdec.weights import models; print(models.load(models.ModelSpec('tests/tiny'))[0].config.vocab_size)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(len(make_tokenizer())) and "Retrying" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("unbuffered", ["1", ""], ids=["unbuffered", "buffered"])

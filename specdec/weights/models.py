@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.weights import grow, rounded
+from specdec.weights import grow, hub, rounded
 from specdec.weights.embedded import (
     DEFAULT_ALIAS,
     GGUF_FILE,
@@ -67,8 +67,9 @@ class ModelSpec:
 
 
 def resolve(model: str) -> str:
-    """An alias becomes the converted (or grown) local directory; anything else passes through (a
-    local path that is not here refused, naming it; ~ expanded)."""
+    """An alias becomes the converted (or grown) local directory; a local path passes through (one that
+    is not here refused, naming it; ~ expanded); a hub id passes through where the hub answers, else
+    becomes its cached snapshot (specdec.weights.hub)."""
     if model in ALIASES:
         return str(ensure_default_converted())
     if model in GROWN_ALIASES:
@@ -76,7 +77,9 @@ def resolve(model: str) -> str:
     if model in ROUNDED_ALIASES:
         return str(rounded.ensure_rounded(model))
     check_local(model)
-    return str(Path(model).expanduser()) if model.startswith("~") else model
+    if Path(model).expanduser().exists():
+        return str(Path(model).expanduser())
+    return hub.local(model)  # a hub id: its cached snapshot at once where the hub does not answer
 
 
 def check_device(device: str) -> None:
