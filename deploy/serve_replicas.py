@@ -38,6 +38,7 @@ from ray.util.placement_group import get_current_placement_group
 from deploy import ray_deploy, serve_status
 from deploy.ray_actors import actor_endpoint, watch_services, worker_environment
 from orchestrator import continuation, openai_api
+from orchestrator.admission import GroupAdmission
 from orchestrator.calibration import calibrate
 from orchestrator.generation import request_defaults
 from orchestrator.server import MAX_REQUEST_BYTES, SERVICE_NAME, connect
@@ -180,7 +181,7 @@ class Door:
             [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
             LOOPBACK,
             0,
-            admission=lifecycle.Admission(config.admission),
+            admission=GroupAdmission(config.admission),
             interceptors=self.telemetry.server_interceptors(),
             security=ServerSecurity(token=token),
             max_workers=config.admission.max_concurrent + config.admission.max_queue + 4,

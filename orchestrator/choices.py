@@ -4,8 +4,10 @@ Owns: starting the n generations so that they share one prefill, cancelling them
 gathering their answers (whole, or as one stream of (choice, chunk) in arrival order). Choice 0
 starts alone; the others start once its first chunk is in (its prompt prefilled), so the services'
 prefix caches (specdec.runtime.prefix) give them the prompt's keys and values instead of n prefills. Each
-choice is a generation of its own (its seed: openai_json.choice_requests), under the orchestrator's
-admission like any other. Knows nothing of HTTP or of OpenAI's JSON.
+choice is a generation of its own (its seed: openai_json.choice_requests), and the n are admitted as
+one (orchestrator.admission): choice 0's call asks room for all n, so a full server refuses the
+request before any chunk, and the others' calls take the places it holds. Knows nothing of HTTP or
+of OpenAI's JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from orchestrator.admission import group_metadata
 from orchestrator.openai_json import assemble
 from specdec.v1 import orchestrator_pb2
 
@@ -25,13 +28,15 @@ class Choices:
 
     def __init__(self, stub, requests: list[orchestrator_pb2.GenerateRequest], metadata=()):
         self.stub, self.requests, self.metadata = stub, requests, metadata
+        self._group = group_metadata(len(requests))  # choice 0's, the others'
         self.streams: list = []
         self._lock = threading.Lock()
         self._cancelled = False
 
     def _start(self, i: int):
         with self._lock:
-            call = self.stub.GenerateStream(self.requests[i], metadata=self.metadata)
+            metadata = (*self.metadata, *self._group[i > 0])
+            call = self.stub.GenerateStream(self.requests[i], metadata=metadata)
             self.streams.append(call)
             if self._cancelled:  # cancelled while this one was being started
                 call.cancel()
@@ -46,8 +51,8 @@ class Choices:
             call.cancel()
 
     def first(self) -> orchestrator_pb2.GenerateChunk | None:
-        """Choice 0's first chunk, then the other choices started; a refusal of choice 0 raises
-        here (grpc.RpcError), before any other starts."""
+        """Choice 0's first chunk, then the other choices started; a refusal of choice 0 (for room:
+        the whole request's) raises here (grpc.RpcError), before any other starts."""
         chunk = next(self._start(0), None)
         for i in range(1, len(self.requests)):
             self._start(i)

@@ -7,6 +7,7 @@ import dataclasses
 
 import grpc
 
+from orchestrator.admission import GroupAdmission
 from orchestrator.availability import Availability
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate, load_tokenizer
 from orchestrator.lookahead import price
@@ -354,16 +355,16 @@ def serve(
 
     `security` adds TLS / token auth; pass the same `telemetry`
     (specdec.serving.telemetry.setup("orchestrator")) as to connect(); `admission` bounds the
-    generations running and queued; `defaults` is what requests that leave speculation.overlap
-    or speculation.rule unset get; `health_socket`, a Unix socket's path where it also answers
-    health checks (and only those: its supervisor's probes, past TLS); `front_door`: the HTTP
-    front door will call it from this process (make_server's). The server drains with
-    server.drain() (specdec.serving.lifecycle).
+    generations running and queued (a request's n choices admitted as one: orchestrator.admission);
+    `defaults` is what requests that leave speculation.overlap or speculation.rule unset get;
+    `health_socket`, a Unix socket's path where it also answers health checks (and only those: its
+    supervisor's probes, past TLS); `front_door`: the HTTP front door will call it from this process
+    (make_server's). The server drains with server.drain() (specdec.serving.lifecycle).
     """
     telemetry = telemetry or disabled()
     mtls = security is not None and security.client_ca is not None
     limits = admission or AdmissionLimits()
-    admission = lifecycle.Admission(limits, pair.max_sessions)
+    admission = GroupAdmission(limits, pair.max_sessions)
     draft_health, target_health = pair.health
     telemetry.watch_services({"target": target_health, **({"draft": draft_health} if pair.draft else {})})
     telemetry.watch_admission(admission)
