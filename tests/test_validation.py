@@ -350,6 +350,31 @@ def test_a_flag_out_of_form_is_a_usage_error(args, expected):
 
 
 @pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (["--target-model", "standin:1", "--draft-model", "standin:0.2:0.8"], "--target-model, --draft-model apply"),
+        (["--no-prefix-cache"], "--no-prefix-cache applies"),
+        (
+            ["--draft-cpus", "0", "--drafter", "ngram", "--no-target-compile"],
+            "--draft-cpus, --drafter, --no-target-compile",
+        ),
+        (["--max-tokens", "4", "--compare"], None),  # the local pipeline's flags at their defaults; a request's
+    ],
+)
+def test_local_pipeline_flags_with_an_address_are_a_usage_error(flags, refused):
+    """`generate --address` took the flags of the local pipeline it does not start (models, cores,
+    drafter, prefix cache) and ignored them: the user believed they applied. Now a usage error naming
+    those given, before any call; those left at their defaults are not refused."""
+    out = run_cli("generate", "hi", "--address", "127.0.0.1:1", *flags)  # nothing answers there
+    if refused is None:
+        assert out.returncode == 1 and "no orchestrator answers at 127.0.0.1:1" in out.stderr, out.stderr
+        return
+    assert out.returncode == 2, out.stderr
+    assert f"specdec generate: error: {refused}" in out.stderr, out.stderr
+    assert "to a local pipeline only, not with --address" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
     "command", [["serve"], ["target-service"], ["orchestrator", "--target-address", "127.0.0.1:9"]]
 )
 def test_a_port_another_process_listens_on_is_refused_before_anything_loads(command):
