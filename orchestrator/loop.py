@@ -171,8 +171,10 @@ class SpeculativeLoop(CacheBranches, PlainRounds, TreeRound, GenerationSessions)
         self._draft_was_lost = False  # ... and once lost, its rounds no longer wait for it (see First token)
         # Structured output: what opens each service's session besides its tokens (its grammar, which
         # the tokens after the prompt advance when a session is re-opened mid-generation).
-        # what each side's OpenSession carries: where the prompt ends (the penalties count past it), its grammar
-        self._session_fields = {"prompt_length": len(self.prompt)}
+        # what each side's OpenSession carries: where the prompt ends (the penalties count past it), the
+        # length it may reach (held in the service's KV budget from the open: refused there, not mid-way), its grammar
+        reach = len(self.prompt) + config.max_new_tokens + 1
+        self._session_fields = {"prompt_length": len(self.prompt), "reserve_tokens": reach}
         if config.constraint is not None:
             self._session_fields["constraint"] = config.constraint
         if config.history_scope:

@@ -71,6 +71,30 @@ def test_kv_token_cap(tiny_backends):
         assert p.orchestrator.Generate(long_request(30)).finish_reason == "length"
 
 
+def test_a_generation_admitted_is_never_refused_the_budget_mid_way(tiny_backends):
+    """Two streams that fit the KV budget one at a time: each session reserves its whole answer at
+    open, so one runs to its end and the other is refused at once, before any token. Before, both
+    opened with their prompts' room, grew together, and one failed mid-answer ("KV cache budget: ...
+    needs 5 more; retry later") after streaming tokens a client cannot resume."""
+    prompt = len(long_request(1).token_ids.ids)
+    limits = SessionLimits(max_kv_tokens=prompt + 100)  # one answer of 64, not two
+    with pipeline(tiny_backends["draft"], tiny_backends["target"], limits=limits) as p:
+        for _ in range(3):
+            streams = [p.orchestrator.GenerateStream(long_request(64)) for _ in range(2)]
+            outcomes = []
+            for stream in streams:
+                chunks = []
+                try:
+                    chunks.extend(stream)
+                    outcome = ("done", chunks[-1].finish_reason)
+                except grpc.RpcError as err:
+                    outcome = (err.code(), "max_kv_tokens" in err.details())
+                outcomes.append((outcome[0], sum(len(c.token_ids) for c in chunks), outcome[1]))
+            assert ("done", 64, "length") in outcomes, outcomes
+            assert all(o in (("done", 64, "length"), (Code.RESOURCE_EXHAUSTED, 0, True)) for o in outcomes), outcomes
+            assert p.sessions_freed_within(10)
+
+
 def test_the_orchestrator_runs_the_generations_its_target_holds_and_queues_the_rest(tiny_backends):
     """A target that holds 2 sessions under an orchestrator whose own limit is 64: it says so
     (Describe, `specdec status`), and 5 generations at once all finish with the target's greedy

@@ -153,7 +153,7 @@ class SessionEngine:
             # a call of a caller found gone while it ran (cancelled, its stream ended) claims it no more
             session.claimed = session.claimed or began > session.disowned
             if not session.closed:
-                self.kv.settle(session, len(session.cached))
+                self.kv.settle(session, max(len(session.cached), session.kv_floor))
                 if self.prefix is not None:
                     self.prefix.note(session)
 
@@ -220,13 +220,14 @@ class SessionEngine:
         history_scope: str = "",
         reproducible: bool = False,
         prediction: Sequence[int] = (),
+        reserve: int = 0,
     ) -> int:
         """Open a session holding `prompt` (prefilled by threads of at most `threads`), its logits
         over the first `vocab_size` rows (0: all); `constraint`: its grammar's matcher, at the end of
         `prompt` (specdec.decoding.grammar.Matcher); `prompt_length`: how many of its tokens the request's
         prompt is (None: all; a session re-opened mid-generation holds generated ones too);
         `history_scope`, `reproducible`, `prediction`: OpenSessionRequest's, for a drafter that keeps
-        state or searches text (prediction_token_ids)."""
+        state or searches text (prediction_token_ids); `reserve`: the KV budget held (open_item)."""
         item = self.open_item(
             session_id,
             prompt,
@@ -237,6 +238,7 @@ class SessionEngine:
             history_scope=history_scope,
             reproducible=reproducible,
             prediction=prediction,
+            reserve=reserve,
         )
         return self.worker.wait(item, context)
 
@@ -252,8 +254,11 @@ class SessionEngine:
         history_scope: str = "",
         reproducible: bool = False,
         prediction: Sequence[int] = (),
+        reserve: int = 0,
     ) -> Item:
-        """open()'s request, checked, as a worker item (see `item`); its result: the session's length."""
+        """open()'s request, checked, as a worker item (see `item`); its result: the session's length.
+        `reserve`: the length the session may reach, held in the KV budget from the open on (capped at
+        the context; else the budget grows with the session and may refuse it mid-generation)."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not prompt:
@@ -278,6 +283,7 @@ class SessionEngine:
             history_scope=history_scope,
             reproducible=reproducible,
             prediction=tuple(prediction),
+            kv_floor=max(0, min(reserve, self.backend.max_context)),
         )
         return Item(session_id, lambda: self._open(session_id, session), deadline=deadline)
 
@@ -298,6 +304,7 @@ class SessionEngine:
             self.kv.reserve(session, len(prompt))
         self._sessions[session_id] = session
         try:
+            self.kv.reserve(session, session.kv_floor)  # the whole answer's room: refused now, not mid-way
             if session.cache is None:
                 session.cache = self.backend.new_cache()
             if prefill:
@@ -305,7 +312,7 @@ class SessionEngine:
         except BaseException:  # an error, or the call cancelled mid-prefill
             self._retire(session_id, session)
             raise
-        self.kv.settle(session, len(session.cached))
+        self.kv.settle(session, max(len(session.cached), session.kv_floor))
         if self.prefix is not None:
             self.prefix.note(session)
         return len(prompt)

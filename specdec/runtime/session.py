@@ -28,6 +28,7 @@ class Session:
     proposal_start: int = 0
     proposal_tokens: list[int] = field(default_factory=list)  # the token each row drew
     kv_tokens: int = 0  # reserved in the engine's KV budget
+    kv_floor: int = 0  # held in the budget until it closes (OpenSessionRequest.reserve_tokens)
     threads: int | None = None  # the threads the request running on it allows (None: the service's)
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False

@@ -383,10 +383,11 @@ class SessionServicer:
 def _session_options(request) -> dict:
     """What an OpenSessionRequest tells the engine besides its tokens, threads, grammar and vocabulary
     (SessionEngine.open's keywords): prompt_length (None: unset, the whole of prompt_token_ids),
-    history_scope, reproducible and prediction_token_ids (draft only)."""
+    history_scope, reproducible, prediction_token_ids (draft only) and reserve_tokens."""
     return {
         "prompt_length": request.prompt_length if request.HasField("prompt_length") else None,
         "history_scope": request.history_scope,
         "reproducible": request.reproducible,
         "prediction": request.prediction_token_ids,
+        "reserve": request.reserve_tokens,
     }

@@ -64,7 +64,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "threads", "constraint", "prompt_length", "vocab_size", "history_scope", "reproducible", "prediction_token_ids")
+    __slots__ = ("session_id", "prompt_token_ids", "threads", "constraint", "prompt_length", "vocab_size", "history_scope", "reproducible", "prediction_token_ids", "reserve_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class OpenSessionRequest(_message.Message):
     HISTORY_SCOPE_FIELD_NUMBER: _ClassVar[int]
     REPRODUCIBLE_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     threads: int
@@ -83,7 +84,8 @@ class OpenSessionRequest(_message.Message):
     history_scope: str
     reproducible: bool
     prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., history_scope: _Optional[str] = ..., reproducible: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., threads: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., history_scope: _Optional[str] = ..., reproducible: _Optional[bool] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("length",)
