@@ -3,7 +3,9 @@ under load or faults and check what it answers."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 
 from bench import loadtest
@@ -26,9 +28,11 @@ def add_loadtest_parser(sub) -> None:
         "Without --address, starts the three local processes first (not timed).",
     )
     lt.add_argument("--address", type=options.host_port, help="HOST:PORT of a running orchestrator")
-    lt.add_argument("--requests", type=int, default=32, help="requests in all (default 32)")
-    lt.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
-    lt.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    lt.add_argument("--requests", type=options.positive, default=32, help="requests in all (default 32)")
+    lt.add_argument("--concurrency", type=options.positive, default=4, help="concurrent clients (default 4)")
+    lt.add_argument(
+        "--time-limit", type=options.positive_seconds, default=300.0, help="seconds for the whole run (default 300)"
+    )
     lt.add_argument(
         "--prompt", default="Explain speculative decoding in three sentences.", help="prompt of every request"
     )
@@ -76,10 +80,12 @@ def add_chaos_parser(sub) -> None:
         "token once, in order, same output), zero sessions and resident memory back near its start afterwards; "
         "exits 1 if a check fails.",
     )
-    c.add_argument("--streams", type=int, default=8, help="concurrent streaming clients (default 8)")
-    c.add_argument("--requests-per-stream", type=int, default=3, help="distinct requests per client (default 3)")
-    c.add_argument("--max-tokens", type=int, default=64, help="longest request, tokens (default 64)")
-    c.add_argument("--kills", type=int, default=10, help="faults, draft and target alike (default 10)")
+    c.add_argument("--streams", type=options.positive, default=8, help="concurrent streaming clients (default 8)")
+    c.add_argument(
+        "--requests-per-stream", type=options.positive, default=3, help="distinct requests per client (default 3)"
+    )
+    c.add_argument("--max-tokens", type=chaos_tokens, default=64, help="longest request, tokens, >= 4 (default 64)")
+    c.add_argument("--kills", type=options.non_negative, default=10, help="faults, draft and target alike (default 10)")
     c.add_argument(
         "--faults",
         default="kill",
@@ -87,13 +93,33 @@ def add_chaos_parser(sub) -> None:
         "(SIGSTOP for 0.5-3 s, then SIGCONT: a host that hangs), drop (the link to the orchestrator holds every "
         "packet for 0.5-3 s), slow (the link takes 0.2 or 2 s a message for 0.5-3 s) (default kill)",
     )
-    c.add_argument("--duration", type=float, default=180.0, help="seconds the kills may take (default 180)")
+    c.add_argument(
+        "--duration", type=options.positive_seconds, default=180.0, help="seconds the kills may take (default 180)"
+    )
     c.add_argument("--seed", type=int, default=1, help="the kill schedule, request lengths and sampling seeds")
-    c.add_argument("--rss-slack-mb", type=float, default=64.0, help="memory growth allowed per service (default 64)")
+    c.add_argument(
+        "--rss-slack-mb", type=megabytes, default=64.0, help="memory growth allowed per service (default 64)"
+    )
     c.add_argument("--json", action="store_true", help="print one JSON object")
     options.add_rule_flag(c)
     options.add_tree_flag(c)
     options.add_pair_flags(c)
+
+
+def chaos_tokens(text: str) -> int:
+    """chaos's --max-tokens, >= 4: its requests ask for a quarter of it to all of it (bench.chaos)."""
+    value = int(text)  # not a number: argparse's "invalid chaos_tokens value"
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"must be >= 4, not {value}")
+    return value
+
+
+def megabytes(text: str) -> float:
+    """--rss-slack-mb's value: megabytes, finite and >= 0."""
+    value = float(text)  # not a number: argparse's "invalid megabytes value"
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"megabytes >= 0, not {text}")
+    return value
 
 
 def chaos(args) -> int:

@@ -266,6 +266,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A duration flag's value where 0 makes no sense, finite and > 0 (a run's whole time: loadtest
+    --time-limit, chaos --duration)."""
+    value = float(text)  # not a number: argparse's "invalid positive_seconds value"
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"seconds > 0, not {text}")
+    return value
+
+
 def add_health_timeout_flag(p: argparse.ArgumentParser, what: str) -> None:
     """--health-timeout: how long `what` may answer nothing (stopped, deadlocked) before it is killed
     and restarted (deploy.liveness)."""

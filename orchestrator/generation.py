@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator import openai_tools
 from orchestrator.availability import Availability
 from orchestrator.lookahead import measured_lookahead
 from orchestrator.loop import RUNNING, LoopConfig, SpeculativeLoop
@@ -40,6 +41,9 @@ TOOLS_TURN = (
     "You can call these tools (JSON schemas of their parameters):\n{tools}\n"
     'To call one, answer with a JSON object {{"name": ..., "arguments": {{...}}}} and nothing else.'
 )
+# OpenAI's shapes of the two JSON fields of ChatMessages (docs/api.md: tools)
+TOOLS_SHAPE = '[{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}]'
+CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
 
 
 def load_tokenizer(files: model_pb2.GetTokenizerResponse):
@@ -166,10 +170,14 @@ def _turn(m: orchestrator_pb2.ChatMessage) -> dict:
         turn["tool_call_id"] = m.tool_call_id
     if m.tool_calls_json:
         calls = _json(m.tool_calls_json, "messages.tool_calls_json")
-        for call in calls if isinstance(calls, list) else ():  # templates read the arguments as an object
+        if not isinstance(calls, list):
+            raise InvalidArgument(f"messages.tool_calls_json must be a list of tool calls, [{CALL_SHAPE}]")
+        for i, call in enumerate(calls):  # a template reads function.name and .arguments
             function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                with contextlib.suppress(ValueError):
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                raise InvalidArgument(f"messages.tool_calls_json[{i}] must be {CALL_SHAPE}")
+            if isinstance(function.get("arguments"), str):  # templates read the arguments as an object
+                with contextlib.suppress(ValueError, RecursionError):
                     function["arguments"] = json.loads(function["arguments"])
         turn["tool_calls"] = calls
     return turn
@@ -183,6 +191,8 @@ def _json(text: str, field: str):
         return json.loads(text)
     except ValueError as err:
         raise InvalidArgument(f"{field}: not valid JSON ({err})") from None
+    except RecursionError:  # json's C decoder, past the interpreter's recursion limit
+        raise InvalidArgument(f"{field}: JSON nested too deeply") from None
 
 
 def _called(turn: dict) -> dict:
@@ -195,19 +205,35 @@ def _called(turn: dict) -> dict:
 def _chat_ids(tok, messages, tools=None) -> list[int]:
     """The prompt's ids under the target's chat template; `tools` (OpenAI's array) rendered by it, or
     in a system turn where it has no place for them (its source never names `tools`)."""
+    if tools is not None:
+        _check_tools(tools)
     source = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
-    if "tools" not in source:
-        # the calls made so far as the text that makes them (the template renders content only)
-        messages = [_called(m) if m.get("tool_calls") else m for m in messages]
-        if tools:
-            listed = TOOLS_TURN.format(tools=json.dumps([t.get("function", t) for t in tools], separators=(",", ":")))
-            if messages[0]["role"] == "system":
-                messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
-            else:
-                messages = [{"role": "system", "content": listed}, *messages]
-        tools = None
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    try:  # tools or calls that parsed may still be nested too deeply to write out (json.dumps, tojson)
+        if "tools" not in source:
+            # the calls made so far as the text that makes them (the template renders content only)
+            messages = [_called(m) if m.get("tool_calls") else m for m in messages]
+            if tools:
+                listed = TOOLS_TURN.format(tools=json.dumps([t["function"] for t in tools], separators=(",", ":")))
+                if messages[0]["role"] == "system":
+                    messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + listed}, *messages[1:]]
+                else:
+                    messages = [{"role": "system", "content": listed}, *messages]
+            tools = None
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except RecursionError:
+        raise InvalidArgument("messages: the tools or tool calls are nested too deeply") from None
     return encode(tok, text, add_special_tokens=False)  # as apply_chat_template's tokenize does
+
+
+def _check_tools(tools) -> None:
+    """messages.tools_json checked as the HTTP API checks `tools` (orchestrator.openai_tools): a template
+    reads each tool's function.name; InvalidArgument naming the field and the shape."""
+    if not isinstance(tools, list):
+        raise InvalidArgument(f"messages.tools_json must be a list of function tools, {TOOLS_SHAPE}")
+    try:
+        openai_tools.parse({"tools": tools})
+    except openai_tools.ToolsError as err:  # "tools[0] must be ..." -> "messages.tools_json[0] must be ..."
+        raise InvalidArgument("messages.tools_json" + str(err).removeprefix("tools")) from None
 
 
 @dataclass(frozen=True)

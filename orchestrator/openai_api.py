@@ -56,6 +56,7 @@ HEALTH_TIMEOUT = 2.0  # seconds for each gRPC health check behind GET /health
 # a body under this limit fits the orchestrator's gRPC limit; the margin is headroom.
 MAX_BODY_BYTES = MAX_REQUEST_BYTES - 64 * 1024
 CLIENT_CLOSED = 499  # the status logged (never delivered) for a request whose client went away
+NESTED = "the request body is JSON nested too deeply"
 
 
 class Gateway:
@@ -84,6 +85,8 @@ class Gateway:
             generate, options = generate_request(await read_json(request), endpoint, self.model)
         except APIError as err:
             return err.response()
+        except RecursionError:  # a body just shallow enough to read, too deep to write out (json.dumps)
+            return APIError(400, NESTED).response()
         completion = Completion.start(endpoint, self.model, options["logprobs"], options["tools"])
         metadata = self.telemetry.trace_metadata()
         if options["n"] > 1 or (options["tools"] is not None and options["stream"]):
@@ -216,7 +219,7 @@ class Gateway:
 async def read_json(request: Request):
     """The request's body as JSON, read as it arrives: APIError 413 once it passes MAX_BODY_BYTES
     (or at once when its Content-Length says it will; whatever the header says, the count
-    decides), 400 when it is not JSON."""
+    decides), 400 when it is not JSON or is nested deeper than json's decoder goes."""
     too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -230,6 +233,8 @@ async def read_json(request: Request):
         return json.loads(body)
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # the C decoder past the interpreter's recursion limit (was a plain-text 500)
+        raise APIError(400, NESTED) from None
 
 
 async def _wait(request: Request, call, wait: Callable):

@@ -94,6 +94,8 @@ ENDPOINTS = {  # endpoint -> (its input parameter, the parameters it takes besid
     ),
     "completions": ("prompt", {"prompt", "speculation", "logprobs"}),
 }
+# An assistant turn's tool call, as OpenAI's API gives it back (orchestrator.generation checks the same)
+CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -259,8 +261,13 @@ def _messages(messages) -> list[orchestrator_pb2.ChatMessage]:
             role=ROLES[role], content="" if content is None and calls else _content(content, f"messages[{i}].content")
         )
         if calls:
+            param = f"messages[{i}].tool_calls"
             if not isinstance(calls, list):
-                raise APIError(400, f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+                raise APIError(400, f"{param} must be a list", param)
+            for j, call in enumerate(calls):  # the chat template reads function.name (was a 500)
+                function = call.get("function") if isinstance(call, dict) else None
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                    raise APIError(400, f"{param}[{j}] must be {CALL_SHAPE}", param)
             turn.tool_calls_json = json.dumps(calls)
         if role == "tool":
             turn.tool_call_id = str(m.get("tool_call_id", ""))

@@ -288,6 +288,21 @@ def test_a_path_or_method_the_api_does_not_serve_is_refused_in_openais_shape(sta
     assert allow == "POST" and reply["error"]["type"] == "invalid_request_error"
 
 
+def test_a_body_nested_too_deeply_is_a_400_in_openais_shape(stack):
+    """JSON nested past the decoder's recursion limit, the whole body or a schema within it, was a
+    plain-text 500 (RecursionError); the server serves on."""
+    _, http = stack
+    schema = b"[" * 100_000 + b"]" * 100_000
+    deep = b'{"model": "%s", "messages": [], "response_format": {"type": "json_schema", "json_schema": {"schema": %s}}}'
+    for body in (schema, deep % (MODEL.encode(), schema)):
+        got, reply = http_json(http.url + "/v1/chat/completions", body)
+        assert got == 400 and reply["error"]["message"] == "the request body is JSON nested too deeply", reply
+        assert reply["error"]["type"] == "invalid_request_error"
+    assert (
+        http_json(http.url + "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": MESSAGES})[0] == 200
+    )
+
+
 def test_a_refused_value_is_shown_as_the_client_sent_it(stack):
     """The sampling fields are float32 on the wire: -0.1 comes back as -0.1, not -0.10000000149011612."""
     _, http = stack

@@ -48,8 +48,10 @@ from tests.test_seeds import SUPPORT, TokenizedMarkov, run_all
 
 # -- the grammar alone --------------------------------------------------------------------------
 
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's decoder: RecursionError, which was INTERNAL / a 500
 BAD = [
     (model_pb2.Constraint(json_schema="{not json"), "constraint.json_schema"),
+    (model_pb2.Constraint(json_schema=DEEP), "constraint.json_schema"),
     (model_pb2.Constraint(json_schema='{"type": "nonsense"}'), "constraint.json_schema"),
     (model_pb2.Constraint(regex="a(b"), "constraint.regex"),
     (model_pb2.Constraint(choice=model_pb2.Choices()), "constraint.choice"),
@@ -446,6 +448,7 @@ BAD_HTTP = [
         "response_format",
     ),  # fmt: skip
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}}, "response_format"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs"),

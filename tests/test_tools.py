@@ -6,21 +6,25 @@ tiny models whose vocabulary spells JSON.
 - "auto" reads a call out of the text (bare, or in <tool_call> tags) and leaves other text as text;
 - the tools are rendered by a chat template that has a place for them, else listed in a system turn;
   a conversation that carries an assistant's call and the tool's answer is taken;
-- bad tools, a tool_choice naming no tool, parallel calls and a forced call beside response_format
-  are each a 400 naming the parameter.
+- bad tools, an assistant's call of another shape, a tool_choice naming no tool, parallel calls and a
+  forced call beside response_format are each a 400 naming the parameter; over gRPC, tools_json and
+  tool_calls_json of another shape or nested too deeply are INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import pytest
 
 from orchestrator import generation, openai_tools
 from specdec.runtime.backend import HFBackend
+from specdec.v1 import orchestrator_pb2
 from specdec.weights.models import ModelSpec
 from tests.conftest import JSON_CHARS, make_tiny_model, make_tokenizer
+from tests.harness import status_of
 from tests.test_openai_api import MODEL, client_for, http_json, http_pipeline
 
 # A chat template with a place for the tools: their names (the schemas would not fit a 512-token context).
@@ -47,6 +51,7 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "weather in oslo?"}]
+BAD_CALL = {"id": "1", "type": "function", "function": "x"}  # an assistant's call whose function is no object
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +182,10 @@ def test_a_conversation_with_a_call_and_its_answer_is_taken(json_stack):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [BAD_CALL]}]},
+            "messages[1].tool_calls",
+        ),  # was a 500
     ],
 )
 def test_bad_tools_are_a_400_naming_the_parameter(json_stack, params, param):
@@ -184,3 +193,33 @@ def test_bad_tools_are_a_400_naming_the_parameter(json_stack, params, param):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **params}
     status, reply = http_json(f"{http.url}/v1/chat/completions", body)
     assert (status, reply["error"]["param"]) == (400, param), reply
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's decoder: RecursionError
+BAD_GRPC = [  # a ChatMessages field, its JSON, the start of the refusal
+    ("tools_json", '{"a": 1}', "messages.tools_json must be a list of function tools, [{"),
+    ("tools_json", "5", "messages.tools_json must be a list of function tools, [{"),
+    ("tools_json", "[1]", 'messages.tools_json[0] must be {"type": "function", "function": {...}}'),
+    ("tools_json", '["x"]', 'messages.tools_json[0] must be {"type": "function", "function": {...}}'),
+    ("tools_json", DEEP, "messages.tools_json: JSON nested too deeply"),
+    ("tool_calls_json", json.dumps([BAD_CALL]), 'messages.tool_calls_json[0] must be {"id": ..., "type": "function"'),
+    ("tool_calls_json", '{"a": 1}', "messages.tool_calls_json must be a list of tool calls, [{"),
+    ("tool_calls_json", DEEP, "messages.tool_calls_json: JSON nested too deeply"),
+]
+
+
+@pytest.mark.parametrize("field, text, refused", BAD_GRPC, ids=[f"{f}-{t[:8]}" for f, t, _ in BAD_GRPC])
+def test_tools_or_calls_of_another_shape_over_grpc_are_invalid_argument_naming_the_field(
+    json_stack, field, text, refused
+):
+    """Valid JSON of another shape in the tools or an assistant's calls was INTERNAL (AttributeError,
+    TypeError), and so was JSON nested past the decoder's recursion limit (RecursionError)."""
+    p, _ = json_stack
+    turns = [orchestrator_pb2.ChatMessage(**m) for m in MESSAGES]
+    if field == "tool_calls_json":
+        turns.append(orchestrator_pb2.ChatMessage(role="assistant", tool_calls_json=text))
+    chat = orchestrator_pb2.ChatMessages(messages=turns, tools_json=text if field == "tools_json" else "")
+    err = status_of(lambda: p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=chat, max_new_tokens=4)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(refused), err.details()
+    chat = orchestrator_pb2.ChatMessages(messages=turns[:1], tools_json=json.dumps(TOOLS))  # and the next is served
+    assert p.orchestrator.Generate(orchestrator_pb2.GenerateRequest(messages=chat, max_new_tokens=4)).finish_reason

@@ -342,6 +342,22 @@ def test_cli_refuses_bad_input_before_it_starts_services(args, expected):
         (["serve", "--health-timeout", "-1"], "argument --health-timeout: seconds >= 0, not -1"),
         (["orchestrator", "--target-address", "127.0.0.1:1", "--max-queue", "-1"], "argument --max-queue: must be"),
         (["ray", "bench", "--clients-per-replica", "0"], "argument --clients-per-replica: must be >= 1"),  # Ray's trace
+        # loadtest's and chaos's counts and seconds were exit 1, chaos's in one message for four flags
+        (["loadtest", "--requests", "0"], "argument --requests: must be >= 1, not 0"),
+        (["loadtest", "--requests", "-1"], "argument --requests: must be >= 1, not -1"),
+        (["loadtest", "--concurrency", "0"], "argument --concurrency: must be >= 1, not 0"),
+        (["loadtest", "--time-limit", "0"], "argument --time-limit: seconds > 0, not 0"),
+        (["loadtest", "--time-limit", "-5"], "argument --time-limit: seconds > 0, not -5"),
+        (["loadtest", "--time-limit", "nan"], "argument --time-limit: seconds > 0, not nan"),
+        (["loadtest", "--time-limit", "inf"], "argument --time-limit: seconds > 0, not inf"),
+        (["chaos", "--streams", "0"], "argument --streams: must be >= 1, not 0"),
+        (["chaos", "--requests-per-stream", "0"], "argument --requests-per-stream: must be >= 1, not 0"),
+        (["chaos", "--max-tokens", "0"], "argument --max-tokens: must be >= 4, not 0"),
+        (["chaos", "--kills", "-1"], "argument --kills: must be >= 0, not -1"),
+        (["chaos", "--duration", "0"], "argument --duration: seconds > 0, not 0"),
+        (["chaos", "--duration", "nan"], "argument --duration: seconds > 0, not nan"),
+        (["chaos", "--rss-slack-mb", "-1"], "argument --rss-slack-mb: megabytes >= 0, not -1"),
+        (["chaos", "--rss-slack-mb", "nan"], "argument --rss-slack-mb: megabytes >= 0, not nan"),  # it ran 3 min once
     ],
 )
 def test_a_flag_out_of_form_is_a_usage_error(args, expected):
@@ -511,7 +527,6 @@ def ids_of(tokens):
         (["generate", "hi", "--timeout", "0"], "--timeout is seconds > 0, not 0"),  # DEADLINE_EXCEEDED at once
         (["bench", "compare", "--kinds", "chat,nope"], "--kinds: no prompt is of kind nope"),  # ran no prompt
         (["chaos", "--seed", "-1"], "--seed must be in 0..4294967295, not -1"),  # protobuf's "Value out of range"
-        (["chaos", "--rss-slack-mb", "nan"], "--rss-slack-mb must be a number of MB >= 0, not nan"),  # ran 3 min
         (
             ["loadtest", "--max-tokens", "0"],
             "INVALID_ARGUMENT: max_new_tokens (--max-tokens) must be >= 1",

@@ -82,6 +82,8 @@ def grammar_of(constraint: model_pb2.Constraint, field: str = "constraint") -> s
             raise InvalidArgument(f"{field}: one of json_schema, json_object, regex, choice or grammar must be set")
     except ValueError as err:  # llguidance's refusal of the text before compiling it
         raise InvalidArgument(f"{name}: {err}") from None
+    except RecursionError:  # json's C decoder (or encoder) past the interpreter's recursion limit
+        raise InvalidArgument(f"{name}: JSON nested too deeply") from None
     error = llg.LLMatcher.validate_grammar(grammar, None)
     if error:
         raise InvalidArgument(f"{name}: {_first_line(error)}")
