@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -249,15 +250,17 @@ def test_a_connection_that_never_comes_up_leaves_no_thread_behind():
 
 @pytest.mark.parametrize("which", ["tiny", "default"])
 def test_prompts_tokenise_as_the_tokenizer_does(which):
-    """generation.encode (the backend's own encode, which keeps the interpreter's lock) gives
-    transformers' ids, for prompts and chat templates, special tokens' text included."""
+    """generation.encode (the backend's own encode, which keeps the interpreter's lock; encode_batch for
+    a long text) gives transformers' ids, for prompts and chat templates, special tokens' text included."""
     from transformers import AutoTokenizer
 
     from orchestrator import generation
     from specdec.weights import models
 
     tok = make_tokenizer() if which == "tiny" else AutoTokenizer.from_pretrained(models.resolve(models.DEFAULT_ALIAS))
+    long = "the <s> quick café " * (generation.OFFLOADED_CHARS // 10)  # encoded off the scheduler's thread
     texts = ["the quick brown fox", "<s> a special token's text </s>", "<|im_start|>user\nhi", "café 日本", " a\n\nb "]
+    texts.append(long)
     for text in texts:
         for special in (True, False):
             assert generation.encode(tok, text, special) == tok.encode(text, add_special_tokens=special), text
@@ -267,3 +270,15 @@ def test_prompts_tokenise_as_the_tokenizer_does(which):
     assert generation._chat_ids(tok, messages) == expected
     tok.backend_tokenizer.enable_truncation(3)  # set on the backend: transformers' own encode is asked
     assert generation.encode(tok, texts[0]) == tok.encode(texts[0], add_special_tokens=True)
+
+
+def test_a_huge_prompt_stops_no_other_generation(pipeline):
+    """A 3.9 MB prompt takes seconds to tokenise (~6 s with the tests' tokenizer): on the scheduler's
+    thread, every generation in flight stopped until it was done (a stream's chunks 7-9 s apart).
+    Now a generation sent after it finishes while it is still being tokenised."""
+    stub, _ = pipeline
+    huge = stub.Generate.future(request(prompt="ab " * 1_300_000, max_new_tokens=2))
+    time.sleep(0.5)  # its tokenising under way
+    small = stub.Generate(request(max_new_tokens=16))
+    assert len(small.token_ids) == 16 and not huge.done()
+    assert huge.exception(timeout=120).code() == grpc.StatusCode.OUT_OF_RANGE  # past the model's context
