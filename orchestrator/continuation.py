@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from orchestrator.generation import DEFAULT_MAX_NEW_TOKENS, ModelPair, RequestDefaults, prompt_ids
+from orchestrator.generation import DEFAULT_MAX_NEW_TOKENS, ModelPair, RequestDefaults
+from orchestrator.prompts import prompt_ids
 from orchestrator.server import OrchestratorServicer
 from specdec.errors import Cancelled, Unavailable
 from specdec.limits import ResumePolicy

@@ -9,10 +9,11 @@ import grpc
 
 from orchestrator.admission import GroupAdmission
 from orchestrator.availability import Availability
-from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate, load_tokenizer
+from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate
 from orchestrator.lookahead import price
 from orchestrator.loop import OVERLAP_LOAD, RUNNING, SessionLost
 from orchestrator.pair_costs import PairCosts, Sharing
+from orchestrator.prompts import load_tokenizer
 from orchestrator.recovery import Address, ResilientStub
 from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub

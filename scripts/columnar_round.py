@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serving  # noqa: E402
 from deploy.local import LocalPipeline  # noqa: E402
-from orchestrator.generation import load_tokenizer  # noqa: E402
+from orchestrator.prompts import load_tokenizer  # noqa: E402
 from specdec.runtime.standin import StandinBackend  # noqa: E402
 from specdec.serving import security  # noqa: E402
 from specdec.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402

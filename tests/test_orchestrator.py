@@ -250,26 +250,26 @@ def test_a_connection_that_never_comes_up_leaves_no_thread_behind():
 
 @pytest.mark.parametrize("which", ["tiny", "default"])
 def test_prompts_tokenise_as_the_tokenizer_does(which):
-    """generation.encode (the backend's own encode, which keeps the interpreter's lock; encode_batch for
+    """prompts.encode (the backend's own encode, which keeps the interpreter's lock; encode_batch for
     a long text) gives transformers' ids, for prompts and chat templates, special tokens' text included."""
     from transformers import AutoTokenizer
 
-    from orchestrator import generation
+    from orchestrator import prompts
     from specdec.weights import models
 
     tok = make_tokenizer() if which == "tiny" else AutoTokenizer.from_pretrained(models.resolve(models.DEFAULT_ALIAS))
-    long = "the <s> quick café " * (generation.OFFLOADED_CHARS // 10)  # encoded off the scheduler's thread
+    long = "the <s> quick café " * (prompts.OFFLOADED_CHARS // 10)  # encoded off the scheduler's thread
     texts = ["the quick brown fox", "<s> a special token's text </s>", "<|im_start|>user\nhi", "café 日本", " a\n\nb "]
     texts.append(long)
     for text in texts:
         for special in (True, False):
-            assert generation.encode(tok, text, special) == tok.encode(text, add_special_tokens=special), text
+            assert prompts.encode(tok, text, special) == tok.encode(text, add_special_tokens=special), text
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<|im_end|> <s> hi"}]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
-    assert generation._chat_ids(tok, messages) == expected
+    assert prompts._chat_ids(tok, messages) == expected
     tok.backend_tokenizer.enable_truncation(3)  # set on the backend: transformers' own encode is asked
-    assert generation.encode(tok, texts[0]) == tok.encode(texts[0], add_special_tokens=True)
+    assert prompts.encode(tok, texts[0]) == tok.encode(texts[0], add_special_tokens=True)
 
 
 def test_a_huge_prompt_stops_no_other_generation(pipeline):

@@ -19,7 +19,7 @@ import grpc
 import jsonschema
 import pytest
 
-from orchestrator import generation, openai_tools
+from orchestrator import openai_tools, prompts
 from specdec.runtime.backend import HFBackend
 from specdec.v1 import orchestrator_pb2
 from specdec.weights.models import ModelSpec
@@ -148,14 +148,14 @@ def test_the_tools_are_rendered_by_the_template_or_listed_in_a_system_turn():
     tok = make_tokenizer(chars=JSON_CHARS)
     messages = [{"role": "user", "content": "hi"}]
     tok.chat_template = TOOLS_TEMPLATE + tok.chat_template
-    placed = tok.decode(generation._chat_ids(tok, messages, TOOLS))
+    placed = tok.decode(prompts._chat_ids(tok, messages, TOOLS))
     assert placed.startswith("tool get_weather\ntool get_time\n")
     plain = make_tokenizer(chars=JSON_CHARS)
-    listed = plain.decode(generation._chat_ids(plain, messages, TOOLS))
+    listed = plain.decode(prompts._chat_ids(plain, messages, TOOLS))
     assert listed.startswith("system: ") and "can call these tools" in listed and '"name":"get_weather"' in listed
     call = {"type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}
     turns = [*messages, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "12"}]
-    again = plain.decode(generation._chat_ids(plain, turns, TOOLS))
+    again = plain.decode(prompts._chat_ids(plain, turns, TOOLS))
     assert again.endswith('assistant: {"name": "get_time", "arguments": {"zone": "utc"}}\ntool: 12\nassistant: ')
 
 
