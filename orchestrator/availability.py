@@ -11,6 +11,15 @@ optional: while it is down, new requests fail at once with UNAVAILABLE (orchestr
 generations in flight wait for it up to their deadline, or fail after `hang_seconds` of silence
 where its address does not refuse connections (stopped, hung, unreachable: orchestrator.recovery).
 
+Nothing else calls a service while no request runs, so a service that died then would be taken as
+up until a request found it gone. Those who ask whether it is up (the orchestrator's Describe:
+`specdec status`, GET /health) confirm it first (`confirm`): a service up that has not answered in
+the last FRESH_SECONDS is asked a Describe on the pair's own link, at most CHECK_SECONDS; a call that
+fails (a connection refused or lost: UNAVAILABLE) is a loss, reported as a generation reports one
+(the probe, target-only rounds, the metrics follow); one that goes unanswered is a loss only once the
+service has answered none for `hang_seconds` (a busy service answers late, a stopped one never).
+No thread and no call while nobody asks, or while a service is lost (its probe asks it then).
+
 One log line at the loss and one at the return, whatever the number of generations that saw it.
 This module knows nothing of rounds or sessions; the loop reports losses and reads `up`.
 """
@@ -22,10 +31,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import grpc
 
 from specdec.limits import RecoveryConfig
 
 log = logging.getLogger("specdec.availability")
+
+FRESH_SECONDS = 1.0  # an answer this recent stands for the service's state: it is not asked again
+CHECK_SECONDS = 1.0  # how long confirm() waits for a service's answer
+# A check failing so: the service is gone (its connection refused or lost, the server stopping).
+GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class CallBudget:
@@ -88,6 +105,9 @@ class Availability:
         self._cond = threading.Condition()
         self._closed = False
         self._prober: threading.Thread | None = None
+        self._heard = float("-inf")  # when it last answered a check (confirm) or was found again
+        self._silent_since: float | None = None  # when the first check it left unanswered since was sent
+        self._checking = False  # a check of confirm's is in flight
         c = self.config
         self.budget = CallBudget(c.draft_budget_floor, c.draft_timeout, c.draft_budget_times)  # a call's
 
@@ -127,6 +147,7 @@ class Availability:
                 return
             down = time.monotonic() - self._since
             self._up, self._reason, self._since = True, "", time.monotonic()
+            self._heard, self._silent_since = self._since, None
             self._cond.notify_all()
         self._log_back(down)
 
@@ -144,6 +165,55 @@ class Availability:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    # -- confirm: a check for those who ask ------------------------------------------------------
+    def _ask(self, send: Callable[[float], Any]):
+        """Send a check if one is due (up, probed when lost, not heard within FRESH_SECONDS):
+        its call; _IN_FLIGHT where another caller's check is on its way; None where none is due."""
+        with self._cond:
+            now = time.monotonic()
+            if not self._up or self._closed or self._probe is None or now - self._heard < FRESH_SECONDS:
+                return None
+            if self._checking:
+                return _IN_FLIGHT
+            self._checking = True
+        try:
+            return _Sent(send(CHECK_SECONDS), now)
+        except Exception as err:  # noqa: BLE001 - not sent (not connected): as a call that failed
+            return _Sent(_Failed(err), now)
+
+    def _answered(self, call) -> None:
+        """Wait for a check sent by _ask, and take its answer (or its silence) into account."""
+        if call is None:
+            return
+        if call is _IN_FLIGHT:  # the other caller's answer, so that both report the same
+            with self._cond:
+                self._cond.wait_for(lambda: not self._checking or self._closed, CHECK_SECONDS + 0.5)
+            return
+        try:
+            call.future.result()
+            failure = None
+        except Exception as err:  # noqa: BLE001 - whatever kept it from answering
+            failure = err
+        code = failure.code() if isinstance(failure, grpc.RpcError) else None
+        now, reason = time.monotonic(), ""
+        with self._cond:
+            self._checking = False
+            self._cond.notify_all()
+            if failure is None or (code is not None and code not in (*GONE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                self._heard, self._silent_since = now, None  # an answer, an error status too
+                return
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # silent: busy, or stopped, or cut off
+                if self._silent_since is None:
+                    self._silent_since = call.sent
+                silent = now - self._silent_since
+                if silent < self.config.hang_seconds:
+                    return
+                reason = f"answered no status check for {silent:.1f} s"
+            else:
+                details = (failure.details() or "") if isinstance(failure, grpc.RpcError) else str(failure)
+                reason = f"a status check failed: {code.name + ': ' if code else ''}{details}"
+        self.lost(f"{self.name} service at {self._address()}: {reason}")
 
     def _probing(self, loss: int) -> None:
         """Probe until the service answers (or another caller found it first: this loss is over)."""
@@ -169,3 +239,32 @@ class Availability:
             elif answer is None:
                 log.debug("%s service still unavailable: %s", self.name, reason)
             backoff = min(2 * backoff, self.config.probe_backoff)
+
+
+def confirm(*checks: tuple[Availability, Callable[[float], Any]]) -> None:
+    """Confirm each service up is still there before saying so (see the module doc): `checks`,
+    (availability, send) pairs, where send(timeout) starts a call to the service (a grpc.Future,
+    whose result() raises where it did not answer). The calls due go out at once and are waited for
+    together: at most ~CHECK_SECONDS, ~1 ms each on a link that answers."""
+    sent = [(health, health._ask(send)) for health, send in checks]
+    for health, call in sent:
+        health._answered(call)
+
+
+_IN_FLIGHT = object()  # _ask's answer where another caller's check is on its way
+
+
+@dataclass(frozen=True)
+class _Sent:
+    future: Any  # result() returns the answer, or raises
+    sent: float  # time.monotonic() when sent
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A call that could not be sent: its result() raises why."""
+
+    error: Exception
+
+    def result(self):
+        raise self.error

@@ -8,7 +8,7 @@ import dataclasses
 import grpc
 
 from orchestrator.admission import GroupAdmission
-from orchestrator.availability import Availability
+from orchestrator.availability import Availability, confirm
 from orchestrator.generation import Chunk, ModelPair, RequestDefaults, default_overlap, generate
 from orchestrator.lookahead import price
 from orchestrator.loop import OVERLAP_LOAD, RUNNING, SessionLost
@@ -294,8 +294,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 def describe(pair: ModelPair, defaults: RequestDefaults | None = None) -> orchestrator_pb2.OrchestratorInfo:
     """The pair's status: each service's availability, what it means for requests, and the price of
-    a request that names no lookahead (`defaults`: the server's, for the kind of round)."""
+    a request that names no lookahead (`defaults`: the server's, for the kind of round). A service
+    taken as up that has not answered within the last second is asked first (a Describe on the
+    pair's link, at most a second: orchestrator.availability.confirm), so that one that died while
+    no request called it is reported lost, not available."""
     draft_health, target_health = pair.health
+    checks = [(target_health, _check(pair.target))]
+    if pair.draft is not None:
+        checks.append((draft_health, _check(pair.draft)))
+    confirm(*checks)
 
     def status(role: str, stub, health) -> orchestrator_pb2.ServiceStatus:
         state = health.state()
@@ -325,6 +332,11 @@ def describe(pair: ModelPair, defaults: RequestDefaults | None = None) -> orches
     else:
         info.status = "ok"
     return info
+
+
+def _check(stub):
+    """send(timeout): a Describe of the service on the pair's link to it, as a future."""
+    return lambda timeout: stub.Describe.future(model_pb2.DescribeRequest(), timeout=timeout)
 
 
 def _chunk_proto(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:

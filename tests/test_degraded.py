@@ -8,7 +8,9 @@ the draft back on its address is found by the probe and a later request speculat
 that hangs past its budget is left behind the same way; a draft that refuses a generation (its
 sessions full) leaves that generation target-only; a lost target fails a request within its
 deadline and new requests at once. The same under `specdec serve`, whose supervisor restarts the
-draft while requests go on without it, and with the real default pair in three processes.
+draft while requests go on without it, and with the real default pair in three processes. A service
+process killed while no request runs is reported lost by Describe, /health and `specdec status`
+within seconds, with no request sent (they confirm it answers: orchestrator.availability.confirm).
 """
 
 from __future__ import annotations
@@ -29,12 +31,23 @@ from deploy.local import LocalPipeline, PipelineConfig
 from specdec.limits import RecoveryConfig, SessionLimits
 from specdec.v1 import model_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.weights.models import ModelSpec
-from tests.harness import ROOT, SlowBackend, hold_port, long_request, model_stubs, open_sessions, wait_until
+from tests.harness import (
+    ROOT,
+    ServiceProcess,
+    SlowBackend,
+    hold_port,
+    long_request,
+    model_stubs,
+    open_sessions,
+    wait_until,
+)
 from tests.test_openai_api import http_json
 
 pytestmark = pytest.mark.slow  # services lost and found again, processes
 
 DESCRIBE = model_pb2.DescribeRequest()
+STANDINS = {"target": "standin:1", "draft": "standin:0.2:0.8"}  # specdec.runtime.standin: no model to load
+LOST_WITHIN = 10.0  # seconds for a killed service to be reported lost (~1 s: one status check; room for load)
 
 
 class Stack:
@@ -190,6 +203,65 @@ def test_a_lost_target_fails_within_the_deadline_and_new_requests_at_once(slowed
         assert wait_until(lambda: open_sessions(stack.draft) == 0, 5)  # the draft's session was closed
     finally:
         stack.close()
+
+
+def test_a_service_killed_while_idle_is_reported_lost_without_a_request(tmp_path):
+    """The stand-in services in processes, SIGKILLed while nothing calls them: Describe, /health and
+    `specdec status` say so within seconds (they answered "ok", 200, exit 0 until a request failed);
+    a draft started again on its port is found again."""
+    services = {role: ServiceProcess(role, model, tmp_path) for role, model in STANDINS.items()}
+    orchestrator = None
+    try:
+        address = {role: service.wait_ready() for role, service in services.items()}
+        config = OrchestratorConfig(http_port=0, calibration_tokens=0)  # no request of its own
+        orchestrator = hosting.start_orchestrator(address["draft"], address["target"], config)
+        stub = orchestrator_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}"))
+
+        def status() -> str:
+            return stub.Describe(DESCRIBE, timeout=5).status
+
+        def health() -> tuple[int, dict]:
+            return http_json(orchestrator.http.url + "/health")
+
+        assert status() == "ok" and health()[0] == 200
+        services["draft"].kill()
+        assert wait_until(lambda: status() == "degraded: draft unavailable", LOST_WITHIN, step=0.2)
+        code, body = health()
+        assert code == 200 and body["status"] == "degraded" and body["reason"] == "draft unavailable"
+        assert body["services"] == {"orchestrator": "SERVING", "draft": "UNAVAILABLE", "target": "SERVING"}
+        info = stub.Describe(DESCRIBE, timeout=5)
+        assert not info.draft.available and info.draft.losses == 1 and address["draft"] in info.draft.reason
+        assert info.target.available and info.running == 0
+
+        port = address["draft"].rsplit(":", 1)[1]
+        services["draft"] = ServiceProcess("draft", STANDINS["draft"], tmp_path, port=port)
+        services["draft"].wait_ready()
+        assert wait_until(lambda: status() == "ok", 30, step=0.2)  # the probe found it again, as after a request
+
+        services["target"].kill()
+        assert wait_until(lambda: status() == "unavailable: target unavailable", LOST_WITHIN, step=0.2)
+        code, body = health()
+        assert code == 503 and body == {
+            "status": "unavailable",
+            "services": {"orchestrator": "SERVING", "draft": "SERVING", "target": "UNAVAILABLE"},
+            "reason": "target unavailable",
+        }
+        cli = subprocess.run(
+            [sys.executable, "-m", "cli", "status", "--address", f"127.0.0.1:{orchestrator.port}"],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert cli.returncode == 1, cli.stdout + cli.stderr
+        assert cli.stdout.startswith("unavailable: target unavailable")
+        assert f"target {address['target']}  unavailable: " in cli.stdout, cli.stdout
+        info = stub.Describe(DESCRIBE, timeout=5)
+        assert info.target.losses == 1 and info.draft.available and info.running == 0
+    finally:
+        if orchestrator is not None:
+            orchestrator.stop(None)
+        for service in services.values():
+            if service.proc.poll() is None:
+                service.proc.terminate()
+                service.proc.wait(timeout=30)
 
 
 def test_serve_does_not_wait_for_a_restarting_draft(tiny_models):
