@@ -4,6 +4,7 @@ serve the client API (Generate, GenerateStream)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import grpc
 
@@ -18,7 +19,7 @@ from orchestrator.recovery import Address, ResilientStub
 from orchestrator.scheduler import SCHEDULER
 from orchestrator.step_link import DRAFT_STEPS, TARGET_STEPS, step_stub
 from orchestrator.turns import Turns
-from specdec.errors import FailedPrecondition
+from specdec.errors import FailedPrecondition, Unavailable
 from specdec.limits import AdmissionLimits, RecoveryConfig
 from specdec.serving import lifecycle
 from specdec.serving.security import RECONNECT, ClientSecurity, ServerSecurity
@@ -249,6 +250,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.telemetry = telemetry or disabled()
         self.defaults = defaults or RequestDefaults()  # for requests that leave speculation fields unset
         self.admission = admission  # what Describe reports of it
+        self._stopped = False  # the server stops: generations still in flight end (stop)
+
+    def stop(self) -> None:
+        """The server stops with generations in flight (its drain ran out): each ends at its next
+        round with UNAVAILABLE saying so, before gRPC cancels what is left ("Cancelling all calls")."""
+        self._stopped = True
+
+    def _active(self, context) -> Callable[[], bool]:
+        def active() -> bool:
+            if self._stopped:
+                raise Unavailable("the orchestrator stopped with this request in flight (its drain ran out); retry")
+            return context.is_active()
+
+        return active
 
     def _chunks(self, request, context, streamed: bool = True):
         chunks = generate(
@@ -256,7 +271,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             request,
             timeout=deadline_seconds(context),
             observe=self.telemetry.rounds,
-            active=context.is_active,
+            active=self._active(context),
             defaults=self.defaults,
             client=client_identity(context) if self.identifies_clients else "",
             streamed=streamed,
@@ -381,10 +396,9 @@ def serve(
     draft_health, target_health = pair.health
     telemetry.watch_services({"target": target_health, **({"draft": draft_health} if pair.draft else {})})
     telemetry.watch_admission(admission)
-    return lifecycle.start(
-        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(pair, telemetry, defaults, admission, mtls), server
-        ),
+    servicer = OrchestratorServicer(pair, telemetry, defaults, admission, mtls)
+    served, bound = lifecycle.start(
+        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server),
         SERVICE_NAME,
         [f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/GenerateStream"],
         host,
@@ -398,3 +412,5 @@ def serve(
         health_socket=health_socket,
         front_door=front_door,
     )
+    served.stopping.append(servicer.stop)
+    return served, bound

@@ -129,7 +129,8 @@ def test_http_requests_past_the_drain_get_503_and_the_orchestrator_exits(slow, t
     """SIGTERM with HTTP requests in flight past --drain-timeout: the front door was stopped before
     the gRPC server, waited on the requests riding on its calls, cut the stream without a word and
     the unary request with an empty reply, and the process outlived its stop (killed by `serve`).
-    Now gRPC stops first: the unary request gets 503, the stream an error event, the process exits 0."""
+    Now gRPC stops first: the unary request gets 503, the stream an error event, the process exits 0;
+    both say that the drain ran out."""
     args = ["orchestrator", "--draft-address", slow.addresses["draft"], "--target-address", slow.addresses["target"]]
     log, ready = tmp_path / "orchestrator.log", tmp_path / "ready"
     with cli_process(*args, "--http-port", "0", "--drain-timeout", "1", ready_file=ready, log=log) as (proc, _):
@@ -158,4 +159,6 @@ def test_http_requests_past_the_drain_get_503_and_the_orchestrator_exits(slow, t
             client.join(30)
     assert replies[False][0] == 503 and "service_unavailable" in replies[False][1], replies[False]
     assert replies[True][0] == 200 and '"error"' in replies[True][1].rsplit("data: ", 1)[-1], replies[True][1][-300:]
+    for _, text in replies.values():  # said so, where gRPC's own words were "Cancelling all calls"
+        assert "the orchestrator stopped with this request in flight (its drain ran out)" in text, text[-300:]
     assert wait_until(lambda: slow.open_sessions() == (0, 0), 30)

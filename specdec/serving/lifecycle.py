@@ -150,7 +150,9 @@ class Gate(grpc.ServerInterceptor):
 class Served:
     """A started server with its gate, health and background threads.
 
-    Behaves as the grpc.Server it wraps, plus drain().
+    Behaves as the grpc.Server it wraps, plus drain(). `stopping`: what stop() calls first, before
+    the server cancels the calls still in flight (an orchestrator ends its generations with a
+    status of its own: gRPC's would be "Cancelling all calls").
     """
 
     def __init__(self, server: grpc.Server, gate: Gate, health, busy: Callable[[], int] = lambda: 0, background=()):
@@ -159,6 +161,7 @@ class Served:
         self.health = health
         self.busy = busy
         self.background = list(background)
+        self.stopping: list[Callable[[], None]] = []
 
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
         """Health NOT_SERVING, new work refused (UNAVAILABLE), in-flight work finished."""
@@ -166,6 +169,8 @@ class Served:
         return self.gate.drain(timeout, self.busy)
 
     def stop(self, grace: float | None):
+        for hook in self.stopping:
+            hook()
         for thread in self.background:
             thread.stop()
         return self.server.stop(grace)
