@@ -3,9 +3,7 @@ under load or faults and check what it answers."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 
 from bench import loadtest
@@ -84,7 +82,13 @@ def add_chaos_parser(sub) -> None:
     c.add_argument(
         "--requests-per-stream", type=options.positive, default=3, help="distinct requests per client (default 3)"
     )
-    c.add_argument("--max-tokens", type=chaos_tokens, default=64, help="longest request, tokens, >= 4 (default 64)")
+    # >= 4: its requests ask for a quarter of it to all of it (bench.chaos)
+    c.add_argument(
+        "--max-tokens",
+        type=options.whole(4, "chaos_tokens"),
+        default=64,
+        help="longest request, tokens, >= 4 (default 64)",
+    )
     c.add_argument("--kills", type=options.non_negative, default=10, help="faults, draft and target alike (default 10)")
     c.add_argument(
         "--faults",
@@ -98,28 +102,15 @@ def add_chaos_parser(sub) -> None:
     )
     c.add_argument("--seed", type=int, default=1, help="the kill schedule, request lengths and sampling seeds")
     c.add_argument(
-        "--rss-slack-mb", type=megabytes, default=64.0, help="memory growth allowed per service (default 64)"
+        "--rss-slack-mb",
+        type=options.finite(0, "megabytes", "megabytes"),
+        default=64.0,
+        help="memory growth allowed per service (default 64)",
     )
     c.add_argument("--json", action="store_true", help="print one JSON object")
     options.add_rule_flag(c)
     options.add_tree_flag(c)
     options.add_pair_flags(c)
-
-
-def chaos_tokens(text: str) -> int:
-    """chaos's --max-tokens, >= 4: its requests ask for a quarter of it to all of it (bench.chaos)."""
-    value = int(text)  # not a number: argparse's "invalid chaos_tokens value"
-    if value < 4:
-        raise argparse.ArgumentTypeError(f"must be >= 4, not {value}")
-    return value
-
-
-def megabytes(text: str) -> float:
-    """--rss-slack-mb's value: megabytes, finite and >= 0."""
-    value = float(text)  # not a number: argparse's "invalid megabytes value"
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"megabytes >= 0, not {text}")
-    return value
 
 
 def chaos(args) -> int:

@@ -242,37 +242,37 @@ def port_number(text: str) -> int:
     return port
 
 
-def positive(text: str) -> int:
-    """A count flag's value, >= 1 (0 started the services and ran nothing, or every request refused)."""
-    value = int(text)  # not a number: argparse's "invalid positive value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
+def whole(least: int, name: str):
+    """A count flag's argparse type: a whole number >= `least` (`name`: argparse's "invalid NAME value")."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, not {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def non_negative(text: str) -> int:
-    """A count flag's value where 0 is one (none queued, no cap)."""
-    value = int(text)  # not a number: argparse's "invalid non_negative value"
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
-    return value
+def finite(least: float, unit: str, name: str, strict: bool = False):
+    """A flag's argparse type: a finite number of `unit`s >= `least` (> where `strict`)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (math.isfinite(value) and (value > least if strict else value >= least)):
+            raise argparse.ArgumentTypeError(f"{unit} {'>' if strict else '>='} {least:g}, not {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def seconds(text: str) -> float:
-    """A duration flag's value, finite and >= 0 (--drain-timeout -1 started the services and drained nothing)."""
-    value = float(text)  # not a number: argparse's "invalid seconds value"
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"seconds >= 0, not {text}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """A duration flag's value where 0 makes no sense, finite and > 0 (a run's whole time: loadtest
-    --time-limit, chaos --duration)."""
-    value = float(text)  # not a number: argparse's "invalid positive_seconds value"
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"seconds > 0, not {text}")
-    return value
+positive = whole(1, "positive")  # a count (0 started the services and ran nothing, or every request refused)
+non_negative = whole(0, "non_negative")  # a count where 0 is one (none queued, no cap)
+seconds = finite(0, "seconds", "seconds")  # a duration (--drain-timeout -1 started the services and drained nothing)
+# a duration where 0 makes no sense (a run's whole time: loadtest --time-limit, chaos --duration)
+positive_seconds = finite(0, "seconds", "positive_seconds", strict=True)
 
 
 def add_health_timeout_flag(p: argparse.ArgumentParser, what: str) -> None:
