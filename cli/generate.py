@@ -84,35 +84,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--no-prefix-cache)",
     )
     g.add_argument("--timeout", type=float, default=None, help="deadline for the request in seconds")
-    local = g.add_argument_group(
-        "local pipeline (without --address)", "the processes generate starts; refused with --address"
-    )
+    local = options.local_pipeline_group(g, "generate")
     options.add_prefix_cache_flag(local)
     options.add_pair_flags(local)
     options.add_client_security_flags(g)
-    g.set_defaults(generate_parser=g, local_flags=local._group_actions)  # argparse lists a group's flags nowhere else
     return g
-
-
-def refuse_local_flags(args) -> None:
-    """A usage error (exit 2) naming the local pipeline's flags given with --address: the orchestrator
-    there serves its own models and settings, so they would be ignored. Given: set to other than the default."""
-    given = []
-    for action in args.local_flags:
-        value = getattr(args, action.dest)
-        if value != action.default:  # --no-target-compile: the second of its two
-            given.append(action.option_strings[value is False and len(action.option_strings) > 1])
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        args.generate_parser.error(
-            f"{', '.join(given)} {verb} to a local pipeline only, not with --address "
-            "(the orchestrator there runs its own models and settings)"
-        )
 
 
 def run(args) -> int:
     if args.address:
-        refuse_local_flags(args)
+        options.refuse_local_flags(args)
     if args.timeout is not None and not args.timeout > 0:  # else DEADLINE_EXCEEDED at once
         raise ValueError(f"--timeout is seconds > 0, not {args.timeout:g}")
     if args.seed is not None and not 0 <= args.seed < 2**64:  # else protobuf's "Value out of range: -1"

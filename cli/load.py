@@ -39,7 +39,7 @@ def add_loadtest_parser(sub) -> None:
     options.add_lookahead_flag(lt)
     lt.add_argument("--json", action="store_true", help="print one JSON object")
     lt.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
-    options.add_pair_flags(lt)
+    options.add_pair_flags(options.local_pipeline_group(lt, "loadtest"))
     options.add_client_security_flags(lt)
 
 
@@ -55,6 +55,7 @@ def load_test(args) -> int:
     )
     validation.generate_request(request)  # refused now, not as every one of --requests calls
     if args.address:
+        options.refuse_local_flags(args)
         loadtest.check_target(args.address, args.allow_remote)
         return _load_test_at(args.address, args, client, config, request)
     with local_pipeline(args, client) as pipeline:

@@ -515,3 +515,29 @@ def service_client_security(
     them alone, so that a client's token opens nothing on them (least privilege)."""
     default = secrets.token_urlsafe(32) if starts_services else server.token
     return client_security(args, "service-", security.SERVICE_TOKEN_ENV, default)
+
+
+def local_pipeline_group(parser: argparse.ArgumentParser, command: str):
+    """The argument group of the flags that configure the local pipeline `command` starts without
+    --address (refuse_local_flags refuses them with it)."""
+    local = parser.add_argument_group(
+        "local pipeline (without --address)", f"the processes {command} starts; refused with --address"
+    )
+    parser.set_defaults(parser=parser, local_flags=local._group_actions)  # argparse lists a group's flags nowhere else
+    return local
+
+
+def refuse_local_flags(args) -> None:
+    """A usage error (exit 2) naming the local pipeline's flags given with --address: the orchestrator
+    there serves its own models and settings, so they would be ignored. Given: set to other than the default."""
+    given = []
+    for action in args.local_flags:
+        value = getattr(args, action.dest)
+        if value != action.default:  # --no-target-compile: the second of its two
+            given.append(action.option_strings[value is False and len(action.option_strings) > 1])
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        args.parser.error(
+            f"{', '.join(given)} {verb} to a local pipeline only, not with --address "
+            "(the orchestrator there runs its own models and settings)"
+        )

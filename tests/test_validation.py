@@ -390,6 +390,13 @@ def test_local_pipeline_flags_with_an_address_are_a_usage_error(flags, refused):
     assert "to a local pipeline only, not with --address" in out.stderr, out.stderr
 
 
+def test_loadtests_local_pipeline_flags_with_an_address_are_a_usage_error():
+    """`loadtest --address` ignored them too (it ran its requests against the server's own models)."""
+    out = run_cli("loadtest", "--address", "127.0.0.1:1", "--target-model", "standin:1", "--draft-cpus", "0")
+    assert out.returncode == 2, out.stderr
+    assert "specdec loadtest: error: --target-model, --draft-cpus apply to a local pipeline only" in out.stderr
+
+
 @pytest.mark.parametrize(
     "command", [["serve"], ["target-service"], ["orchestrator", "--target-address", "127.0.0.1:9"]]
 )
