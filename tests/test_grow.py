@@ -222,7 +222,6 @@ def test_derived_aliases_are_transformers_only_and_the_default_keeps_its_drafter
     expected = "llamacpp" if models.llamacpp_installed() else "model"
     assert drafters.runtime(models.ModelSpec(models.DEFAULT_ALIAS, dtype=models.DEFAULT_DRAFT_DTYPE)) == expected
     assert ModelServiceConfig("target", models.ModelSpec(), backend="llamacpp").backend == "llamacpp"
-    assert models.resolve("some/hub-id") == "some/hub-id"
 
 
 @pytest.fixture(autouse=True)
