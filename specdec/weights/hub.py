@@ -13,9 +13,12 @@ Knows nothing of models' aliases, sessions or RPC.
 
 from __future__ import annotations
 
+import functools
+
 PROBE_TIMEOUT = 3.0  # seconds the hub has to answer one request before it counts as out of reach
 
 
+@functools.cache  # asked once a process: a service resolves its model for the tokenizer, the weights, the config
 def reachable(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether the hub answers one HEAD request (any HTTP status) within `timeout`, through
     huggingface_hub's own session (its proxies); False at once where HF_HUB_OFFLINE is set."""
